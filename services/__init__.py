@@ -1,0 +1,1 @@
+"""Tokenyard services: one subpackage per service, `python -m tokenyard.services.NAME`."""

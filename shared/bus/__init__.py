@@ -1,0 +1,1 @@
+"""The message bus: NATS subjects, connections, typed publish/request/subscribe."""

@@ -1,0 +1,61 @@
+"""Every NATS subject Tokenyard uses, in one place. Nothing else spells a subject."""
+
+from __future__ import annotations
+
+PREFIX = "ty"
+
+# Request/reply: the gateway asks the router where a request should run.
+ROUTER_ROUTE = f"{PREFIX}.router.route"
+
+# JetStream work queue for prefill jobs (stream PREFILL_STREAM, queue group "prefill").
+PREFILL_STREAM = "TY_PREFILL"
+PREFILL_JOBS = f"{PREFIX}.prefill.jobs"
+PREFILL_QUEUE_GROUP = "prefill"
+
+
+def prefill_worker_jobs(worker_id: str) -> str:
+    """Prefill jobs pinned to one worker by the router (still inside PREFILL_STREAM)."""
+    return f"{PREFIX}.prefill.jobs.{worker_id}"
+
+
+def decode_jobs(worker_id: str) -> str:
+    return f"{PREFIX}.decode.{worker_id}.jobs"
+
+
+def tokens(request_id: str) -> str:
+    return f"{PREFIX}.tokens.{request_id}"
+
+
+def cancel(request_id: str) -> str:
+    return f"{PREFIX}.cancel.{request_id}"
+
+
+CANCEL_ALL = f"{PREFIX}.cancel.*"
+
+
+def kv_events(worker_id: str) -> str:
+    return f"{PREFIX}.kv.events.{worker_id}"
+
+
+KV_EVENTS_ALL = f"{PREFIX}.kv.events.*"
+
+
+def heartbeat(role: str, worker_id: str) -> str:
+    return f"{PREFIX}.workers.{role}.{worker_id}.heartbeat"
+
+
+HEARTBEATS_ALL = f"{PREFIX}.workers.*.*.heartbeat"
+
+
+def facilities_readings(rack: str) -> str:
+    return f"{PREFIX}.facilities.readings.{rack}"
+
+
+FACILITIES_READINGS_ALL = f"{PREFIX}.facilities.readings.*"
+
+
+def facilities_state(rack: str) -> str:
+    return f"{PREFIX}.facilities.state.{rack}"
+
+
+FACILITIES_STATE_ALL = f"{PREFIX}.facilities.state.*"

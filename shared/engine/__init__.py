@@ -1,0 +1,1 @@
+"""The inference engine: sequences, block manager, scheduler, model runner, sampler."""

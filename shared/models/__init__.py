@@ -1,0 +1,1 @@
+"""Model loading (GGUF, safetensors), tokenizers and model families."""
