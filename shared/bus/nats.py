@@ -1,0 +1,119 @@
+"""Typed NATS: protobuf in, protobuf out, trace context in the headers.
+
+    bus = await Bus.connect(url, name="router")
+    await bus.publish(subjects.cancel(rid), Cancel(request_id=rid))
+    reply = await bus.request(subjects.ROUTER_ROUTE, req, RouteReply, timeout=2.0)
+    await bus.subscribe(subjects.HEARTBEATS_ALL, WorkerHeartbeat, on_heartbeat)
+
+Handlers receive ``(message, msg)``; ``msg`` is the raw nats Msg (reply, headers, ack).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats
+from google.protobuf.message import DecodeError, Message
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import RetentionPolicy, StreamConfig
+from nats.js.errors import BadRequestError
+
+from tokenyard.tracing import extract_context, inject_headers
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+Handler = Callable[[M, Msg], Awaitable[None]]
+
+
+class BusError(Exception):
+    pass
+
+
+class Bus:
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+
+    @classmethod
+    async def connect(cls, url: str, *, name: str, connect_timeout: float = 5.0) -> Bus:
+        try:
+            nc = await nats.connect(
+                url,
+                name=name,
+                connect_timeout=connect_timeout,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+            )
+        except Exception as exc:  # nats raises several unrelated types here
+            raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
+        return cls(nc)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def publish(self, subject: str, message: Message, headers: dict[str, str] | None = None) -> None:
+        await self.nc.publish(subject, message.SerializeToString(), headers=inject_headers(headers))
+
+    async def request(self, subject: str, message: Message, reply_type: type[M], *, timeout: float) -> M:
+        msg = await self.nc.request(subject, message.SerializeToString(), timeout=timeout, headers=inject_headers())
+        return parse(reply_type, msg.data)
+
+    async def reply(self, msg: Msg, message: Message) -> None:
+        if msg.reply:
+            await self.nc.publish(msg.reply, message.SerializeToString(), headers=inject_headers())
+
+    async def subscribe(self, subject: str, message_type: type[M], handler: Handler[M], *, queue: str = "") -> Subscription:
+        async def on_msg(msg: Msg) -> None:
+            try:
+                message = parse(message_type, msg.data)
+            except BusError:
+                log.warning("dropping undecodable %s on %s", message_type.__name__, msg.subject)
+                return
+            try:
+                from opentelemetry import context
+
+                token = context.attach(extract_context(msg.headers))
+                try:
+                    await handler(message, msg)
+                finally:
+                    context.detach(token)
+            except Exception:
+                # NOTE: one bad message must not kill the subscription; the handler owns replies.
+                log.exception("handler for %s failed", msg.subject)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+
+    # --- JetStream: work that must not be lost ---------------------------------------------
+
+    async def ensure_work_queue(self, stream: str, subjects: list[str], *, max_age_s: float = 600) -> None:
+        """Create (or update) a work-queue stream: each message is delivered to one consumer."""
+        config = StreamConfig(
+            name=stream,
+            subjects=subjects,
+            retention=RetentionPolicy.WORK_QUEUE,
+            max_age=max_age_s,
+        )
+        try:
+            await self.js.add_stream(config)
+        except BadRequestError:
+            await self.js.update_stream(config)
+
+    async def js_publish(self, subject: str, message: Message, *, msg_id: str | None = None) -> None:
+        headers = inject_headers({"Nats-Msg-Id": msg_id} if msg_id else None)
+        await self.js.publish(subject, message.SerializeToString(), headers=headers)
+
+
+def parse(message_type: type[M], data: bytes) -> M:
+    message = message_type()
+    try:
+        message.ParseFromString(data)
+    except DecodeError as exc:
+        raise BusError(f"undecodable {message_type.__name__}: {exc}") from exc
+    return message

@@ -1,0 +1,274 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "hash_version")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HASH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    num_prompt_tokens: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    hash_version: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., hash_version: _Optional[str] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("prefill_worker_id", "decode_worker_id", "disaggregated", "reason", "expected_cached_tokens")
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker_id: str
+    decode_worker_id: str
+    disaggregated: bool
+    reason: str
+    expected_cached_tokens: int
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., reason: _Optional[str] = ..., expected_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class RouteError(_message.Message):
+    __slots__ = ("code", "message", "retry_after_s")
+    class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CODE_UNSPECIFIED: _ClassVar[RouteError.Code]
+        NO_WORKERS: _ClassVar[RouteError.Code]
+        ALL_DRAINED: _ClassVar[RouteError.Code]
+        OVERLOADED: _ClassVar[RouteError.Code]
+        UNKNOWN_MODEL: _ClassVar[RouteError.Code]
+    CODE_UNSPECIFIED: RouteError.Code
+    NO_WORKERS: RouteError.Code
+    ALL_DRAINED: RouteError.Code
+    OVERLOADED: RouteError.Code
+    UNKNOWN_MODEL: RouteError.Code
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    code: RouteError.Code
+    message: str
+    retry_after_s: int
+    def __init__(self, code: _Optional[_Union[RouteError.Code, str]] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[int] = ...) -> None: ...
+
+class RouteReply(_message.Message):
+    __slots__ = ("placement", "error")
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    placement: Placement
+    error: RouteError
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., error: _Optional[_Union[RouteError, _Mapping]] = ...) -> None: ...
+
+class PrefillJob(_message.Message):
+    __slots__ = ("request_id", "model", "prompt_token_ids", "params", "decode_worker_id", "arrival_unix_ns")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: SamplingParams
+    decode_worker_id: str
+    arrival_unix_ns: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., arrival_unix_ns: _Optional[int] = ...) -> None: ...
+
+class DecodeHandoff(_message.Message):
+    __slots__ = ("request_id", "model", "prompt_token_ids", "output_token_ids", "params", "prefill_worker_id", "kv_endpoint", "src_block_ids", "num_cached_tokens", "arrival_unix_ns")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: SamplingParams
+    prefill_worker_id: str
+    kv_endpoint: str
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: int
+    arrival_unix_ns: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., arrival_unix_ns: _Optional[int] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "token")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    token: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "token", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    token: str
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "message")
+    class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CODE_UNSPECIFIED: _ClassVar[Error.Code]
+        INVALID_REQUEST: _ClassVar[Error.Code]
+        INTERNAL: _ClassVar[Error.Code]
+        CANCELLED: _ClassVar[Error.Code]
+        OVERLOADED: _ClassVar[Error.Code]
+    CODE_UNSPECIFIED: Error.Code
+    INVALID_REQUEST: Error.Code
+    INTERNAL: Error.Code
+    CANCELLED: Error.Code
+    OVERLOADED: Error.Code
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: Error.Code
+    message: str
+    def __init__(self, code: _Optional[_Union[Error.Code, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("request_id", "index", "token_ids", "text", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "error", "worker_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    finished: bool
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: Error
+    worker_id: str
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ("request_id", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class WorkerHeartbeat(_message.Message):
+    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "max_num_seqs", "tokens_per_s", "kv_endpoint", "host", "sent_unix_ms", "block_size", "heartbeat_interval_ms", "max_model_len", "seq_cap")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    SEQ_CAP_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    model: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    max_num_seqs: int
+    tokens_per_s: float
+    kv_endpoint: str
+    host: str
+    sent_unix_ms: int
+    block_size: int
+    heartbeat_interval_ms: int
+    max_model_len: int
+    seq_cap: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_endpoint: _Optional[str] = ..., host: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., block_size: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., seq_cap: _Optional[int] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("worker_id", "kind", "block_hashes", "hash_version", "seq")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[KVEvent.Kind]
+        STORED: _ClassVar[KVEvent.Kind]
+        REMOVED: _ClassVar[KVEvent.Kind]
+        CLEARED: _ClassVar[KVEvent.Kind]
+    KIND_UNSPECIFIED: KVEvent.Kind
+    STORED: KVEvent.Kind
+    REMOVED: KVEvent.Kind
+    CLEARED: KVEvent.Kind
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HASH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    kind: KVEvent.Kind
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    hash_version: str
+    seq: int
+    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., hash_version: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
