@@ -1,0 +1,1 @@
+"""Alembic migrations for tokenyard.db (shipped with the package)."""
