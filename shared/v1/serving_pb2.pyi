@@ -272,3 +272,13 @@ class KVEvent(_message.Message):
     hash_version: str
     seq: int
     def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., hash_version: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class HandoffAck(_message.Message):
+    __slots__ = ("request_id", "accepted", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    accepted: bool
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
