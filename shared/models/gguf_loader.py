@@ -1,0 +1,189 @@
+"""GGUF -> (ModelConfig, Hugging Face-named float weights, tokenizer spec).
+
+llama.cpp names tensors `blk.{i}.attn_q.weight` and, for the llama family, stores the
+q/k rows permuted for its interleaved RoPE; the engine uses Hugging Face names and
+rotate-half RoPE, so both are undone here.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+from tokenyard.models.config import ModelConfig
+from tokenyard.models.errors import ModelLoadError
+from tokenyard.models.gguf_file import GGUFFile, TensorInfo
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# llama.cpp's converter permutes q/k for these (their HF checkpoints use rotate-half RoPE).
+_PERMUTED_QK = ("llama", "mistral")
+_DEQUANT_THREADS = 4
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "block_sparse_moe.gate",
+}
+# Mixtral-style experts are stacked in one tensor: [num_experts, rows, cols].
+_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_down_exps": "w2", "ffn_up_exps": "w3"}
+# Tensors the engine does not need: llama3's rope_freqs is implied by config.rope_scaling.
+_IGNORED = {"rope_freqs.weight"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_QUANT_SUFFIX_RE = re.compile(r"[.\-_](?:I?Q\d\w*|F16|F32|BF16|fp16|fp32)$", re.IGNORECASE)
+
+
+def read_config(gguf: GGUFFile) -> ModelConfig:
+    md = gguf.metadata
+    arch = md.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{gguf.path!r}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = md.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{gguf.path!r}: metadata key {arch}.{name} is missing")
+        return value
+
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    num_experts = int(key("expert_count", 0))
+    return ModelConfig(
+        architecture="mixtral" if num_experts > 0 else arch,
+        vocab_size=int(key("vocab_size", len(md.get("tokenizer.ggml.tokens", ())) or None)),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", key("rope.dimension_count", hidden // heads))),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        rope_scaling=_rope_scaling(md, arch),
+        attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+        num_local_experts=num_experts,
+        num_experts_per_tok=int(key("expert_used_count", 0)),
+    )
+
+
+def _rope_scaling(md: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = md.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling: dict[str, Any] = {
+        "rope_type": kind,
+        "factor": float(md.get(f"{arch}.rope.scaling.factor", 1.0)),
+    }
+    original = md.get(f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def model_id(gguf: GGUFFile) -> str:
+    """The file name without its quantization suffix, else general.basename-size_label."""
+    stem = _QUANT_SUFFIX_RE.sub("", Path(gguf.path).name.removesuffix(".gguf"))
+    if stem and stem.lower() not in ("model", "ggml-model"):
+        return stem
+    md = gguf.metadata
+    parts = [md.get("general.basename") or md.get("general.name"), md.get("general.size_label")]
+    return "-".join(str(p) for p in parts if p) or stem or "model"
+
+
+def read_weights(
+    gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """All tensors, dequantized, renamed to Hugging Face Llama names, q/k un-permuted."""
+    infos = [info for name, info in gguf.tensors.items() if name not in _IGNORED]
+    for info in infos:
+        _check_supported(gguf, info)
+    # NOTE: numpy releases the GIL in dequantize's array ops, so threads roughly halve the time.
+    with ThreadPoolExecutor(_DEQUANT_THREADS) as pool:
+        arrays = list(pool.map(lambda info: _dequantize(gguf, info), infos))
+    weights: dict[str, torch.Tensor] = {}
+    for info, array in zip(infos, arrays, strict=True):
+        tensor = torch.from_numpy(array)
+        for name, part in _hf_tensors(gguf.path, info.name, tensor):
+            weights[name] = _fix_layout(name, part, config).to(dtype).contiguous()
+    return weights
+
+
+def _check_supported(gguf: GGUFFile, info: TensorInfo) -> None:
+    try:
+        dequantize(
+            np.zeros((1, GGML_QUANT_SIZES[info.ggml_type][1]), dtype=np.uint8), info.ggml_type
+        )
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"{gguf.path!r}: tensor {info.name!r} uses {info.ggml_type.name}, which cannot be dequantized"
+        ) from None
+
+
+def _dequantize(gguf: GGUFFile, info: TensorInfo) -> np.ndarray:
+    block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
+    row_bytes = info.shape[-1] // block_size * type_size
+    raw = gguf.raw(info).reshape(-1, row_bytes)
+    return np.asarray(dequantize(raw, info.ggml_type), dtype=np.float32).reshape(info.shape)
+
+
+def _hf_tensors(path: str, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    if name in _GLOBAL_NAMES:
+        return [(_GLOBAL_NAMES[name], tensor)]
+    match = _LAYER_RE.match(name)
+    if match is None:
+        raise ModelLoadError(f"{path!r}: unexpected tensor {name!r}")
+    layer, kind, suffix = match.groups()
+    prefix = f"model.layers.{layer}"
+    if kind in _EXPERT_NAMES:
+        # tensor: [num_experts, out_features, in_features]
+        w = _EXPERT_NAMES[kind]
+        return [
+            (f"{prefix}.block_sparse_moe.experts.{e}.{w}.{suffix}", t) for e, t in enumerate(tensor)
+        ]
+    if kind not in _LAYER_NAMES:
+        raise ModelLoadError(f"{path!r}: unexpected tensor {name!r}")
+    return [(f"{prefix}.{_LAYER_NAMES[kind]}.{suffix}", tensor)]
+
+
+def _fix_layout(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    if config.architecture not in (*_PERMUTED_QK, "mixtral"):
+        return tensor
+    if ".self_attn.q_proj." in name:
+        return unpermute_qk(tensor, config.num_attention_heads)
+    if ".self_attn.k_proj." in name:
+        return unpermute_qk(tensor, config.num_key_value_heads)
+    return tensor
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation.
+
+    Per head, llama.cpp orders the rows as interleaved pairs (x0, x_half, x1, x_half+1, ...);
+    Hugging Face keeps the first half then the second half:
+
+        gguf rows of one head: [n_heads, head_dim // 2, 2, ...]  ->  hf: [n_heads, 2, head_dim // 2, ...]
+    """
+    rows = w.shape[0]
+    return (
+        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    )
