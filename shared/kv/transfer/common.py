@@ -1,0 +1,129 @@
+"""Pieces both ends of a KV transfer share: errors, identities, layout messages, byte views."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+from prometheus_client import Counter
+
+from tokenyard.kv.layout import KVLayout
+from tokenyard.v1 import kv_pb2
+
+TRANSFER_BYTES = Counter(
+    "tokenyard_kv_transfer_bytes_total", "KV bytes pulled by this process", ["transport"]
+)
+TRANSFERS = Counter(
+    "tokenyard_kv_transfer_transfers_total",
+    "KV pulls by this process, by transport and outcome",
+    ["transport", "outcome"],
+)
+
+# Minted once per process import; with the pid it tells a forked child from its parent.
+_PROCESS_NONCE = uuid.uuid4().hex[:12]
+
+
+class KVTransferError(RuntimeError):
+    """A pull did not land; the receiver must fall back to recomputing the prefill."""
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    transport: str
+    nbytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@cache
+def host_id() -> str:
+    """Equal on two processes that share a kernel (and so, normally, /dev/shm)."""
+    parts = [socket.gethostname()]
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            parts.append(Path(path).read_text().strip())
+        except OSError:
+            continue
+    return ":".join(parts)
+
+
+def process_id() -> str:
+    return f"{host_id()}:{os.getpid()}:{_PROCESS_NONCE}"
+
+
+def layout_to_proto(layout: KVLayout) -> kv_pb2.KVLayoutDesc:
+    return kv_pb2.KVLayoutDesc(
+        model_id=layout.model_id,
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        hash_version=layout.hash_version,
+    )
+
+
+def layout_from_proto(desc: kv_pb2.KVLayoutDesc) -> KVLayout:
+    return KVLayout(
+        model_id=desc.model_id,
+        dtype=desc.dtype,
+        block_size=desc.block_size,
+        num_layers=desc.num_layers,
+        num_kv_heads=desc.num_kv_heads,
+        head_dim=desc.head_dim,
+        hash_version=desc.hash_version,
+    )
+
+
+def check_pool(pool: torch.Tensor, layout: KVLayout) -> None:
+    """A pool must be the contiguous block-major tensor the layout describes."""
+    if pool.dim() != 6 or tuple(pool.shape[1:]) != layout.block_shape:
+        raise ValueError(f"pool shape {tuple(pool.shape)} is not {layout.pool_shape(-1)}")
+    if pool.dtype != layout.torch_dtype:
+        raise ValueError(f"pool dtype {pool.dtype} is not the layout's {layout.dtype}")
+    if not pool.is_contiguous() or pool.device.type != "cpu":
+        raise ValueError("the KV pool must be a contiguous host-memory tensor")
+
+
+def pool_bytes(pool: torch.Tensor) -> torch.Tensor:
+    """The pool's storage as a flat uint8 view (no copy): block i is
+    ``[i * block_nbytes, (i + 1) * block_nbytes)``."""
+    return pool.view(-1).view(torch.uint8)
+
+
+def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Coalesce a block mapping into (src_start, dst_start, count) runs, so that blocks
+    consecutive on both sides move as one copy."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def copy_blocks(
+    src_pool: torch.Tensor, dst_pool: torch.Tensor, src: Sequence[int], dst: Sequence[int]
+) -> None:
+    """Pool-to-pool copy of whole blocks, straight from source rows into destination rows."""
+    for s, d, n in block_runs(src, dst):
+        dst_pool[d : d + n].copy_(src_pool[s : s + n])
+
+
+def block_crc32(pool: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
+    flat = pool_bytes(pool).numpy()
+    nb = pool[0].nbytes
+    return [zlib.crc32(memoryview(flat[i * nb : (i + 1) * nb])) for i in block_ids]
