@@ -1,0 +1,65 @@
+"""`python -m tokenyard.services.router`: wiring only (settings, NATS, handlers, shutdown)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from contextlib import AsyncExitStack
+
+from tokenyard.bus import subjects
+from tokenyard.bus.nats import Bus
+from tokenyard.services.router.handler import RouterHandler
+from tokenyard.services.router.policy import PolicyConfig
+from tokenyard.services.router.settings import RouterSettings
+from tokenyard.tracing import setup_tracing
+from tokenyard.v1 import serving_pb2 as pb
+
+log = logging.getLogger("tokenyard.router")
+
+
+def policy_config(settings: RouterSettings) -> PolicyConfig:
+    return PolicyConfig(
+        disagg_min_prompt_tokens=settings.disagg_min_prompt_tokens,
+        missed_heartbeats=settings.missed_heartbeats,
+        queue_per_worker=settings.queue_per_worker,
+        overlap_weight=settings.overlap_weight,
+        kv_weight=settings.kv_weight,
+    )
+
+
+async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
+    async with AsyncExitStack() as stack:
+        bus = await Bus.connect(settings.nats_url, name="router")
+        stack.push_async_callback(bus.close)
+        handler = RouterHandler(bus, policy_config(settings))
+        await bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, handler.on_heartbeat)
+        await bus.subscribe(subjects.KV_EVENTS_ALL, pb.KVEvent, handler.on_kv_event)
+        # A queue group lets several routers share the load; each builds its own view.
+        await bus.subscribe(
+            subjects.ROUTER_ROUTE, pb.RouteRequest, handler.on_route, queue="router"
+        )
+        log.info("router ready on %s", settings.nats_url)
+        await stop.wait()
+        log.info("router stopping")
+
+
+def main() -> None:
+    settings = RouterSettings()
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s router %(levelname)s %(message)s"
+    )
+    setup_tracing("router")
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(settings, stop)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Placement policy: a pure function from a snapshot of the fleet to one request's placement.
+
+``choose(workers, request, now)`` never touches NATS or a clock of its own, so tests call it
+with scripted worker tables. Its inputs:
+
+- ``workers``: the live view of every worker (from heartbeats, plus the router's own
+  placements since each worker's last beat, so a burst does not herd onto one worker);
+- ``request.cached_blocks``: per worker, how many leading blocks of this prompt it holds
+  (from the global KV event index);
+- ``facilities``: per worker, what the facilities service says about its rack
+  (drain = place nothing new there, derate = a lower cap on concurrent sequences).
+
+A prefill-capable worker (role prefill or both) always runs the prompt. It also decodes
+(aggregated) when the prompt is short, when no decode worker is live, or when every decode
+worker is full; otherwise the least-loaded decode worker takes the sequence (disaggregated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tokenyard.v1 import serving_pb2 as pb
+
+PREFILL_ROLES = frozenset({"prefill", "both"})
+DECODE_ROLES = frozenset({"decode", "both"})
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    role: str  # prefill | decode | both
+    model: str
+    last_seen: float  # monotonic seconds of the last heartbeat
+    heartbeat_interval_s: float = 1.0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    max_num_seqs: int = 1
+    seq_cap: int = 0  # 0 = no cap beyond max_num_seqs
+    block_size: int = 16
+    pending: int = 0  # placed here by this router since the worker's last heartbeat
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting + self.pending
+
+    @property
+    def kv_used(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(frozen=True)
+class FacilityState:
+    """One worker's rack as the facilities service sees it."""
+
+    state: Literal["normal", "derate", "drain"] = "normal"
+    seq_cap: int = 0  # derate: at most this many concurrent sequences (0 = no cap)
+    retry_after_s: int = 30
+
+
+@dataclass(frozen=True)
+class RouteInput:
+    request_id: str
+    model: str
+    num_prompt_tokens: int
+    cached_blocks: Mapping[str, int] = field(default_factory=dict)  # worker -> leading blocks held
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    # Prompts shorter than this run on one worker: a hand-off costs more than it saves.
+    disagg_min_prompt_tokens: int = 256
+    missed_heartbeats: int = 3  # a worker silent this many intervals is dead
+    # How many sequences may wait per worker beyond its cap before the fleet is "overloaded".
+    queue_per_worker: int = 64
+    overlap_weight: float = 1.0  # value of a fully cached prompt, in units of a full worker
+    kv_weight: float = 0.5  # penalty of a full KV pool, same units
+    overloaded_retry_after_s: int = 1
+
+
+NORMAL = FacilityState()
+
+
+def choose(
+    workers: Mapping[str, WorkerView],
+    request: RouteInput,
+    now: float,
+    *,
+    facilities: Mapping[str, FacilityState] | None = None,
+    config: PolicyConfig | None = None,
+) -> pb.Placement | pb.RouteError:
+    config = config or PolicyConfig()
+    facilities = facilities or {}
+    live = [w for w in workers.values() if _alive(w, now, config)]
+    if request.model:
+        serving = [w for w in live if w.model == request.model]
+        if live and not serving:
+            models = sorted({w.model for w in live})
+            return _error(
+                pb.RouteError.UNKNOWN_MODEL,
+                f"model {request.model!r} is not served (serving: {models})",
+            )
+        live = serving
+    prefill_live = [w for w in live if w.role in PREFILL_ROLES]
+    if not prefill_live:
+        return _error(pb.RouteError.NO_WORKERS, "no live prefill worker")
+    open_ = [w for w in prefill_live if facilities.get(w.worker_id, NORMAL).state != "drain"]
+    if not open_:
+        retry = max(facilities[w.worker_id].retry_after_s for w in prefill_live)
+        return _error(pb.RouteError.ALL_DRAINED, "every prefill worker's rack is drained", retry)
+    prefill = _best(open_, request, facilities, config)
+    if prefill is None:
+        return _error(
+            pb.RouteError.OVERLOADED,
+            "every prefill worker is at its cap",
+            config.overloaded_retry_after_s,
+        )
+    return _place(prefill, live, request, facilities, config)
+
+
+def _place(
+    prefill: WorkerView,
+    live: list[WorkerView],
+    request: RouteInput,
+    facilities: Mapping[str, FacilityState],
+    config: PolicyConfig,
+) -> pb.Placement:
+    cached = request.cached_blocks.get(prefill.worker_id, 0) * prefill.block_size
+    cached = min(cached, request.num_prompt_tokens)
+
+    def aggregated(reason: str) -> pb.Placement:
+        return pb.Placement(
+            prefill_worker_id=prefill.worker_id,
+            decode_worker_id=prefill.worker_id,
+            disaggregated=False,
+            reason=reason,
+            expected_cached_tokens=cached,
+        )
+
+    if request.num_prompt_tokens < config.disagg_min_prompt_tokens:
+        return aggregated(f"short prompt (< {config.disagg_min_prompt_tokens} tokens)")
+    decoders = [
+        w
+        for w in live
+        if w.role in DECODE_ROLES
+        and w.worker_id != prefill.worker_id
+        and facilities.get(w.worker_id, NORMAL).state != "drain"
+    ]
+    if not decoders:
+        return aggregated("no live decode worker")
+    # Decode does not read the prompt's cache, so overlap does not matter here: only load.
+    decode = _best(decoders, RouteInput(request.request_id, request.model, 0), facilities, config)
+    if decode is None:
+        return aggregated("every decode worker is full")
+    return pb.Placement(
+        prefill_worker_id=prefill.worker_id,
+        decode_worker_id=decode.worker_id,
+        disaggregated=True,
+        reason="long prompt",
+        expected_cached_tokens=cached,
+    )
+
+
+def _alive(w: WorkerView, now: float, config: PolicyConfig) -> bool:
+    return now - w.last_seen <= config.missed_heartbeats * w.heartbeat_interval_s
+
+
+def _cap(w: WorkerView, facility: FacilityState) -> int:
+    caps = [c for c in (w.max_num_seqs, w.seq_cap, facility.seq_cap) if c > 0]
+    return min(caps) if caps else 1
+
+
+def _best(
+    candidates: list[WorkerView],
+    request: RouteInput,
+    facilities: Mapping[str, FacilityState],
+    config: PolicyConfig,
+) -> WorkerView | None:
+    """The candidate with the highest score among those with room, or None."""
+    scored: list[tuple[float, str, WorkerView]] = []
+    for w in candidates:
+        cap = _cap(w, facilities.get(w.worker_id, NORMAL))
+        if w.load >= cap + config.queue_per_worker:
+            continue
+        scored.append((_score(w, cap, request, config), w.worker_id, w))
+    if not scored:
+        return None
+    # Highest score wins; equal scores go to the smallest worker id, so ties are stable.
+    scored.sort(key=lambda s: (-s[0], s[1]))
+    return scored[0][2]
+
+
+def _score(w: WorkerView, cap: int, request: RouteInput, config: PolicyConfig) -> float:
+    """Higher is better: cached share of the prompt minus busy share of the worker."""
+    overlap = 0.0
+    if request.num_prompt_tokens:
+        cached_tokens = request.cached_blocks.get(w.worker_id, 0) * w.block_size
+        overlap = min(cached_tokens, request.num_prompt_tokens) / request.num_prompt_tokens
+    busy = w.load / cap
+    return config.overlap_weight * overlap - busy - config.kv_weight * w.kv_used
+
+
+def _error(
+    code: pb.RouteError.Code.ValueType, message: str, retry_after_s: int = 0
+) -> pb.RouteError:
+    return pb.RouteError(code=code, message=message, retry_after_s=retry_after_s)

@@ -1,0 +1,18 @@
+"""Router settings (env prefix ``TOKENYARD_ROUTER_``)."""
+
+from __future__ import annotations
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENYARD_ROUTER_")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    # Prompts shorter than this run aggregated on one worker (0 = always disaggregate).
+    disagg_min_prompt_tokens: int = 256
+    missed_heartbeats: int = 3
+    queue_per_worker: int = 64
+    overlap_weight: float = 1.0
+    kv_weight: float = 0.5
+    log_level: str = "INFO"

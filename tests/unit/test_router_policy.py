@@ -1,0 +1,203 @@
+"""The placement policy on scripted worker tables: no NATS, no clock."""
+
+from __future__ import annotations
+
+from tokenyard.services.router.policy import (
+    FacilityState,
+    PolicyConfig,
+    RouteInput,
+    WorkerView,
+    choose,
+)
+from tokenyard.v1 import serving_pb2 as pb
+
+NOW = 100.0
+MODEL = "m"
+
+
+def worker(
+    worker_id: str,
+    role: str,
+    *,
+    running: int = 0,
+    waiting: int = 0,
+    free: int = 100,
+    last_seen: float = NOW,
+    max_num_seqs: int = 8,
+    seq_cap: int = 0,
+    model: str = MODEL,
+) -> WorkerView:
+    return WorkerView(
+        worker_id=worker_id,
+        role=role,
+        model=model,
+        last_seen=last_seen,
+        num_running=running,
+        num_waiting=waiting,
+        num_free_blocks=free,
+        num_blocks=100,
+        max_num_seqs=max_num_seqs,
+        seq_cap=seq_cap,
+    )
+
+
+def table(*workers: WorkerView) -> dict[str, WorkerView]:
+    return {w.worker_id: w for w in workers}
+
+
+def req(tokens: int = 1000, cached: dict[str, int] | None = None, model: str = MODEL) -> RouteInput:
+    return RouteInput("r1", model, tokens, cached or {})
+
+
+def test_long_prompt_is_disaggregated():
+    out = choose(table(worker("p1", "prefill"), worker("d1", "decode")), req(1000), NOW)
+    assert isinstance(out, pb.Placement)
+    assert (out.prefill_worker_id, out.decode_worker_id, out.disaggregated) == ("p1", "d1", True)
+
+
+def test_short_prompt_runs_aggregated_on_the_prefill_worker():
+    out = choose(table(worker("p1", "prefill"), worker("d1", "decode")), req(100), NOW)
+    assert isinstance(out, pb.Placement)
+    assert (out.prefill_worker_id, out.decode_worker_id, out.disaggregated) == ("p1", "p1", False)
+    assert "short" in out.reason
+
+
+def test_threshold_is_a_setting():
+    config = PolicyConfig(disagg_min_prompt_tokens=0)
+    out = choose(table(worker("p1", "prefill"), worker("d1", "decode")), req(5), NOW, config=config)
+    assert isinstance(out, pb.Placement) and out.disaggregated
+
+
+def test_no_prefill_worker_is_no_workers():
+    out = choose(table(worker("d1", "decode")), req(), NOW)
+    assert isinstance(out, pb.RouteError)
+    assert out.code == pb.RouteError.NO_WORKERS
+
+
+def test_empty_fleet_is_no_workers():
+    out = choose({}, req(), NOW)
+    assert isinstance(out, pb.RouteError) and out.code == pb.RouteError.NO_WORKERS
+
+
+def test_dead_worker_after_three_missed_beats_is_ignored():
+    workers = table(
+        worker("p1", "prefill", last_seen=NOW - 3.5), worker("p2", "prefill", last_seen=NOW - 2.5)
+    )
+    out = choose(workers, req(10), NOW)
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p2"
+    out = choose(workers, req(10), NOW + 1)
+    assert isinstance(out, pb.RouteError) and out.code == pb.RouteError.NO_WORKERS
+
+
+def test_no_decode_worker_falls_back_to_aggregated():
+    out = choose(table(worker("p1", "prefill")), req(1000), NOW)
+    assert isinstance(out, pb.Placement)
+    assert not out.disaggregated and out.decode_worker_id == "p1"
+
+
+def test_both_role_worker_serves_alone():
+    out = choose(table(worker("b1", "both")), req(1000), NOW)
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == out.decode_worker_id == "b1"
+
+
+def test_least_loaded_prefill_and_decode_win():
+    workers = table(
+        worker("p1", "prefill", running=6),
+        worker("p2", "prefill", running=1),
+        worker("d1", "decode", running=7),
+        worker("d2", "decode", running=2, waiting=1),
+    )
+    out = choose(workers, req(), NOW)
+    assert isinstance(out, pb.Placement)
+    assert (out.prefill_worker_id, out.decode_worker_id) == ("p2", "d2")
+
+
+def test_free_blocks_break_equal_queue_depth():
+    workers = table(worker("p1", "prefill", free=5), worker("p2", "prefill", free=90))
+    out = choose(workers, req(10), NOW)
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p2"
+
+
+def test_prefix_overlap_beats_a_little_load():
+    workers = table(worker("p1", "prefill", running=2), worker("p2", "prefill", running=0))
+    # p1 holds 60 of the prompt's 64 blocks: worth more than its 2/8 extra load.
+    out = choose(
+        workers,
+        req(1024, cached={"p1": 60}),
+        NOW,
+        config=PolicyConfig(disagg_min_prompt_tokens=4096),
+    )
+    assert isinstance(out, pb.Placement)
+    assert out.prefill_worker_id == "p1" and out.expected_cached_tokens == 960
+
+
+def test_overlap_does_not_beat_a_full_worker():
+    workers = table(worker("p1", "prefill", running=8, waiting=8), worker("p2", "prefill"))
+    out = choose(workers, req(1024, cached={"p1": 64}), NOW)
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p2"
+
+
+def test_every_worker_full_is_overloaded():
+    config = PolicyConfig(queue_per_worker=2)
+    workers = table(worker("p1", "prefill", running=8, waiting=2), worker("d1", "decode"))
+    out = choose(workers, req(), NOW, config=config)
+    assert isinstance(out, pb.RouteError)
+    assert out.code == pb.RouteError.OVERLOADED and out.retry_after_s > 0
+
+
+def test_full_decode_pool_keeps_the_request_on_the_prefill_worker():
+    config = PolicyConfig(queue_per_worker=0)
+    workers = table(worker("p1", "prefill"), worker("d1", "decode", running=8))
+    out = choose(workers, req(), NOW, config=config)
+    assert isinstance(out, pb.Placement) and not out.disaggregated
+
+
+def test_drained_racks_are_skipped_and_all_drained_says_so():
+    workers = table(worker("p1", "prefill"), worker("p2", "prefill"), worker("d1", "decode"))
+    facilities = {"p1": FacilityState("drain", retry_after_s=20)}
+    out = choose(workers, req(10), NOW, facilities=facilities)
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p2"
+    facilities["p2"] = FacilityState("drain", retry_after_s=40)
+    out = choose(workers, req(10), NOW, facilities=facilities)
+    assert isinstance(out, pb.RouteError)
+    assert out.code == pb.RouteError.ALL_DRAINED and out.retry_after_s == 40
+
+
+def test_drained_decode_worker_gets_no_new_sequences():
+    workers = table(
+        worker("p1", "prefill"), worker("d1", "decode"), worker("d2", "decode", running=5)
+    )
+    out = choose(workers, req(), NOW, facilities={"d1": FacilityState("drain")})
+    assert isinstance(out, pb.Placement) and out.decode_worker_id == "d2"
+
+
+def test_derate_cap_counts_as_load():
+    # Equal running counts; p1's rack caps it at 2 sequences, so p1 looks full.
+    workers = table(worker("p1", "prefill", running=2), worker("p2", "prefill", running=2))
+    out = choose(workers, req(10), NOW, facilities={"p1": FacilityState("derate", seq_cap=2)})
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p2"
+
+
+def test_heartbeat_seq_cap_is_honoured():
+    workers = table(
+        worker("p1", "prefill", running=2, seq_cap=2), worker("p2", "prefill", running=3)
+    )
+    out = choose(workers, req(10), NOW)
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p2"
+
+
+def test_unknown_model():
+    out = choose(table(worker("p1", "prefill")), req(model="other"), NOW)
+    assert isinstance(out, pb.RouteError) and out.code == pb.RouteError.UNKNOWN_MODEL
+    assert "other" in out.message
+
+
+def test_empty_model_matches_any():
+    out = choose(table(worker("p1", "prefill")), req(model=""), NOW)
+    assert isinstance(out, pb.Placement)
+
+
+def test_ties_go_to_the_smallest_id():
+    workers = table(worker("p2", "prefill"), worker("p1", "prefill"))
+    out = choose(workers, req(10), NOW)
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p1"
