@@ -127,12 +127,12 @@ def signals(
     age = math.inf if reading is None else now - reading.ts
     if age > settings.stale_after_s:
         # NOTE: stale data derates but never clears what the last reading said (below).
-        seen = "never" if reading is None else f"for {age:.0f} s"
+        seen = "no reading yet" if reading is None else f"no reading for {age:.0f} s"
         out.append(
             Signal(
                 "stale",
                 State.DERATE,
-                f"no reading {seen} (stale after {settings.stale_after_s:.0f} s)",
+                f"{seen} (stale after {settings.stale_after_s:.0f} s)",
             )
         )
     if reading is None:
