@@ -1,0 +1,1 @@
+"""The public OpenAI-compatible REST gateway: HTTP in, NATS out."""

@@ -1,0 +1,85 @@
+"""The FastAPI application: routers, error handlers, and start/stop in `lifespan`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request, Response
+from tokenyard.services.gateway.backend import NatsBackend
+from tokenyard.services.gateway.errors import install_error_handlers
+from tokenyard.services.gateway.ratelimit import make_limiter
+from tokenyard.services.gateway.routes import chat, completions, health, models
+from tokenyard.services.gateway.settings import GatewaySettings
+from tokenyard.services.gateway.state import GatewayState
+
+log = logging.getLogger(__name__)
+
+
+def model_id_of(path: str | None) -> str:
+    """The name the workers give the same model (tokenyard.models.loader's rule)."""
+    from tokenyard.models import gguf_loader
+    from tokenyard.models.gguf_file import GGUFFile
+    from tokenyard.models.loader import default_model_path
+
+    path = path or default_model_path()
+    if Path(path).is_dir():
+        return Path(path).resolve().name
+    with GGUFFile(path) as gguf:
+        return gguf_loader.model_id(gguf)
+
+
+async def build_state(settings: GatewaySettings, stack: AsyncExitStack) -> GatewayState:
+    from tokenyard.models.loader import load_tokenizer
+
+    tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
+    model_id = settings.model_id or await asyncio.to_thread(model_id_of, settings.model_path)
+    backend = NatsBackend(settings)
+    await backend.start()
+    stack.push_async_callback(backend.stop)
+    limiter = make_limiter(settings.rate_limit_rps, settings.rate_limit_burst, settings.redis_url)
+    stack.push_async_callback(limiter.close)
+    return GatewayState(
+        settings=settings, backend=backend, tokenizer=tokenizer, limiter=limiter, model_id=model_id
+    )
+
+
+def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> FastAPI:
+    """The gateway app; `state` replaces NATS, tokenizer and limiter (tests pass fakes)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            app.state.gateway = state or await build_state(settings, stack)
+            log.info(
+                "gateway serving %s on %s:%d",
+                app.state.gateway.model_id,
+                settings.host,
+                settings.port,
+            )
+            yield
+
+    app = FastAPI(
+        title="Tokenyard gateway",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible REST API of a Tokenyard cluster",
+    )
+    for module in (chat, completions, models, health):
+        app.include_router(module.router)
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next) -> Response:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        gateway = getattr(request.app.state, "gateway", None)
+        if gateway is not None:
+            gateway.metrics.requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    return app

@@ -1,0 +1,223 @@
+"""The gateway's side of the serving path on NATS: route, enqueue, stream the tokens back, cancel.
+
+    stream = await backend.submit(rid, model, prompt_ids, params)  # raises OpenAIError (503, ...)
+    async for chunk in stream: ...                                 # ordered TokenChunks
+    await backend.cancel(rid, "client disconnected")               # all the way down
+
+The token subscription opens BEFORE the route request so that no chunk can be missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Protocol
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from tokenyard.bus import subjects
+from tokenyard.bus.nats import Bus
+from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes
+from tokenyard.services.gateway.errors import OpenAIError
+from tokenyard.services.gateway.responses import ChunkOrderer
+from tokenyard.services.gateway.settings import GatewaySettings
+from tokenyard.services.gateway.workers import WorkerTable
+from tokenyard.v1 import serving_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+PREFILL_SUBJECTS = [subjects.PREFILL_JOBS, f"{subjects.PREFILL_JOBS}.>"]
+
+
+class TokenStream(Protocol):
+    def __aiter__(self) -> TokenStream: ...
+
+    async def __anext__(self) -> pb.TokenChunk: ...
+
+    async def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    workers: WorkerTable
+
+    def connected(self) -> bool: ...
+
+    async def submit(
+        self, rid: str, model: str, prompt_ids: list[int], params: pb.SamplingParams
+    ) -> TokenStream: ...
+
+    async def cancel(self, rid: str, reason: str) -> None: ...
+
+
+def route_error(error: pb.RouteError, retry_after_s: int) -> OpenAIError:
+    code = pb.RouteError.Code.Name(error.code).lower()
+    retry = error.retry_after_s or retry_after_s
+    if error.code == pb.RouteError.UNKNOWN_MODEL:
+        return OpenAIError(
+            404, error.message or "unknown model", param="model", code="model_not_found"
+        )
+    message = error.message or "no worker can take this request now"
+    return OpenAIError(503, message, code=code, retry_after_s=retry)
+
+
+def chunk_error(error: pb.Error) -> OpenAIError:
+    status = {pb.Error.INVALID_REQUEST: 400, pb.Error.OVERLOADED: 503, pb.Error.CANCELLED: 503}
+    name = pb.Error.Code.Name(error.code).lower()
+    return OpenAIError(status.get(error.code, 500), error.message or name, code=name)
+
+
+class NatsTokenStream:
+    """Ordered chunks of one request; fails clearly when its worker goes silent."""
+
+    def __init__(
+        self,
+        sub: Subscription,
+        queue: asyncio.Queue[pb.TokenChunk],
+        placement: pb.Placement,
+        workers: WorkerTable,
+        settings: GatewaySettings,
+    ) -> None:
+        self._sub, self._queue, self._placement = sub, queue, placement
+        self._workers, self._settings = workers, settings
+        self._orderer = ChunkOrderer()
+        self._ready: deque[pb.TokenChunk] = deque()
+        self._last_chunk = time.monotonic()
+        self._worker = placement.prefill_worker_id
+
+    def __aiter__(self) -> NatsTokenStream:
+        return self
+
+    async def __anext__(self) -> pb.TokenChunk:
+        poll = min(1.0, self._settings.dead_worker_grace_s)
+        while not self._ready:
+            if self._orderer.finished:
+                raise StopAsyncIteration
+            try:
+                chunk = await asyncio.wait_for(self._queue.get(), timeout=poll)
+            except TimeoutError:
+                self._check_stall(time.monotonic())
+                continue
+            if chunk.error.code:
+                raise chunk_error(chunk.error)
+            self._last_chunk = time.monotonic()
+            self._worker = chunk.worker_id or self._placement.decode_worker_id or self._worker
+            self._ready.extend(self._orderer.push(chunk))
+        return self._ready.popleft()
+
+    def _check_stall(self, now: float) -> None:
+        silent = now - self._last_chunk
+        if silent > self._settings.idle_timeout_s:
+            raise OpenAIError(
+                504, f"no tokens for {silent:.0f} s: the request timed out", code="timeout"
+            )
+        if silent > self._settings.dead_worker_grace_s and self._workers.is_dead(self._worker, now):
+            raise OpenAIError(
+                503,
+                f"worker {self._worker} stopped sending heartbeats; the request was lost",
+                code="worker_lost",
+                retry_after_s=self._settings.retry_after_s,
+            )
+
+    async def close(self) -> None:
+        try:
+            await self._sub.unsubscribe()
+        except Exception:  # the connection may already be closing; nothing left to free
+            log.debug("unsubscribe failed", exc_info=True)
+
+
+class NatsBackend:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.workers = WorkerTable(settings.missed_heartbeats)
+        self.bus: Bus | None = None
+
+    async def start(self) -> None:
+        self.bus = await Bus.connect(self.settings.nats_url, name="gateway")
+        await self.bus.ensure_work_queue(subjects.PREFILL_STREAM, PREFILL_SUBJECTS)
+        await self.bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self._on_heartbeat)
+
+    async def stop(self) -> None:
+        if self.bus:
+            await self.bus.close()
+
+    async def _on_heartbeat(self, hb: pb.WorkerHeartbeat, _: Msg) -> None:
+        self.workers.on_heartbeat(hb, time.monotonic())
+
+    def connected(self) -> bool:
+        return self.bus is not None and self.bus.nc.is_connected
+
+    def _bus(self) -> Bus:
+        if not self.connected():
+            raise OpenAIError(
+                503,
+                "the gateway is not connected to NATS",
+                code="bus_unavailable",
+                retry_after_s=self.settings.retry_after_s,
+            )
+        assert self.bus is not None
+        return self.bus
+
+    async def submit(
+        self, rid: str, model: str, prompt_ids: list[int], params: pb.SamplingParams
+    ) -> NatsTokenStream:
+        bus = self._bus()
+        queue: asyncio.Queue[pb.TokenChunk] = asyncio.Queue()
+
+        async def on_chunk(chunk: pb.TokenChunk, _: Msg) -> None:
+            queue.put_nowait(chunk)
+
+        sub = await bus.subscribe(subjects.tokens(rid), pb.TokenChunk, on_chunk)
+        try:
+            placement = await self._route(bus, rid, model, prompt_ids)
+            job = pb.PrefillJob(
+                request_id=rid,
+                model=model,
+                prompt_token_ids=prompt_ids,
+                params=params,
+                decode_worker_id=placement.decode_worker_id,
+                arrival_unix_ns=time.time_ns(),
+            )
+            await bus.js_publish(
+                subjects.prefill_worker_jobs(placement.prefill_worker_id), job, msg_id=rid
+            )
+        except BaseException:
+            await sub.unsubscribe()
+            raise
+        return NatsTokenStream(sub, queue, placement, self.workers, self.settings)
+
+    async def _route(self, bus: Bus, rid: str, model: str, prompt_ids: list[int]) -> pb.Placement:
+        request = pb.RouteRequest(
+            request_id=rid,
+            model=model,
+            num_prompt_tokens=len(prompt_ids),
+            block_hashes=prefix_block_hashes(prompt_ids, self.settings.block_size),
+            hash_version=HASH_SPEC_VERSION,
+        )
+        retry = self.settings.retry_after_s
+        try:
+            reply = await bus.request(
+                subjects.ROUTER_ROUTE, request, pb.RouteReply, timeout=self.settings.route_timeout_s
+            )
+        except NoRespondersError:
+            raise OpenAIError(
+                503,
+                "no router is running: no workers can be reached",
+                code="no_workers",
+                retry_after_s=retry,
+            ) from None
+        except (NatsTimeoutError, TimeoutError):
+            raise OpenAIError(
+                503, "the router did not answer in time", code="router_timeout", retry_after_s=retry
+            ) from None
+        if reply.WhichOneof("result") != "placement":
+            raise route_error(reply.error, retry)
+        return reply.placement
+
+    async def cancel(self, rid: str, reason: str) -> None:
+        if self.connected():
+            assert self.bus is not None
+            await self.bus.publish(subjects.cancel(rid), pb.Cancel(request_id=rid, reason=reason))

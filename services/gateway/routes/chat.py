@@ -1,0 +1,42 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request, Response
+from tokenyard.services.gateway.deps import Caller, State
+from tokenyard.services.gateway.responses import ChatFormat
+from tokenyard.services.gateway.routes.common import GENERATION_ERRORS, sse_response
+from tokenyard.services.gateway.schemas import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+)
+from tokenyard.services.gateway.serve import Generation, new_request_id
+from tokenyard.services.gateway.translate import prepare_chat
+
+router = APIRouter(prefix="/v1", tags=["chat"])
+
+
+@router.post(
+    "/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses={**sse_response(ChatCompletionChunk, "The completion"), **GENERATION_ERRORS},
+)
+async def create_chat_completion(
+    body: ChatCompletionRequest, state: State, _: Caller, request: Request
+) -> Response:
+    state.check_model(body.model)
+    prepared = prepare_chat(
+        body, state.tokenizer, state.max_model_len(), state.settings.default_max_tokens
+    )
+    fmt = ChatFormat(
+        rid=new_request_id("chatcmpl"),
+        model=body.model,
+        created=int(time.time()),
+        tokenizer=state.tokenizer,
+        logprobs=body.logprobs,
+        include_usage=prepared.include_usage,
+    )
+    return await Generation(state, "chat", prepared, fmt).serve(request, body.model)

@@ -1,0 +1,41 @@
+"""What every generating route documents: its error answers in OpenAI's shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenyard.services.gateway.schemas import ErrorResponse
+
+_ERRORS = {
+    400: "Invalid request (bad value, empty or too long prompt, unsupported option)",
+    401: "Missing or invalid API key",
+    404: "Unknown model",
+    422: "The body is not valid JSON",
+    429: "Rate limit reached (see Retry-After)",
+    503: "No worker can take the request now (see Retry-After)",
+    504: "The request got no tokens in time",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
+
+
+GENERATION_ERRORS = error_responses(400, 401, 404, 422, 429, 503, 504)
+
+
+def sse_response(model: type, description: str) -> dict[int | str, dict[str, Any]]:
+    """A 200 that is JSON, or with `stream: true` a text/event-stream of `model` events."""
+    return {
+        200: {
+            "description": description,
+            "content": {
+                "text/event-stream": {
+                    "schema": {
+                        "type": "string",
+                        "description": f"`data: <{model.__name__}>` events, then `data: [DONE]`",
+                    }
+                }
+            },
+        }
+    }

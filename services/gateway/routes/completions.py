@@ -1,0 +1,38 @@
+"""POST /v1/completions (the legacy text endpoint)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request, Response
+from tokenyard.services.gateway.deps import Caller, State
+from tokenyard.services.gateway.responses import CompletionFormat
+from tokenyard.services.gateway.routes.common import GENERATION_ERRORS, sse_response
+from tokenyard.services.gateway.schemas import CompletionRequest, CompletionResponse
+from tokenyard.services.gateway.serve import Generation, new_request_id
+from tokenyard.services.gateway.translate import prepare_completion
+
+router = APIRouter(prefix="/v1", tags=["completions"])
+
+
+@router.post(
+    "/completions",
+    response_model=CompletionResponse,
+    responses={**sse_response(CompletionResponse, "The completion"), **GENERATION_ERRORS},
+)
+async def create_completion(
+    body: CompletionRequest, state: State, _: Caller, request: Request
+) -> Response:
+    state.check_model(body.model)
+    prepared = prepare_completion(
+        body, state.tokenizer, state.max_model_len(), state.settings.default_max_tokens
+    )
+    fmt = CompletionFormat(
+        rid=new_request_id("cmpl"),
+        model=body.model,
+        created=int(time.time()),
+        tokenizer=state.tokenizer,
+        logprobs=body.logprobs is not None,
+        include_usage=prepared.include_usage,
+    )
+    return await Generation(state, "completions", prepared, fmt).serve(request, body.model)

@@ -1,0 +1,58 @@
+"""/health (the process is up), /ready (it can serve), /metrics (Prometheus)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from tokenyard.services.gateway.deps import State
+from tokenyard.services.gateway.schemas import Health, Readiness, WorkerInfo
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/health", response_model=Health)
+async def health() -> Health:
+    return Health()
+
+
+@router.get(
+    "/ready",
+    response_model=Readiness,
+    responses={503: {"model": Readiness, "description": "Not ready"}},
+)
+async def ready(state: State) -> JSONResponse:
+    now = time.monotonic()
+    table = state.backend.workers
+    connected = state.backend.connected()
+    missing = table.missing_role(now)
+    reason = None if connected else "not connected to NATS"
+    reason = reason or (f"no live worker can {missing}" if missing else None)
+    workers = [
+        WorkerInfo(
+            worker_id=s.heartbeat.worker_id,
+            role=s.heartbeat.role,
+            model=s.heartbeat.model,
+            num_running=s.heartbeat.num_running,
+            num_waiting=s.heartbeat.num_waiting,
+            num_free_blocks=s.heartbeat.num_free_blocks,
+            num_blocks=s.heartbeat.num_blocks,
+            age_s=round(now - s.at, 3),
+        )
+        for s in table.live(now)
+    ]
+    body = Readiness(
+        ready=reason is None,
+        nats_connected=connected,
+        roles=table.roles(now),
+        workers=workers,
+        reason=reason,
+    )
+    return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+async def metrics(state: State) -> Response:
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

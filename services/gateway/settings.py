@@ -1,0 +1,54 @@
+"""The gateway's one settings object (environment prefix TOKENYARD_GATEWAY_)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENYARD_GATEWAY_", protected_namespaces=())
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+    # The tokenizer comes from the model the workers serve; None = the default model.
+    model_path: str | None = None
+    # The name clients put in "model" (None = the model file's name, as the workers say it);
+    # heartbeats may add the names workers report.
+    model_id: str | None = None
+    # 0 = take it from the workers' heartbeats (the smallest one seen).
+    max_model_len: int = Field(default=0, ge=0)
+    block_size: int = Field(default=16, ge=1)
+
+    # Empty = open gateway. From the environment: a comma-separated list.
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    # Per-key token bucket: `rate_limit_rps` requests per second, bursts up to
+    # `rate_limit_burst`. 0 = no limit. Redis when redis_url is set, else in memory.
+    rate_limit_rps: float = Field(default=0.0, ge=0)
+    rate_limit_burst: int = Field(default=20, ge=1)
+    redis_url: str | None = None
+
+    route_timeout_s: float = Field(default=2.0, gt=0)
+    # No chunk for this long: the request fails with a clear error instead of hanging.
+    # Generous because a CPU worker may queue a request behind many others.
+    idle_timeout_s: float = Field(default=120.0, gt=0)
+    # No chunk for this long while the request's worker misses its heartbeats: fail fast.
+    dead_worker_grace_s: float = Field(default=5.0, gt=0)
+    # Heartbeats older than this many intervals mark a worker dead (the router's rule).
+    missed_heartbeats: int = Field(default=3, ge=1)
+    retry_after_s: int = Field(default=1, ge=1)
+    # Cap on max_tokens when a request gives none (None = the rest of the context, as vLLM).
+    default_max_tokens: int | None = Field(default=None, ge=1)
+    log_level: str = "info"
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value

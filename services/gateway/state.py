@@ -1,0 +1,41 @@
+"""What one gateway process holds while it runs, reached by routes through `deps.State`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenyard.services.gateway.backend import Backend
+from tokenyard.services.gateway.errors import OpenAIError
+from tokenyard.services.gateway.metrics import GatewayMetrics
+from tokenyard.services.gateway.ratelimit import RateLimiter
+from tokenyard.services.gateway.settings import GatewaySettings
+from tokenyard.services.gateway.translate import Tokenizer
+
+
+@dataclass
+class GatewayState:
+    settings: GatewaySettings
+    backend: Backend
+    tokenizer: Tokenizer
+    limiter: RateLimiter
+    model_id: str
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def max_model_len(self) -> int:
+        return self.settings.max_model_len or self.backend.workers.max_model_len(time.monotonic())
+
+    def served_models(self) -> list[str]:
+        others = self.backend.workers.models(time.monotonic()) - {self.model_id}
+        return [self.model_id, *sorted(others)]
+
+    def check_model(self, model: str) -> None:
+        if model not in self.served_models():
+            raise OpenAIError(
+                404,
+                f"the model '{model}' does not exist; this server serves: "
+                f"{', '.join(self.served_models())}",
+                param="model",
+                code="model_not_found",
+            )
