@@ -1,0 +1,29 @@
+"""Engine settings: what model, what precision, how the KV pool and the step budget are sized."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # a .gguf file or an HF folder; None = the default model
+    dtype: str = "float32"  # weights and activations: float32 | bfloat16
+    quantization: str | None = None  # None | "int8" (weight-only)
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # the per-step token budget (chunked prefill)
+    max_model_len: int | None = None  # None = the model's context length, capped at 8192
+    kv_cache_bytes: int = 512 * 1024**2  # the KV pool's memory budget
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")

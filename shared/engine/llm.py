@@ -1,0 +1,94 @@
+"""The offline API, in the shape vLLM's users know.
+
+    from tokenyard import LLM, SamplingParams
+    llm = LLM()
+    for out in llm.generate(["Hello, my name is"], SamplingParams(max_tokens=16)):
+        print(out.text)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenyard.engine.config import EngineConfig
+from tokenyard.engine.llm_engine import LLMEngine, Prompt
+from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.engine.sequence import TokenLogprob
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._next_id = 0
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[GenerationResult]:
+        """Run every prompt to completion with continuous batching; results in input order."""
+        prompts = _as_prompt_list(prompts)
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        ids = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            rid = f"offline-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(rid, prompt, p)  # bad input raises here, before any work
+            ids.append(rid)
+        seqs = {rid: self.engine.seqs[rid] for rid in ids}
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [_result(seqs[rid]) for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             ) -> list[GenerationResult]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate(list(conversations), params)
+
+
+def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    if isinstance(prompts, list) and prompts and all(isinstance(m, dict) for m in prompts):
+        return [prompts]  # one conversation
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError("no prompts given")
+    return prompts
+
+
+def _result(seq: Any) -> GenerationResult:
+    return GenerationResult(
+        request_id=seq.request_id,
+        prompt_token_ids=seq.prompt_token_ids,
+        token_ids=seq.output_token_ids,
+        text=seq.text,
+        finish_reason=seq.finish_reason,
+        num_cached_tokens=seq.num_cached_tokens,
+        logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+        prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
+    )

@@ -1,0 +1,304 @@
+"""The step-level engine the workers drive: add requests, run steps, read new tokens, abort.
+
+    engine = LLMEngine(EngineConfig())
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.request_id, out.new_text, out.finish_reason)
+
+All calls must come from one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenyard.engine.block_manager import BlockManager, NoFreeBlocks
+from tokenyard.engine.config import EngineConfig
+from tokenyard.engine.memory import MemoryReport, build_model_and_pool
+from tokenyard.engine.model_runner import ModelRunner, StepLogits
+from tokenyard.engine.sampler import chosen_logprobs, sample
+from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.engine.scheduler import Scheduler
+from tokenyard.engine.sequence import Sequence, Status, TokenLogprob
+from tokenyard.engine.stop import StopChecker
+from tokenyard.models.loader import load_model
+from tokenyard.models.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int] | list[dict]
+
+__all__ = ["EngineStats", "ExportedSequence", "LLMEngine", "NoFreeBlocks", "RequestOutput", "TokenLogprob"]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # stop | length | abort | prefilled | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_hits: int  # prompt tokens served from the prefix cache
+    prefix_cache_queries: int  # prompt tokens looked up
+    num_preemptions: int
+
+
+@dataclass
+class ExportedSequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]  # physical blocks holding the prompt's KV
+    num_computed_tokens: int
+    params: SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        loaded = load_model(config.model)
+        self.model_id = loaded.model_id
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        model, self.kv_cache, self.layout, self.memory = build_model_and_pool(loaded, config)
+        del loaded
+        num_blocks = self.kv_cache.shape[0]
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings, num_blocks * config.block_size
+        )
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size)
+        self.seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        log.info("engine ready: %s, %s", self.model_id, self.memory.describe())
+
+    # --- requests ------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("the prompt is empty")
+        if all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt), add_special_tokens=False)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.model_config.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise ValueError(f"token ids must be in [0, {vocab})")
+            return list(prompt)
+        raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages")
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
+                    prefill_only: bool = False) -> None:
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.encode_prompt(prompt)
+        self._check_length(len(prompt_ids))
+        seq = Sequence(request_id, prompt_ids, params, arrival=next(self._arrivals), prefill_only=prefill_only)
+        self._attach_output_state(seq)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _check_length(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens; this model accepts at most "
+                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
+            )
+
+    def _attach_output_state(self, seq: Sequence) -> None:
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids)
+        seq.stop_checker = StopChecker(seq.params.stop, seq.params.include_stop_str_in_output)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq.status == Status.HELD or seq.status == Status.IMPORTING:
+            self.block_manager.free_sequence(seq)
+            seq.status = Status.FINISHED
+        else:
+            self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            prefix_cache_hits=bm.stats.hits,
+            prefix_cache_queries=bm.stats.queries,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def drain_kv_events(self) -> list[tuple[str, list[int]]]:
+        """KV block events since the last call, grouped into runs of the same kind."""
+        grouped: list[tuple[str, list[int]]] = []
+        for kind, h in self.block_manager.drain_events():
+            if grouped and grouped[-1][0] == kind:
+                grouped[-1][1].append(h)
+            else:
+                grouped.append((kind, [h]))
+        return grouped
+
+    # --- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        result = self.runner.run(batch)
+        for s in batch:
+            s.seq.num_computed_tokens += s.num_tokens
+            self.block_manager.register_computed(s.seq)
+        self._record_prompt_logprobs(result)
+        if not result.completing:
+            return []
+        seqs = [s.seq for s in result.completing]
+        tokens, logprobs = sample(result.logits, seqs)
+        return [self._append_token(seq, t, lp) for seq, t, lp in zip(seqs, tokens, logprobs, strict=True)]
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
+        seq.token_ids.append(token_id)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        reason = self._finish_reason(seq, token_id)
+        assert seq.detokenizer is not None
+        delta = seq.detokenizer.push([token_id])
+        if reason is not None:
+            delta += seq.detokenizer.flush()
+        text, stopped = seq.stop_checker.feed(delta, final=reason is not None)
+        if stopped:
+            reason = "stop"
+        seq.text += text
+        if reason is not None:
+            self._finish(seq, reason)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token_id],
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=[logprob] if logprob is not None else None,
+        )
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        p = seq.params
+        if token_id in p.stop_token_ids:
+            return "stop"
+        if not p.ignore_eos and token_id in self.tokenizer.eos_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        if seq.prefill_only:
+            return "prefilled"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if reason == "prefilled":  # blocks stay until release()
+            self.scheduler.finish(seq, reason, keep_blocks=True)
+            return
+        self.scheduler.finish(seq, reason)
+        del self.seqs[seq.request_id]
+
+    def _record_prompt_logprobs(self, result: StepLogits) -> None:
+        for s, first, logits in result.prompt_rows:
+            seq = s.seq
+            if not seq.prompt_logprobs:
+                seq.prompt_logprobs.append(None)  # the first prompt token has no context
+            # Row r predicts the token at position first + r + 1.
+            n = min(len(logits), seq.num_prompt_tokens - 1 - first)
+            targets = seq.token_ids[first + 1 : first + 1 + n]
+            seq.prompt_logprobs.extend(chosen_logprobs(logits[:n], targets, [seq.params.prompt_logprobs] * n))
+
+    # --- disaggregation ------------------------------------------------------------------
+
+    def export_sequence(self, request_id: str) -> ExportedSequence:
+        seq = self.seqs[request_id]
+        if seq.status != Status.HELD:
+            raise ValueError(f"request {request_id!r} is not a finished prefill-only request")
+        n_prompt_blocks = self.block_manager.blocks_needed(seq.num_prompt_tokens)
+        return ExportedSequence(
+            request_id=request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            block_ids=seq.block_table[:n_prompt_blocks],
+            num_computed_tokens=seq.num_prompt_tokens,
+            params=seq.params,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Free a held prefill-only request's blocks (after its KV was pulled, or on timeout)."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status != Status.HELD:
+            return
+        del self.seqs[request_id]
+        self.block_manager.free_sequence(seq)
+        seq.status = Status.FINISHED
+
+    def import_sequence(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                        params: SamplingParams) -> list[int]:
+        """Blocks for a handed-off prompt's KV; the sequence waits for commit_import()."""
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids or not output_token_ids:
+            raise ValueError("an imported sequence needs its prompt and at least its first token")
+        self._check_length(len(prompt_token_ids))
+        seq = Sequence(request_id, prompt_token_ids, params, arrival=next(self._arrivals))
+        bm = self.block_manager
+        n_blocks = bm.blocks_needed(len(prompt_token_ids))
+        if n_blocks > bm.num_free_blocks:
+            raise NoFreeBlocks(f"{n_blocks} blocks needed, {bm.num_free_blocks} free")
+        seq.block_table = [bm._take_fresh() for _ in range(n_blocks)]
+        seq.num_computed_tokens = len(prompt_token_ids)
+        seq.status = Status.IMPORTING
+        self._attach_output_state(seq)
+        seq.token_ids.extend(output_token_ids)
+        assert seq.detokenizer is not None
+        seq.text, _ = seq.stop_checker.feed(seq.detokenizer.push(output_token_ids), final=False)
+        self.seqs[request_id] = seq
+        return list(seq.block_table)
+
+    def commit_import(self, request_id: str, kv_ok: bool) -> None:
+        seq = self.seqs[request_id]
+        assert seq.status == Status.IMPORTING
+        if kv_ok:
+            self.block_manager.register_computed(seq)
+            self.scheduler.add_running(seq)
+        else:  # the transfer failed: recompute the prompt (and the first token) here
+            self.block_manager.free_sequence(seq)
+            self.scheduler.add(seq)

@@ -1,0 +1,104 @@
+"""Continuous batching under a per-step token budget.
+
+Each step: running sequences first (one token each when decoding, the next chunk when a long
+prompt is still prefilling), then waiting ones in arrival order while budget, sequence slots
+and blocks last. When a running sequence needs a block and none is free, the most recently
+admitted running sequence is preempted: its blocks are freed and it goes back to the front
+of the queue to be recomputed (its prompt and its output so far) later. Nothing starves:
+the queue is first come, first served and a preempted sequence keeps its place.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tokenyard.engine.block_manager import BlockManager
+from tokenyard.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens of this sequence computed in this step
+
+    @property
+    def completes(self) -> bool:
+        """True when this step reaches the sequence's last token: a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds its blocks (an imported KV hand-off)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        preempted = False
+        # running
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status != Status.RUNNING:
+                continue  # preempted below in this same loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_append(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status != Status.RUNNING:
+                continue
+            self.block_manager.append_slots(seq, n)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        # waiting: none admitted in a step that had to preempt, or it would thrash
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, use_cache=seq.params.prompt_logprobs is None)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_sequence(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str, *, keep_blocks: bool = False) -> None:
+        """Take `seq` out of the queues; free its blocks unless they are kept for a transfer."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table and not keep_blocks:
+            self.block_manager.free_sequence(seq)
+        seq.status = Status.HELD if keep_blocks else Status.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,171 @@
+"""Llama-family decoder in plain torch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Other dense families are small variations (Qwen2: q/k/v biases; Mistral: same as Llama)
+and reuse this file through ModelConfig flags. q/k/v and gate/up are fused into one matmul
+each: fewer, larger matmuls cost less per step on a CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenyard.models.attention import AttnMetadata, paged_attention
+from tokenyard.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """HF's rotate-half RoPE with a precomputed cos/sin table over every position."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        dim = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        inv_freq = _scale_inv_freq(inv_freq, config.rope_scaling)
+        t = torch.arange(max_positions, dtype=torch.float64)
+        if config.rope_scaling and config.rope_scaling.get("rope_type", config.rope_scaling.get("type")) == "linear":
+            t = t / float(config.rope_scaling["factor"])
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        # NOTE: plain attributes, not buffers: the tables stay fp32 when the model is cast.
+        self.cos = emb.cos().float()  # [max_pos, head_dim]
+        self.sin = emb.sin().float()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, D], k: [T, H_kv, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """Llama 3's frequency-dependent RoPE scaling; other kinds leave inv_freq as is."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return inv_freq
+    factor = float(scaling["factor"])
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.split = (q_size, kv_size, kv_size)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                meta: AttnMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        # kv_cache: [num_blocks, num_layers, 2, block_size, H_kv, D]; this layer's view.
+        o = paged_attention(q, k, v, kv_cache[:, self.layer_idx], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                meta: AttnMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.max_positions = max_positions
+        self.rope: RotaryEmbedding | None = None  # built by load_weights (never on "meta")
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        assert self.rope is not None, "load_weights() first"
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, meta, kv_cache)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights, fusing q/k/v and gate/up into this model's fused layers."""
+        self.rope = RotaryEmbedding(self.config, self.max_positions)
+        self.embed_tokens.weight.copy_(weights["model.embed_tokens.weight"])
+        self.norm.weight.copy_(weights["model.norm.weight"])
+        if "lm_head.weight" in weights and not self.config.tie_word_embeddings:
+            self.lm_head.weight.copy_(weights["lm_head.weight"])
+        else:
+            self.lm_head.weight = self.embed_tokens.weight  # tied: one tensor, read once
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            layer.input_layernorm.weight.copy_(weights[p + "input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(weights[p + "post_attention_layernorm.weight"])
+            attn = layer.self_attn
+            attn.qkv_proj.weight.copy_(torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+            if attn.qkv_proj.bias is not None:
+                attn.qkv_proj.bias.copy_(torch.cat([weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
+            attn.o_proj.weight.copy_(weights[p + "self_attn.o_proj.weight"])
+            layer.mlp.gate_up_proj.weight.copy_(
+                torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]))
+            layer.mlp.down_proj.weight.copy_(weights[p + "mlp.down_proj.weight"])
