@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from tokenyard.bench import metrics, plots, report, results, workloads
 from tokenyard.bench.client import Target
+from tokenyard.bench.records import TokenCounter
 from tokenyard.bench.runner import Load, run_load
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -47,6 +48,11 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     )
     target.add_argument("--temperature", type=float, default=0.0)
     target.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
+    target.add_argument(
+        "--tokenizer",
+        help="model file or folder to count tokens with when the server sends no usage "
+        "(default: the project's default model)",
+    )
     target.add_argument(
         "--extra-body", type=json.loads, default={}, help="JSON merged into every request body"
     )
@@ -173,7 +179,15 @@ async def _run_with_progress(target, sessions, load, warm, args, console):
             errors += not record.ok
             progress.update(task, advance=1, errors=errors)
 
-        return await run_load(target, sessions, load, warmup=warm, seed=args.seed, on_done=on_done)
+        return await run_load(
+            target,
+            sessions,
+            load,
+            warmup=warm,
+            seed=args.seed,
+            on_done=on_done,
+            counter=TokenCounter(args.tokenizer),
+        )
 
 
 def _write_outputs(doc: dict, args: argparse.Namespace, console: Console) -> None:

@@ -66,8 +66,10 @@ def throughput_over_time(runs: list[dict[str, Any]], path: Path) -> None:
 def goodput_vs_load(runs: list[dict[str, Any]], path: Path) -> None:
     open_loop = runs[0]["load"]["request_rate"] is not None
     key = "request_rate" if open_loop else "concurrency"
-    xs = [run["load"][key] for run in runs]
+    # NOTE: categorical x positions, so an "inf" rate and uneven sweeps still plot evenly.
+    xs = list(range(len(runs)))
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.set_xticks(xs, [f"{run['load'][key]:g}" for run in runs])
     ax.plot(xs, [run["summary"]["request_throughput"] for run in runs], "o-", label="throughput")
     ax.plot(xs, [run["summary"]["goodput"]["requests_s"] for run in runs], "s-", label="goodput")
     ax.set(
@@ -75,6 +77,7 @@ def goodput_vs_load(runs: list[dict[str, Any]], path: Path) -> None:
         xlabel="offered request rate (req/s)" if open_loop else "concurrency",
         ylabel="completed requests/s",
     )
+    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -72,7 +72,8 @@ class TokenCounter:
     it can be loaded, else one token per streamed chunk (exact only for servers that send
     a token per chunk). Each record says which source it used."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str | None = None) -> None:
+        self._path = path  # a model file or folder; None: the project's default model
         self._tokenizer: Any = None
         self._tried = False
 
@@ -82,7 +83,7 @@ class TokenCounter:
             try:
                 from tokenyard.models.loader import load_tokenizer
 
-                self._tokenizer = load_tokenizer()
+                self._tokenizer = load_tokenizer(self._path)
             # NOTE: broad on purpose: the tokenizer is optional here and any failure to load
             # it (module missing, model file missing) only downgrades to chunk counting.
             except Exception as exc:
@@ -93,7 +94,10 @@ class TokenCounter:
         tokenizer = self._load()
         if tokenizer is None:
             return None
-        encoded = tokenizer.encode(text)
+        try:
+            encoded = tokenizer.encode(text, add_special_tokens=False)  # no BOS in a count
+        except TypeError:  # a tokenizer without that switch
+            encoded = tokenizer.encode(text)
         ids = getattr(encoded, "ids", encoded)
         return len(ids)
 

@@ -38,7 +38,7 @@ class Load:
     def label(self) -> str:
         if self.request_rate is None:
             return f"concurrency={self.concurrency}"
-        cap = f",max_concurrency={self.max_concurrency}" if self.max_concurrency else ""
+        cap = f" cap={self.max_concurrency}" if self.max_concurrency else ""
         return f"rate={self.request_rate:g}{cap}"
 
     @property

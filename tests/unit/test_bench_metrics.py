@@ -5,7 +5,6 @@ import statistics
 
 import numpy as np
 import pytest
-
 from tokenyard.bench import metrics
 from tokenyard.bench.arrivals import poisson_arrivals
 from tokenyard.bench.records import RequestRecord
@@ -113,7 +112,7 @@ def test_throughput_windows():
 def test_poisson_arrivals_statistics_and_seed():
     rate, n = 4.0, 20000
     offsets = poisson_arrivals(rate, n, random.Random(7))
-    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    gaps = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
     assert offsets[0] == 0.0 and len(offsets) == n
     assert statistics.fmean(gaps) == pytest.approx(1 / rate, rel=0.03)
     assert statistics.stdev(gaps) == pytest.approx(1 / rate, rel=0.05)  # exponential: sd = mean

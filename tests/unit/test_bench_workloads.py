@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from tokenyard.bench import text, workloads
 from tokenyard.bench.sse import SSEParser
 from tokenyard.bench.workloads import Conversation, Session, Turn, WorkloadOptions
@@ -19,7 +18,9 @@ def test_generators_are_deterministic_per_seed(name):
 
 
 def test_chat_lengths_follow_the_median():
-    sessions = workloads.build("chat", WorkloadOptions(num_requests=400, input_len=200, output_len=50))
+    sessions = workloads.build(
+        "chat", WorkloadOptions(num_requests=400, input_len=200, output_len=50)
+    )
     outs = sorted(s.turns[0].max_tokens for s in sessions)
     assert 40 <= outs[200] <= 60
     assert outs[-1] > 2 * outs[200] > 4 * outs[0]  # a spread, not a constant
@@ -68,7 +69,9 @@ def test_dataset_jsonl(tmp_path):
         {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]},
     ]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
-    sessions = workloads.build("dataset", WorkloadOptions(num_requests=3, dataset=path, output_len=9))
+    sessions = workloads.build(
+        "dataset", WorkloadOptions(num_requests=3, dataset=path, output_len=9)
+    )
     assert sessions[0] == Session((), (Turn("hello there", 7),))
     assert sessions[1] == Session(({"role": "system", "content": "s"},), (Turn("u", 9),))
     assert sessions[2] == sessions[0]  # cycled
@@ -88,7 +91,17 @@ def test_render_prompt_for_completions():
 def test_sse_parser_stamps_lines_with_the_bytes_that_completed_them():
     parser = SSEParser()
     assert parser.feed(b'data: {"a"', 1) == []
-    events = parser.feed(b': 1}\r\n\r\n: keep-alive\n\nevent: x\ndata: [DONE]\n', 2)
+    events = parser.feed(b": 1}\r\n\r\n: keep-alive\n\nevent: x\ndata: [DONE]\n", 2)
     assert [(e.t_ns, e.data) for e in events] == [(2, '{"a": 1}'), (2, "[DONE]")]
     assert parser.feed(b"data: tail", 3) == []
     assert [(e.t_ns, e.data) for e in parser.flush(4)] == [(4, "tail")]
+
+
+def test_token_counter_uses_the_project_tokenizer_when_it_loads():
+    from tokenyard.bench.records import TokenCounter
+
+    pytest.importorskip("tokenyard.models.loader")
+    count = TokenCounter().count("hello world, this is a test")
+    if count is None:
+        pytest.skip("the default model's tokenizer is not installed here")
+    assert 5 <= count <= 10  # 7 with SmolLM2's BPE; no BOS counted
