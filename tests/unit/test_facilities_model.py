@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-
 from tokenyard.facilities.inventory import Inventory, load_inventory
 from tokenyard.facilities.simulator import (
     Faults,
@@ -33,9 +32,25 @@ def test_example_inventory_maps_workers_to_two_racks(inventory: Inventory) -> No
 
 
 def test_inventory_rejects_duplicates_and_unknown_loops() -> None:
-    rack = {"name": "r1", "power_cap_kw": 5, "cooling": "air", "nodes": [{"name": "n", "gpus": 1, "gpu_tdp_w": 1, "workers": ["w"]}]}
+    rack = {
+        "name": "r1",
+        "power_cap_kw": 5,
+        "cooling": "air",
+        "nodes": [{"name": "n", "gpus": 1, "gpu_tdp_w": 1, "workers": ["w"]}],
+    }
     with pytest.raises(ValidationError, match="worker 'w' appears twice"):
-        Inventory.model_validate({"racks": [rack, {**rack, "name": "r2", "nodes": [{"name": "n2", "gpus": 1, "gpu_tdp_w": 1, "workers": ["w"]}]}]})
+        Inventory.model_validate(
+            {
+                "racks": [
+                    rack,
+                    {
+                        **rack,
+                        "name": "r2",
+                        "nodes": [{"name": "n2", "gpus": 1, "gpu_tdp_w": 1, "workers": ["w"]}],
+                    },
+                ]
+            }
+        )
     with pytest.raises(ValidationError, match="unknown coolant loop"):
         Inventory.model_validate({"racks": [{**rack, "loop": "nope"}]})
 
@@ -52,7 +67,9 @@ def test_rack_power_is_idle_plus_utilization_times_tdp(inventory: Inventory) -> 
     rack = inventory.rack("rack-a")
     assert rack_power_kw(rack, {}) == pytest.approx(1.5)
     # Three workers share node-a1's 8 GPUs: the node runs at their mean utilization.
-    assert rack_power_kw(rack, {"decode-0": 1.0, "prefill-0": 1.0, "worker-0": 1.0}) == pytest.approx(1.5 + 5.6)
+    assert rack_power_kw(
+        rack, {"decode-0": 1.0, "prefill-0": 1.0, "worker-0": 1.0}
+    ) == pytest.approx(1.5 + 5.6)
     assert rack_power_kw(rack, {"decode-0": 0.75}) == pytest.approx(1.5 + 5.6 / 4)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from tokenyard.facilities.policy import (
     PolicySettings,
     RackLimits,
@@ -19,7 +18,9 @@ LIMITS = RackLimits(power_cap_kw=10.0, supply_limit_c=32.0, return_limit_c=45.0,
 SETTINGS = PolicySettings(dwell_s=30.0, stale_after_s=10.0)
 
 
-def reading(ts: float, power: float = 5.0, supply: float = 25.0, ret: float = 30.0, flow: float = 30.0) -> Reading:
+def reading(
+    ts: float, power: float = 5.0, supply: float = 25.0, ret: float = 30.0, flow: float = 30.0
+) -> Reading:
     return Reading("rack-a", ts, power_kw=power, supply_c=supply, return_c=ret, flow_lpm=flow)
 
 
@@ -56,7 +57,9 @@ def test_normal_readings_stay_normal() -> None:
         ({"flow": 3.0}, State.DRAIN, "flow"),
     ],
 )
-def test_each_signal_enters_its_state_at_once(kwargs: dict[str, float], state: State, word: str) -> None:
+def test_each_signal_enters_its_state_at_once(
+    kwargs: dict[str, float], state: State, word: str
+) -> None:
     got = run([reading(0), reading(1, **kwargs)])
     assert got[1].state == state
     assert got[1].since == 1
@@ -88,7 +91,15 @@ def test_exit_waits_for_dwell_then_drops_to_target() -> None:
 
 
 def test_a_relapse_during_dwell_restarts_the_clock() -> None:
-    script = [reading(0, power=9.6), reading(1), reading(20), reading(25, power=9.6), reading(40), reading(56), reading(70)]
+    script = [
+        reading(0, power=9.6),
+        reading(1),
+        reading(20),
+        reading(25, power=9.6),
+        reading(40),
+        reading(56),
+        reading(70),
+    ]
     got = run(script)
     # Calm from 1, relapse at 25 (same state, the calm clock resets), calm again from 40 -> 70.
     assert states(got) == [State.DERATE] * 6 + [State.NORMAL]

@@ -1,0 +1,22 @@
+"""The facilities REST API: one router per resource over the monitor and the store."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from tokenyard.services.facilities.api import admin, errors, events, health, inventory, racks
+from tokenyard.services.facilities.monitor import RackMonitor
+from tokenyard.services.facilities.settings import FacilitiesSettings
+from tokenyard.services.facilities.store import FacilitiesStore
+
+
+def create_app(
+    monitor: RackMonitor, store: FacilitiesStore, settings: FacilitiesSettings
+) -> FastAPI:
+    app = FastAPI(title="Tokenyard facilities", version="1")
+    app.state.monitor = monitor
+    app.state.store = store
+    app.state.settings = settings
+    errors.install(app)
+    for module in (health, racks, events, inventory, admin):
+        app.include_router(module.router)
+    return app

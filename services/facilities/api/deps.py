@@ -1,0 +1,65 @@
+"""Dependencies of the API routers: the monitor, the store, the admin token check."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+from tokenyard.services.facilities.api.errors import ApiError
+from tokenyard.services.facilities.monitor import RackMonitor, RackRuntime
+from tokenyard.services.facilities.settings import FacilitiesSettings
+from tokenyard.services.facilities.store import FacilitiesStore
+
+
+def _monitor(request: Request) -> RackMonitor:
+    return request.app.state.monitor
+
+
+def _store(request: Request) -> FacilitiesStore:
+    return request.app.state.store
+
+
+def _settings(request: Request) -> FacilitiesSettings:
+    return request.app.state.settings
+
+
+Monitor = Annotated[RackMonitor, Depends(_monitor)]
+Store = Annotated[FacilitiesStore, Depends(_store)]
+Settings = Annotated[FacilitiesSettings, Depends(_settings)]
+
+
+def rack_runtime(rack: str, monitor: Monitor) -> RackRuntime:
+    rt = monitor.racks.get(rack)
+    if rt is None:
+        raise ApiError(404, f"no rack named {rack!r}", code="rack_not_found", param="rack")
+    return rt
+
+
+Rack = Annotated[RackRuntime, Depends(rack_runtime)]
+
+
+def require_admin(
+    settings: Settings,
+    authorization: Annotated[str | None, Header()] = None,
+    x_admin_token: Annotated[str | None, Header()] = None,
+) -> None:
+    """`Authorization: Bearer <token>` or `X-Admin-Token: <token>`; 401 when absent, 403 when wrong."""
+    if not settings.admin_token:
+        raise ApiError(
+            403,
+            "the admin API is disabled: set TOKENYARD_FACILITIES_ADMIN_TOKEN",
+            code="admin_disabled",
+        )
+    given = x_admin_token
+    if authorization and authorization.lower().startswith("bearer "):
+        given = authorization[7:].strip()
+    if not given:
+        raise ApiError(
+            401, "missing admin token (Authorization: Bearer <token>)", code="missing_admin_token"
+        )
+    if not hmac.compare_digest(given.encode(), settings.admin_token.encode()):
+        raise ApiError(403, "invalid admin token", code="invalid_admin_token")
+
+
+Admin = Depends(require_admin)

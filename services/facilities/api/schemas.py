@@ -1,0 +1,91 @@
+"""Request and response bodies of the facilities REST API."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+StateName = Literal["normal", "derate", "drain"]
+FaultKind = Literal["pump_failure", "chiller_failure", "power_cap", "dead_sensor"]
+
+
+class ReadingOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    ts: datetime
+    power_kw: float
+    supply_c: float | None
+    return_c: float | None
+    flow_lpm: float | None
+    inlet_air_c: float | None
+    source: str
+
+
+class RackOut(BaseModel):
+    name: str
+    cooling: str
+    loop: str | None
+    power_cap_kw: float = Field(
+        description="the cap in force, lowered while a power_cap fault is injected"
+    )
+    state: StateName
+    reason: str
+    since: datetime
+    max_seqs_per_worker: int = Field(description="0: no cap in normal, none new in drain")
+    worker_ids: list[str]
+    latest_reading: ReadingOut | None
+    faults: list[FaultKind]
+
+
+class RackList(BaseModel):
+    racks: list[RackOut]
+
+
+class ReadingList(BaseModel):
+    rack: str
+    readings: list[ReadingOut]
+
+
+class EventOut(BaseModel):
+    rack: str
+    ts: datetime
+    from_state: StateName
+    to_state: StateName
+    reason: str
+    max_seqs_per_worker: int
+    reading: ReadingOut | None
+
+
+class EventList(BaseModel):
+    events: list[EventOut]
+
+
+class FaultIn(BaseModel):
+    kind: FaultKind
+    power_cap_kw: float | None = Field(
+        default=None, gt=0, description="for kind=power_cap: the lowered cap"
+    )
+
+
+class FaultsOut(BaseModel):
+    rack: str
+    faults: list[FaultKind]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    racks: int
+    nats_connected: bool
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

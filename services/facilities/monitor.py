@@ -1,0 +1,236 @@
+"""The facilities handler: readings and heartbeats in, per-rack state out.
+
+simulator tick ──> ty.facilities.readings.<rack> <── external exporters
+                              │
+                   on_reading: store, evaluate ──> state event (SQL) + RackState (NATS)
+tick: staleness check, RackState heartbeat every state_heartbeat_s
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from nats.aio.msg import Msg
+from tokenyard.bus import subjects
+from tokenyard.bus.nats import Bus
+from tokenyard.facilities import policy
+from tokenyard.facilities.inventory import Inventory, RackSpec
+from tokenyard.facilities.messages import STATE_TO_PROTO, reading_from_proto, reading_to_proto
+from tokenyard.facilities.simulator import Faults, RackSimulator, SimSettings, utilization
+from tokenyard.services.facilities.settings import FacilitiesSettings
+from tokenyard.services.facilities.store import FacilitiesStore
+from tokenyard.v1.facilities_pb2 import FacilityReading, RackState
+from tokenyard.v1.serving_pb2 import WorkerHeartbeat
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RackRuntime:
+    spec: RackSpec
+    base_limits: policy.RackLimits
+    status: policy.RackStatus
+    sim: RackSimulator | None
+    faults: Faults = field(default_factory=Faults)
+    latest: policy.Reading | None = None
+    latest_id: int | None = None
+    last_published: float = 0.0
+
+    @property
+    def limits(self) -> policy.RackLimits:
+        cap = self.faults.power_cap_kw
+        return self.base_limits if cap is None else replace(self.base_limits, power_cap_kw=cap)
+
+
+class RackMonitor:
+    def __init__(
+        self,
+        inventory: Inventory,
+        store: FacilitiesStore,
+        bus: Bus,
+        settings: FacilitiesSettings,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.inventory = inventory
+        self.store = store
+        self.bus = bus
+        self.settings = settings
+        self.clock = clock
+        self.policy = policy.PolicySettings(
+            dwell_s=settings.dwell_s,
+            stale_after_s=settings.stale_after_s,
+            derate_seq_fraction=settings.derate_seq_fraction,
+        )
+        self.sim_settings = SimSettings(
+            time_constant_s=settings.sim_time_constant_s,
+            full_tokens_per_s=settings.sim_full_tokens_per_s,
+        )
+        self.started = clock()
+        self.racks = {spec.name: self._runtime(spec) for spec in inventory.racks}
+        self.worker_rack = inventory.worker_racks()
+        self.heartbeats: dict[str, tuple[WorkerHeartbeat, float]] = {}
+        self._lock = asyncio.Lock()
+
+    def _runtime(self, spec: RackSpec) -> RackRuntime:
+        loop = self.inventory.loop_of(spec)
+        limits = policy.RackLimits(
+            power_cap_kw=spec.power_cap_kw,
+            supply_limit_c=loop.supply_limit_c if loop else None,
+            return_limit_c=loop.return_limit_c if loop else None,
+            min_flow_lpm=loop.min_flow_lpm if loop else None,
+        )
+        simulated = self.settings.simulate and spec.source == "simulator"
+        sim = RackSimulator(spec, loop, self.sim_settings, self.started) if simulated else None
+        return RackRuntime(spec, limits, policy.initial_status(self.started), sim)
+
+    async def start(self) -> None:
+        """Resume each rack's last recorded state, then listen."""
+        for name, stored in (await asyncio.to_thread(self.store.last_states)).items():
+            if name in self.racks:
+                self.racks[name].status = policy.RackStatus(
+                    stored.state, stored.since, stored.reason
+                )
+        await self.bus.subscribe(subjects.FACILITIES_READINGS_ALL, FacilityReading, self.on_reading)
+        await self.bus.subscribe(subjects.HEARTBEATS_ALL, WorkerHeartbeat, self.on_heartbeat)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.tick(self.clock())
+            except Exception:
+                # NOTE: a failed tick (database hiccup) must not end the monitor; the next one retries.
+                log.exception("facilities tick failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.settings.tick_s)
+
+    # --- inputs ------------------------------------------------------------------------
+
+    async def on_heartbeat(self, hb: WorkerHeartbeat, _msg: Msg) -> None:
+        self.heartbeats[hb.worker_id] = (hb, self.clock())
+
+    async def on_reading(self, msg: FacilityReading, raw: Msg) -> None:
+        rack = raw.subject.rsplit(".", 1)[-1]
+        rt = self.racks.get(rack)
+        if rt is None or msg.rack != rack:
+            log.warning("dropping a reading for rack %r on %s", msg.rack, raw.subject)
+            return
+        if rt.faults.dead_sensor:
+            return  # an injected dead sensor: as if nothing arrived
+        reading = reading_from_proto(msg)
+        reading_id = await asyncio.to_thread(self.store.add_reading, reading)
+        if rt.latest is None or reading.ts >= rt.latest.ts:
+            rt.latest, rt.latest_id = reading, reading_id
+        await self.evaluate(rt, self.clock())
+
+    # --- state -------------------------------------------------------------------------
+
+    async def evaluate(self, rt: RackRuntime, now: float) -> None:
+        if rt.latest is None and now - self.started <= self.policy.stale_after_s:
+            return  # just started: readings have not had time to arrive
+        async with self._lock:
+            prev = rt.status
+            rt.status = policy.evaluate(rt.latest, rt.limits, prev, now, self.policy)
+            if rt.status.state == prev.state:
+                return
+            cap = self.seq_cap(rt)
+            log.warning(
+                "rack %s: %s -> %s (%s)",
+                rt.spec.name,
+                prev.state.label,
+                rt.status.state.label,
+                rt.status.reason,
+            )
+            await asyncio.to_thread(
+                self.store.add_event,
+                rt.spec.name,
+                now,
+                prev.state,
+                rt.status.state,
+                rt.status.reason,
+                cap,
+                rt.latest_id,
+            )
+            await self.publish_state(rt, now)
+
+    def seq_cap(self, rt: RackRuntime) -> int:
+        """The per-worker sequence cap to publish; 0 means none new (drain) or no cap (normal)."""
+        if rt.status.state is policy.State.NORMAL:
+            return 0
+        seen = [
+            self.heartbeats[w][0].max_num_seqs for w in rt.spec.worker_ids if w in self.heartbeats
+        ]
+        max_num_seqs = max([n for n in seen if n > 0], default=self.settings.default_max_num_seqs)
+        return policy.seq_cap(rt.status.state, max_num_seqs, self.policy)
+
+    def state_message(self, rt: RackRuntime, now: float) -> RackState:
+        fraction = {
+            policy.State.NORMAL: 1.0,
+            policy.State.DERATE: self.policy.derate_seq_fraction,
+            policy.State.DRAIN: 0.0,
+        }
+        return RackState(
+            rack=rt.spec.name,
+            state=STATE_TO_PROTO[rt.status.state],
+            reason=rt.status.reason,
+            since_unix_s=rt.status.since,
+            max_seqs_per_worker=self.seq_cap(rt),
+            worker_ids=rt.spec.worker_ids,
+            sent_unix_s=now,
+            heartbeat_s=self.settings.state_heartbeat_s,
+            seq_fraction=fraction[rt.status.state],
+        )
+
+    async def publish_state(self, rt: RackRuntime, now: float) -> None:
+        await self.bus.publish(subjects.facilities_state(rt.spec.name), self.state_message(rt, now))
+        rt.last_published = now
+
+    # --- the periodic step -------------------------------------------------------------
+
+    async def tick(self, now: float) -> None:
+        utils = self._utilizations(now)
+        for rt in self.racks.values():
+            if rt.sim is not None and not rt.faults.dead_sensor:
+                reading = rt.sim.step(now, utils, rt.faults)
+                await self.bus.publish(
+                    subjects.facilities_readings(rt.spec.name), reading_to_proto(reading)
+                )
+        for rt in self.racks.values():
+            await self.evaluate(rt, now)  # staleness: a rack whose readings stopped
+            if now - rt.last_published >= self.settings.state_heartbeat_s:
+                await self.publish_state(rt, now)
+
+    def _utilizations(self, now: float) -> dict[str, float]:
+        fresh = self.sim_settings.heartbeat_stale_s
+        return {
+            worker: utilization(hb, self.sim_settings.full_tokens_per_s)
+            for worker, (hb, seen) in self.heartbeats.items()
+            if now - seen <= fresh
+        }
+
+    # --- fault injection (admin API) ---------------------------------------------------
+
+    def inject(self, rack: str, kind: str, power_cap_kw: float | None = None) -> Faults:
+        faults = self.racks[rack].faults
+        if kind == "pump_failure":
+            faults.pump_failure = True
+        elif kind == "chiller_failure":
+            faults.chiller_failure = True
+        elif kind == "power_cap":
+            if power_cap_kw is None or power_cap_kw <= 0:
+                raise ValueError("power_cap needs a positive power_cap_kw")
+            faults.power_cap_kw = power_cap_kw
+        elif kind == "dead_sensor":
+            faults.dead_sensor = True
+        else:
+            raise ValueError(f"unknown fault {kind!r}")
+        log.warning("rack %s: fault injected: %s", rack, kind)
+        return faults
+
+    def clear(self, rack: str) -> None:
+        self.racks[rack].faults = Faults()
+        log.warning("rack %s: faults cleared", rack)
