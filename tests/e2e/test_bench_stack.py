@@ -1,0 +1,114 @@
+"""`tokenyard bench` against the real stack started by `tokenyard up`.
+
+Set TOKENYARD_BENCH_URL to measure a stack that is already running instead of starting one.
+"""
+
+import contextlib
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from tokenyard.bench import metrics
+from tokenyard.bench.client import Target
+from tokenyard.bench.runner import Load, run_load
+from tokenyard.bench.workloads import WorkloadOptions, build
+
+pytestmark = pytest.mark.slow
+
+GATEWAY_URL = "http://127.0.0.1:8000"
+MODEL = "SmolLM2-135M-Instruct"
+START_TIMEOUT_S = 240
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=2, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def _stack():
+    if importlib.util.find_spec("tokenyard.services.up") is None:
+        pytest.skip("services/up.py (`tokenyard up`) does not exist yet")
+    if _ready(GATEWAY_URL):
+        pytest.skip(
+            f"something already answers on {GATEWAY_URL}; set TOKENYARD_BENCH_URL to use it"
+        )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenyard.cli", "up"],
+        start_new_session=True,  # its own process group: everything it started stops with it
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _ready(GATEWAY_URL):
+            if proc.poll() is not None:
+                pytest.fail(
+                    f"tokenyard up exited {proc.returncode}: {proc.stderr.read()[-3000:]!r}"
+                )
+            assert time.monotonic() < deadline, "the gateway did not come up"
+            time.sleep(1)
+        yield GATEWAY_URL
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    url = os.environ.get("TOKENYARD_BENCH_URL")
+    if url:
+        yield url
+        return
+    with _stack() as url:
+        yield url
+
+
+def _opts(n, **kw):
+    return WorkloadOptions(num_requests=n, input_len=40, output_len=8, len_sigma=0, **kw)
+
+
+def _check_consistent(records):
+    assert records and all(r.ok for r in records), [r.error for r in records if not r.ok]
+    for r in records:
+        assert r.token_source == "usage"  # the gateway sends usage when asked
+        assert 1 <= r.output_tokens <= r.max_tokens
+        assert len(r.chunk_ms) <= r.output_tokens  # a chunk carries at least one token
+        assert 0 < r.ttft_ms <= r.e2e_ms
+        assert r.prompt_tokens > 0
+
+
+async def test_chat_closed_loop_against_the_stack(gateway):
+    target = Target(gateway, MODEL, ignore_eos=True, timeout_s=120)
+    result = await run_load(target, build("chat", _opts(4)), Load(concurrency=2))
+    _check_consistent(result.records)
+    assert all(r.output_tokens == r.max_tokens for r in result.records)  # ignore_eos honoured
+    summary = metrics.summarize(result.records, metrics.SLOs())
+    assert summary["requests"]["ok"] == 4 and summary["output_tokens"] == 4 * 8
+    assert summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
+
+
+async def test_multi_turn_history_grows_in_the_servers_count(gateway):
+    target = Target(gateway, MODEL, timeout_s=120)
+    result = await run_load(target, build("multi-turn", _opts(3, turns=3)), Load(concurrency=1))
+    _check_consistent(result.records)
+    prompts = [r.prompt_tokens for r in result.records]
+    assert prompts[0] < prompts[1] < prompts[2]  # each turn resends the history
+
+
+async def test_completions_endpoint_and_shared_prefix(gateway):
+    target = Target(gateway, MODEL, endpoint="completions", timeout_s=120)
+    sessions = build("shared-prefix", _opts(3, prefix_len=200))
+    result = await run_load(target, sessions, Load(request_rate=2.0), seed=1)
+    _check_consistent(result.records)
