@@ -126,4 +126,4 @@ def copy_blocks(
 def block_crc32(pool: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
     flat = pool_bytes(pool).numpy()
     nb = pool[0].nbytes
-    return [zlib.crc32(memoryview(flat[i * nb : (i + 1) * nb])) for i in block_ids]
+    return [zlib.crc32(flat[i * nb : (i + 1) * nb].data) for i in block_ids]

@@ -1,0 +1,103 @@
+"""KV blocks by content hash across tiers: RAM -> Redis -> disk.
+
+Tiers are exclusive: a block lives in one of them. A new block enters RAM; what a tier
+evicts is demoted one tier down; what the last tier evicts is gone. A hit in a lower tier
+promotes the block back to RAM. Keys carry a digest of the layout, so a block written by
+one model or dtype is never served to another; values carry a crc32 that is checked
+whenever bytes come back from Redis or disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import struct
+import zlib
+from dataclasses import asdict
+
+from tokenyard.kv.layout import KVLayout
+from tokenyard.kv.store.tiers import Evicted, Tier
+
+log = logging.getLogger(__name__)
+
+_CRC = struct.Struct("<I")
+
+
+def layout_key(layout: KVLayout) -> str:
+    """Short stable name of a layout (model, dtype, shape, hash spec) for block keys."""
+    text = repr(sorted(asdict(layout).items()))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def block_key(layout_digest: str, block_hash: int) -> str:
+    return f"{layout_digest}/{block_hash:016x}"
+
+
+def frame(data: bytes) -> bytes:
+    return _CRC.pack(zlib.crc32(data)) + data
+
+
+def unframe(value: bytes) -> bytes | None:
+    """The block's bytes, or None if they were corrupted at rest."""
+    (crc,) = _CRC.unpack_from(value)
+    data = value[_CRC.size :]
+    return data if zlib.crc32(data) == crc else None
+
+
+class TieredStore:
+    def __init__(self, tiers: list[Tier]):
+        if not tiers:
+            raise ValueError("a KV store needs at least one tier")
+        self.tiers = tiers
+        self.hits = 0
+        self.misses = 0
+        self.dropped = 0  # evicted from the last tier
+        self.corrupt = 0
+        # Demotion cascades await between tiers; one op at a time keeps them consistent.
+        self._lock = asyncio.Lock()
+
+    async def put(self, key: str, data: bytes) -> None:
+        async with self._lock:
+            await self._put_at(0, key, frame(data))
+
+    async def get(self, key: str) -> bytes | None:
+        """The block's bytes (promoted to RAM) or None; counts a hit or a miss."""
+        async with self._lock:
+            for level, tier in enumerate(self.tiers):
+                value = await tier.get(key)
+                if value is None:
+                    continue
+                data = unframe(value)
+                if data is None:
+                    log.warning("KV block %s corrupt in %s; dropped", key, tier.name)
+                    self.corrupt += 1
+                    await tier.delete(key)
+                    break
+                if level > 0:
+                    await tier.delete(key)
+                    await self._put_at(0, key, value)
+                self.hits += 1
+                return data
+            self.misses += 1
+            return None
+
+    async def contains(self, key: str) -> bool:
+        for tier in self.tiers:
+            if await tier.contains(key):
+                return True
+        return False
+
+    async def _put_at(self, level: int, key: str, value: bytes) -> None:
+        evicted: Evicted = await self.tiers[level].put(key, value)
+        for victim, old in evicted:
+            if level + 1 < len(self.tiers) and old is not None:
+                await self._put_at(level + 1, victim, old)
+            else:
+                self.dropped += 1
+
+    async def close(self) -> None:
+        for tier in self.tiers:
+            close = getattr(tier, "close", None)
+            if close is not None:
+                await close()

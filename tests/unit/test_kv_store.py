@@ -1,0 +1,73 @@
+"""The KV-cache tiers: LRU budgets, demotion on eviction, promotion on hit, integrity."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenyard.kv.layout import KVLayout
+from tokenyard.kv.store.tiered import TieredStore, block_key, layout_key
+from tokenyard.kv.store.tiers import DiskTier, RamTier
+
+BLOCK = 100  # bytes per test block (the store does not care about layouts)
+FRAMED = BLOCK + 4  # + crc32
+
+
+def block(i: int) -> bytes:
+    return bytes([i % 256]) * BLOCK
+
+
+def store_with(tmp_path, ram_blocks: int, disk_blocks: int) -> TieredStore:
+    return TieredStore(
+        [RamTier(ram_blocks * FRAMED), DiskTier(tmp_path / "disk", disk_blocks * FRAMED)]
+    )
+
+
+async def test_ram_evictions_demote_to_disk_and_hits_promote(tmp_path):
+    store = store_with(tmp_path, ram_blocks=2, disk_blocks=10)
+    for i in range(4):
+        await store.put(f"k{i}", block(i))
+    ram, disk = store.tiers
+    assert sorted(ram.index.sizes) == ["k2", "k3"]
+    assert sorted(disk.index.sizes) == ["k0", "k1"]
+    assert await store.get("k0") == block(0)  # from disk, now promoted
+    assert "k0" in ram.index.sizes and "k0" not in disk.index.sizes
+    assert "k2" in disk.index.sizes  # the LRU of RAM went down to make room
+    assert (store.hits, store.misses, disk.counters.hits) == (1, 0, 1)
+    assert await store.get("nope") is None
+    assert store.misses == 1
+
+
+async def test_last_tier_drops_least_recently_used(tmp_path):
+    store = store_with(tmp_path, ram_blocks=1, disk_blocks=2)
+    for i in range(5):
+        await store.put(f"k{i}", block(i))
+    assert store.dropped == 2
+    assert [await store.contains(f"k{i}") for i in range(5)] == [False, False, True, True, True]
+
+
+async def test_disk_tier_survives_a_restart_and_detects_corruption(tmp_path):
+    store = store_with(tmp_path, ram_blocks=0, disk_blocks=10)
+    await store.put("a/1", block(1))
+    await store.put("a/2", block(2))
+    reopened = store_with(tmp_path, ram_blocks=10, disk_blocks=10)
+    assert await reopened.contains("a/1")
+    path = reopened.tiers[1]._path("a/2")
+    raw = bytearray(path.read_bytes())
+    raw[10] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert await reopened.get("a/2") is None
+    assert reopened.corrupt == 1 and not await reopened.contains("a/2")
+    assert await reopened.get("a/1") == block(1)
+
+
+def test_layout_digest_separates_models_and_dtypes():
+    a = KVLayout("m", "float32", 16, 30, 3, 64)
+    assert layout_key(a) == layout_key(KVLayout("m", "float32", 16, 30, 3, 64))
+    assert layout_key(a) != layout_key(KVLayout("m", "bfloat16", 16, 30, 3, 64))
+    assert layout_key(a) != layout_key(KVLayout("other", "float32", 16, 30, 3, 64))
+    assert block_key("abc", 255) == "abc/00000000000000ff"
+
+
+def test_store_needs_a_tier():
+    with pytest.raises(ValueError):
+        TieredStore([])
