@@ -11,6 +11,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request, Response
 from tokenyard.services.gateway.backend import NatsBackend
 from tokenyard.services.gateway.errors import install_error_handlers
+from tokenyard.services.gateway.openapi import install_openapi
 from tokenyard.services.gateway.ratelimit import make_limiter
 from tokenyard.services.gateway.routes import chat, completions, health, models
 from tokenyard.services.gateway.settings import GatewaySettings
@@ -71,6 +72,7 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
     for module in (chat, completions, models, health):
         app.include_router(module.router)
     install_error_handlers(app)
+    install_openapi(app)
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next) -> Response:

@@ -72,7 +72,7 @@ def from_validation(exc: RequestValidationError) -> OpenAIError:
     """FastAPI's validation errors, first one first, named by the field's dotted path."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in first.get("loc", ()) if _is_field(part)]
     if first.get("type") == "json_invalid":
         # NOTE: 422 for a body that is not JSON at all; schema errors are 400 as OpenAI's.
         return OpenAIError(
@@ -82,6 +82,17 @@ def from_validation(exc: RequestValidationError) -> OpenAIError:
     where = f"'{param}': " if param else ""
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return OpenAIError(400, f"{where}{first.get('msg')}{more}", param=param, code="invalid_value")
+
+
+# Pydantic names the member of a union it tried ("str", "list[str]", ...) in `loc`; not a field.
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_field(part: object) -> bool:
+    if isinstance(part, int):
+        return True
+    text = str(part)
+    return text != "body" and text.isidentifier() and text not in _UNION_TAGS
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -7,6 +7,7 @@ prefill to decode worker), so :class:`ChunkOrderer` puts them back in line first
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -160,8 +161,10 @@ class ChatFormat:
             choices=[choice] if choice else [],
             usage=usage,
         )
-        exclude = None if self.include_usage else {"usage"}
-        return sse(body.model_dump_json(exclude=exclude))
+        data = body.model_dump(exclude=None if self.include_usage else {"usage"})
+        for c in data["choices"]:  # OpenAI sends only the delta's present fields
+            c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+        return sse(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
 
     def start(self) -> Iterator[str]:
         yield self._chunk(

@@ -9,7 +9,6 @@ from tokenyard.services.gateway.deps import Caller, State
 from tokenyard.services.gateway.responses import ChatFormat
 from tokenyard.services.gateway.routes.common import GENERATION_ERRORS, sse_response
 from tokenyard.services.gateway.schemas import (
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
 )
@@ -22,7 +21,7 @@ router = APIRouter(prefix="/v1", tags=["chat"])
 @router.post(
     "/chat/completions",
     response_model=ChatCompletionResponse,
-    responses={**sse_response(ChatCompletionChunk, "The completion"), **GENERATION_ERRORS},
+    responses={**sse_response("The completion"), **GENERATION_ERRORS},
 )
 async def create_chat_completion(
     body: ChatCompletionRequest, state: State, _: Caller, request: Request

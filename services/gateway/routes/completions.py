@@ -18,7 +18,7 @@ router = APIRouter(prefix="/v1", tags=["completions"])
 @router.post(
     "/completions",
     response_model=CompletionResponse,
-    responses={**sse_response(CompletionResponse, "The completion"), **GENERATION_ERRORS},
+    responses={**sse_response("The completion"), **GENERATION_ERRORS},
 )
 async def create_completion(
     body: CompletionRequest, state: State, _: Caller, request: Request

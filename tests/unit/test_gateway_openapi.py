@@ -1,0 +1,81 @@
+"""The OpenAPI document is what the server does: every route is listed, every listed route
+answers, and real answers validate against the schemas the document names."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi.testclient import TestClient
+from gateway_fakes import MODEL, documented_model, fake_state
+from tokenyard.services.gateway.app import create_app
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def client() -> TestClient:
+    state = fake_state()
+    return TestClient(create_app(state.settings, state), raise_server_exceptions=False)
+
+
+def test_every_route_is_documented_and_answers():
+    with client() as http:
+        doc = http.get("/openapi.json").json()
+        assert set(doc["paths"]) == {
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/models",
+            "/v1/models/{model}",
+            "/health",
+            "/ready",
+            "/metrics",
+        }
+        for path, item in doc["paths"].items():
+            for method in item:
+                r = http.request(
+                    method, path.replace("{model}", MODEL), json=CHAT | {"prompt": "x"}
+                )
+                assert r.status_code not in (404, 405), (method, path)
+                assert str(r.status_code) in item[method]["responses"], (
+                    method,
+                    path,
+                    r.status_code,
+                )
+        assert "HTTPValidationError" not in doc["components"]["schemas"]
+
+
+def test_answers_validate_against_documented_schemas():
+    with client() as http:
+        doc = http.get("/openapi.json").json()
+        cases = [
+            ("post", "/v1/chat/completions", CHAT, 200),
+            ("post", "/v1/completions", {"model": MODEL, "prompt": "x"}, 200),
+            ("post", "/v1/chat/completions", CHAT | {"n": 2}, 400),
+            ("post", "/v1/completions", {"model": "nope", "prompt": "x"}, 404),
+            ("get", "/v1/models", None, 200),
+            ("get", "/health", None, 200),
+            ("get", "/ready", None, 503),
+        ]
+        for method, path, body, status in cases:
+            r = http.request(method, path, json=body)
+            assert r.status_code == status, (path, r.text)
+            documented_model(doc, method, path, status).model_validate(r.json())
+
+
+def test_stream_events_validate_against_documented_event_schema():
+    with client() as http:
+        doc = http.get("/openapi.json").json()
+        for path, body in [
+            ("/v1/chat/completions", CHAT),
+            ("/v1/completions", {"model": MODEL, "prompt": "x"}),
+        ]:
+            model = documented_model(doc, "post", path, 200, "text/event-stream")
+            r = http.post(
+                path, json=body | {"stream": True, "stream_options": {"include_usage": True}}
+            )
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = [
+                line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")
+            ]
+            assert events[-1] == "[DONE]"
+            for event in events[:-1]:
+                model.model_validate(json.loads(event))

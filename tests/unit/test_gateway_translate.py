@@ -1,0 +1,174 @@
+"""OpenAI request -> prompt ids and pb.SamplingParams, and the 400s for what cannot be served."""
+
+from __future__ import annotations
+
+import pytest
+from gateway_fakes import BOS, CharTokenizer
+from pydantic import ValidationError
+from tokenyard.services.gateway.errors import OpenAIError
+from tokenyard.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from tokenyard.services.gateway.translate import prepare_chat, prepare_completion
+
+TOK = CharTokenizer()
+
+
+def chat(**fields: object) -> ChatCompletionRequest:
+    fields.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return ChatCompletionRequest(model="m", **fields)
+
+
+def completion(**fields: object) -> CompletionRequest:
+    fields.setdefault("prompt", "abc")
+    return CompletionRequest(model="m", **fields)
+
+
+def test_chat_renders_template_without_extra_special_tokens():
+    prepared = prepare_chat(
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]), TOK, 256
+    )
+    assert prepared.prompt_ids == TOK.encode("<user>hi\n<assistant>", add_special_tokens=False)
+    assert BOS not in prepared.prompt_ids
+
+
+def test_chat_sampling_fields_map_onto_params():
+    req = chat(
+        max_completion_tokens=7,
+        max_tokens=99,
+        temperature=0.3,
+        top_p=0.9,
+        seed=-1,
+        stop="END",
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        logprobs=True,
+        top_logprobs=3,
+        top_k=5,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    prepared = prepare_chat(req, TOK, 256)
+    p = prepared.params
+    assert p.max_tokens == 7  # max_completion_tokens wins over the deprecated max_tokens
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == pytest.approx(
+        (0.3, 0.9, 5, 1.2)
+    )
+    assert p.min_p == pytest.approx(0.1)
+    assert (p.presence_penalty, p.frequency_penalty) == (0.5, -0.5)
+    assert p.seed == 2**64 - 1
+    assert list(p.stop) == ["END"]
+    assert p.ignore_eos and p.HasField("logprobs") and p.logprobs == 3
+    assert prepared.stream and prepared.include_usage
+
+
+def test_defaults_are_openais():
+    p = prepare_chat(chat(), TOK, 256).params
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (
+        1.0,
+        1.0,
+        -1,
+        0.0,
+        1.0,
+    )
+    assert not p.HasField("seed") and not p.HasField("logprobs")
+    # no max_tokens: the rest of the context, as vLLM does
+    assert p.max_tokens == 256 - len(prepare_chat(chat(), TOK, 256).prompt_ids)
+    assert prepare_completion(completion(), TOK, 256).params.max_tokens == 16
+
+
+def test_default_max_tokens_cap_applies_only_when_unset():
+    assert prepare_chat(chat(), TOK, 256, default_cap=10).params.max_tokens == 10
+    assert prepare_chat(chat(max_tokens=50), TOK, 256, default_cap=10).params.max_tokens == 50
+
+
+def test_completion_prompt_forms():
+    assert prepare_completion(completion(prompt="ab"), TOK, 256).prompt_ids == [
+        BOS,
+        ord("a") + 10,
+        ord("b") + 10,
+    ]
+    assert prepare_completion(completion(prompt=["ab"]), TOK, 256).prompt_ids == TOK.encode("ab")
+    assert prepare_completion(completion(prompt=[5, 6, 7]), TOK, 256).prompt_ids == [5, 6, 7]
+    assert prepare_completion(completion(prompt=[[5, 6]]), TOK, 256).prompt_ids == [5, 6]
+
+
+def test_completion_logprobs_and_stop_list():
+    p = prepare_completion(completion(logprobs=0, stop=["x", "", "yz"]), TOK, 256).params
+    assert p.HasField("logprobs") and p.logprobs == 0
+    assert list(p.stop) == ["x", "yz"]
+
+
+def test_top_k_zero_means_off():
+    assert prepare_chat(chat(top_k=0), TOK, 256).params.top_k == -1
+
+
+def _error(fn, *args) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        fn(*args)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("request_", "param", "needle"),
+    [
+        (chat(messages=[]), "messages", "at least one"),
+        (chat(n=2), "n", "n=1"),
+        (chat(logit_bias={"1": 2.0}), "logit_bias", "not supported"),
+        (chat(tools=[{"type": "function"}]), "tools", "not supported"),
+        (chat(response_format={"type": "json_object"}), "response_format", "not supported"),
+        (chat(top_logprobs=2), "top_logprobs", "requires 'logprobs'"),
+        (chat(max_tokens=250), "max_tokens", "maximum context length is 256"),
+        (chat(max_completion_tokens=250), "max_completion_tokens", "maximum context length is 256"),
+        (
+            chat(messages=[{"role": "user", "content": "x" * 300}]),
+            "messages",
+            "maximum context length is 256",
+        ),
+    ],
+)
+def test_chat_rejections(request_, param, needle):
+    err = _error(prepare_chat, request_, TOK, 256)
+    assert err.status == 400 and err.param == param and needle in err.message
+    assert err.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("request_", "param", "needle"),
+    [
+        (completion(prompt=""), "prompt", "empty"),
+        (completion(prompt=[]), "prompt", "empty"),
+        (completion(prompt=["a", "b"]), "prompt", "batched"),
+        (completion(prompt=[10**9]), "prompt", "token ids"),
+        (completion(echo=True), "echo", "not supported"),
+        (completion(best_of=3), "best_of", "not supported"),
+        (completion(prompt="x" * 400), "prompt", "the prompt has 401 tokens"),
+    ],
+)
+def test_completion_rejections(request_, param, needle):
+    err = _error(prepare_completion, request_, TOK, 256)
+    assert err.status == 400 and err.param == param and needle in err.message
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 2.5},
+        {"top_p": 0},
+        {"presence_penalty": 3},
+        {"n": 0},
+        {"max_tokens": 0},
+        {"top_logprobs": 21},
+        {"messages": [{"role": "robot", "content": "x"}]},
+    ],
+)
+def test_schema_rejects_out_of_range_values(fields):
+    with pytest.raises(ValidationError):
+        chat(**fields)
+
+
+def test_unknown_context_length_skips_the_length_check_but_caps_nothing_silently():
+    assert prepare_chat(chat(max_tokens=5), TOK, 0).params.max_tokens == 5
+    err = _error(prepare_chat, chat(), TOK, 0)
+    assert err.status == 503
