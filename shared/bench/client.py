@@ -114,11 +114,15 @@ async def stream_request(
 
 async def _read_stream(resp: httpx.Response, ex: Exchange, endpoint: str) -> None:
     parser = SSEParser()
+    done = False
+    # NOTE: read to the end even after [DONE]: leaving bytes unread makes httpx close the
+    # connection instead of pooling it, and the next request would pay a new connect.
     async for chunk in resp.aiter_bytes():
         t_ns = time.perf_counter_ns()
-        if _take_events(parser.feed(chunk, t_ns), ex, endpoint):
-            return
-    _take_events(parser.flush(time.perf_counter_ns()), ex, endpoint)
+        if not done:
+            done = _take_events(parser.feed(chunk, t_ns), ex, endpoint)
+    if not done:
+        _take_events(parser.flush(time.perf_counter_ns()), ex, endpoint)
 
 
 def _take_events(events: list[SSEEvent], ex: Exchange, endpoint: str) -> bool:

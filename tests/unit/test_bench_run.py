@@ -31,6 +31,7 @@ class FakeServer:
         self.usage = usage
         self.stall_model = stall_model
         self.bodies: list[dict] = []
+        self.client_ports: set[int] = set()  # one per TCP connection the client opened
         self.sent_usage: list[dict] = []
         self.app = FastAPI()
         self.app.post("/v1/chat/completions")(self._chat)
@@ -39,6 +40,7 @@ class FakeServer:
 
     async def _chat(self, request: Request):
         body = await request.json()
+        self.client_ports.add(request.client.port)
         prompt = " ".join(m["content"] for m in body["messages"])
         return self._answer(body, prompt, lambda piece: {"delta": {"content": piece}})
 
@@ -129,6 +131,7 @@ async def test_closed_loop_figures_are_consistent(fake):
         and result.client["chunks"] == summary["output_tokens"]
     )
     assert server.bodies[0]["stream_options"] == {"include_usage": True}
+    assert len(server.client_ports) <= 4  # the pool reuses its connections (no connect per request)
 
 
 async def test_errors_are_counted_by_kind():
