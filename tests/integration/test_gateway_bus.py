@@ -1,0 +1,167 @@
+"""The gateway's NATS side against a real nats-server: a scripted router and worker stand in
+for the real ones, so ordering, redelivered chunks, errors and cancels are exact."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from tokenyard.bus import subjects
+from tokenyard.bus.embedded import EmbeddedNats
+from tokenyard.bus.nats import Bus
+from tokenyard.services.gateway.backend import NatsBackend
+from tokenyard.services.gateway.errors import OpenAIError
+from tokenyard.services.gateway.settings import GatewaySettings
+from tokenyard.v1 import serving_pb2 as pb
+
+WORKER = "fw1"
+
+
+@pytest.fixture(scope="module")
+def nats_url():
+    with EmbeddedNats() as server:
+        yield server.url
+
+
+@pytest.fixture
+async def backend(nats_url):
+    settings = GatewaySettings(
+        nats_url=nats_url, dead_worker_grace_s=0.5, idle_timeout_s=5, route_timeout_s=1
+    )
+    backend = NatsBackend(settings)
+    await backend.start()
+    yield backend
+    await backend.stop()
+
+
+@pytest.fixture
+async def peer(nats_url):
+    bus = await Bus.connect(nats_url, name="test-peer")
+    yield bus
+    await bus.close()
+
+
+async def serve_router(bus: Bus, reply: pb.RouteReply, seen: list[pb.RouteRequest]):
+    async def on_route(req: pb.RouteRequest, msg) -> None:
+        seen.append(req)
+        await bus.reply(msg, reply)
+
+    sub = await bus.subscribe(subjects.ROUTER_ROUTE, pb.RouteRequest, on_route)
+    await bus.nc.flush()  # the server knows the subscription before the gateway asks
+    return sub
+
+
+PLACED = pb.RouteReply(placement=pb.Placement(prefill_worker_id=WORKER, decode_worker_id=WORKER))
+
+
+async def take_job(bus: Bus) -> pb.PrefillJob:
+    sub = await bus.js.pull_subscribe(
+        subjects.prefill_worker_jobs(WORKER), durable=WORKER, stream=subjects.PREFILL_STREAM
+    )
+    (msg,) = await sub.fetch(1, timeout=5)
+    await msg.ack()
+    job = pb.PrefillJob()
+    job.ParseFromString(msg.data)
+    return job
+
+
+def chunk(index: int, text: str, finished: bool = False) -> pb.TokenChunk:
+    return pb.TokenChunk(
+        index=index,
+        token_ids=[ord(c) for c in text],
+        text=text,
+        finished=finished,
+        finish_reason="stop" if finished else "",
+        worker_id=WORKER,
+    )
+
+
+async def test_request_goes_through_router_and_queue_and_comes_back_in_order(backend, peer):
+    seen: list[pb.RouteRequest] = []
+    await serve_router(peer, PLACED, seen)
+    params = pb.SamplingParams(max_tokens=5, temperature=0.0)
+    stream = await backend.submit("r1", "m", list(range(40)), params)
+    job = await take_job(peer)
+    assert job.request_id == "r1" and list(job.prompt_token_ids) == list(range(40))
+    assert job.params.max_tokens == 5 and job.decode_worker_id == WORKER
+    assert seen[0].num_prompt_tokens == 40 and len(seen[0].block_hashes) == 2
+    # out of order, with a duplicate (a redelivered job's first token)
+    for c in (chunk(0, "ab"), chunk(3, "d", finished=True), chunk(0, "ab"), chunk(2, "c")):
+        await peer.publish(subjects.tokens("r1"), c)
+    got = [c async for c in stream]
+    await stream.close()
+    assert "".join(c.text for c in got) == "abcd" and got[-1].finished
+
+
+async def test_cancel_reaches_the_workers(backend, peer):
+    cancels: asyncio.Queue[pb.Cancel] = asyncio.Queue()
+
+    async def on_cancel(c: pb.Cancel, _) -> None:
+        cancels.put_nowait(c)
+
+    await peer.subscribe(subjects.CANCEL_ALL, pb.Cancel, on_cancel)
+    await peer.nc.flush()
+    await backend.cancel("r9", "client disconnected")
+    got = await asyncio.wait_for(cancels.get(), 2)
+    assert got.request_id == "r9"
+
+
+async def test_no_router_is_503_at_once(backend):
+    t0 = time.monotonic()
+    with pytest.raises(OpenAIError) as info:
+        await backend.submit("r2", "m", [1, 2, 3], pb.SamplingParams(max_tokens=1))
+    assert info.value.status == 503 and info.value.retry_after_s
+    assert time.monotonic() - t0 < 1.0
+
+
+async def test_router_errors_map_to_statuses(backend, peer):
+    reply = pb.RouteReply(
+        error=pb.RouteError(
+            code=pb.RouteError.NO_WORKERS, message="no decode worker", retry_after_s=3
+        )
+    )
+    sub = await serve_router(peer, reply, [])
+    with pytest.raises(OpenAIError) as info:
+        await backend.submit("r3", "m", [1], pb.SamplingParams(max_tokens=1))
+    assert (info.value.status, info.value.retry_after_s, info.value.message) == (
+        503,
+        3,
+        "no decode worker",
+    )
+    await sub.unsubscribe()
+
+
+async def test_worker_error_chunk_is_an_openai_error(backend, peer):
+    await serve_router(peer, PLACED, [])
+    stream = await backend.submit("r4", "m", [1], pb.SamplingParams(max_tokens=1))
+    await take_job(peer)
+    error = pb.TokenChunk(
+        index=0,
+        finished=True,
+        finish_reason="error",
+        error=pb.Error(code=pb.Error.INVALID_REQUEST, message="bad params"),
+    )
+    await peer.publish(subjects.tokens("r4"), error)
+    with pytest.raises(OpenAIError) as info:
+        await anext(stream)
+    assert info.value.status == 400 and info.value.message == "bad params"
+    await stream.close()
+
+
+async def test_a_dead_worker_fails_the_request_instead_of_hanging(backend, peer):
+    await serve_router(peer, PLACED, [])
+    await peer.publish(
+        subjects.heartbeat("both", WORKER),
+        pb.WorkerHeartbeat(worker_id=WORKER, role="both", heartbeat_interval_ms=100),
+    )
+    stream = await backend.submit("r5", "m", [1], pb.SamplingParams(max_tokens=5))
+    await take_job(peer)
+    await peer.publish(subjects.tokens("r5"), chunk(0, "a"))
+    assert (await anext(stream)).text == "a"
+    t0 = time.monotonic()
+    with pytest.raises(OpenAIError) as info:  # no more heartbeats, no more chunks
+        await anext(stream)
+    assert info.value.status == 503 and info.value.code == "worker_lost"
+    assert time.monotonic() - t0 < 3
+    await stream.close()
