@@ -65,9 +65,11 @@ def utilization(hb: WorkerHeartbeat, full_tokens_per_s: float) -> float:
 def rack_power_kw(rack: RackSpec, utils: dict[str, float]) -> float:
     watts = 0.0
     for node in rack.nodes:
-        if node.workers:
-            mean = sum(utils.get(w, 0.0) for w in node.workers) / len(node.workers)
-            watts += node.gpus * node.gpu_tdp_w * mean
+        # The node's GPUs are shared by whichever of its workers are running (have a fresh
+        # heartbeat); an inventory may list workers that this deployment does not start.
+        running = [utils[w] for w in node.workers if w in utils]
+        if running:
+            watts += node.gpus * node.gpu_tdp_w * sum(running) / len(running)
     return rack.idle_power_kw + watts / 1000.0
 
 

@@ -123,10 +123,10 @@ async def test_pump_failure_drains_the_rack_then_clears_after_dwell(
 
         _, drained = await log.wait_for("rack-a", RackStateKind.RACK_STATE_DRAIN)
         assert "coolant flow" in drained.reason
-        assert "decode-0" in drained.worker_ids and drained.max_seqs_per_worker == 0
+        assert "both-1" in drained.worker_ids and drained.max_seqs_per_worker == 0
         await asyncio.sleep(0.1)
-        assert tracker.state_for_worker("decode-0").state == "drain"
-        assert tracker.state_for_worker("decode-1").state == "normal"
+        assert tracker.state_for_worker("prefill-1").state == "drain"
+        assert tracker.state_for_worker("decode-2").state == "normal"
         rack = (await api.get("/v1/racks/rack-a")).json()
         assert rack["state"] == "drain" and rack["faults"] == ["pump_failure"]
         assert rack["latest_reading"]["flow_lpm"] == pytest.approx(3.0)

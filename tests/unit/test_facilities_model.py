@@ -27,7 +27,8 @@ def inventory() -> Inventory:
 
 def test_example_inventory_maps_workers_to_two_racks(inventory: Inventory) -> None:
     racks = inventory.worker_racks()
-    assert racks["decode-0"] == "rack-a" and racks["decode-1"] == "rack-b"
+    assert racks["prefill-1"] == "rack-a" and racks["decode-2"] == "rack-b"
+    assert racks["both-1"] == "rack-a" and racks["both-2"] == "rack-b"
     assert {r.name for r in inventory.racks} == {"rack-a", "rack-b"}
 
 
@@ -66,11 +67,12 @@ def test_utilization_from_occupancy_or_token_rate() -> None:
 def test_rack_power_is_idle_plus_utilization_times_tdp(inventory: Inventory) -> None:
     rack = inventory.rack("rack-a")
     assert rack_power_kw(rack, {}) == pytest.approx(1.5)
-    # Three workers share node-a1's 8 GPUs: the node runs at their mean utilization.
+    # The running workers share node-a1's 8 GPUs: the node runs at their mean utilization.
     assert rack_power_kw(
-        rack, {"decode-0": 1.0, "prefill-0": 1.0, "worker-0": 1.0}
+        rack, {"prefill-1": 1.0, "decode-3": 1.0, "both-1": 1.0}
     ) == pytest.approx(1.5 + 5.6)
-    assert rack_power_kw(rack, {"decode-0": 0.75}) == pytest.approx(1.5 + 5.6 / 4)
+    assert rack_power_kw(rack, {"decode-3": 0.75}) == pytest.approx(1.5 + 5.6 * 0.75)
+    assert rack_power_kw(rack, {"decode-3": 0.5, "prefill-1": 0.0}) == pytest.approx(1.5 + 5.6 * 0.25)
 
 
 def test_coolant_rise() -> None:
@@ -82,7 +84,7 @@ def test_return_temperature_lags_toward_its_target(inventory: Inventory) -> None
     rack = inventory.rack("rack-a")
     settings = SimSettings(time_constant_s=10.0)
     sim = RackSimulator(rack, inventory.loop_of(rack), settings, now=0.0)
-    full = {"decode-0": 1.0, "prefill-0": 1.0, "worker-0": 1.0}
+    full = {"prefill-1": 1.0, "decode-3": 1.0, "both-1": 1.0}
     target = 25.0 + coolant_rise_c(7.1, 30.0, settings)
     first = sim.step(10.0, full, Faults())  # one time constant: 63% of the way
     assert first.return_c == pytest.approx(25.0 + 0.632 * (target - 25.0), rel=1e-3)
