@@ -136,7 +136,11 @@ async def _default_model(url: str, api_key: str | None) -> str:
 async def serve(args: argparse.Namespace, console: Console | None = None) -> int:
     console = console or Console()
     name = "dataset" if args.dataset else args.workload
-    model = args.model or await _default_model(args.url, args.api_key)
+    try:
+        model = args.model or await _default_model(args.url, args.api_key)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        console.print(f"[red]no model id from {args.url}/v1/models ({exc!r}); pass --model[/]")
+        return 2
     target = Target(
         url=args.url, model=model, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
         temperature=args.temperature, timeout_s=args.timeout, api_key=args.api_key,
