@@ -1,0 +1,1 @@
+"""Decode worker: `python -m tokenyard.services.decode` (code in tokenyard.services.worker)."""

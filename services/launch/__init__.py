@@ -1,0 +1,1 @@
+"""Starting Tokenyard's services as child processes on one machine (`tokenyard up`, tests)."""

@@ -1,0 +1,254 @@
+"""The whole serving stack on one machine, each service its own process.
+
+    with LocalStack(StackConfig(port=8000)) as stack:   # NATS, router, workers, gateway
+        stack.wait_ready()
+        ...
+
+Used by `tokenyard up` and by the end-to-end tests. Children inherit nothing but the
+environment: every setting travels as a TOKENYARD_* variable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenyard.bus.embedded import free_port, nats_server_binary
+from tokenyard.services.launch.procs import ChildProcess
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class StackConfig:
+    port: int = 8000
+    host: str = "127.0.0.1"
+    prefill: int = 1
+    decode: int = 1
+    aggregated: bool = False  # one worker with role "both" instead of the two pools
+    nats_url: str | None = None  # an external NATS (with JetStream); None = embedded
+    model: str | None = None
+    engine: str = "real"  # "fake" = the workers' test double (no model)
+    kvcache: bool = True
+    facilities: bool = True
+    gateway: bool = True
+    log_dir: Path | None = None  # None = a temporary directory, removed on stop
+    # Extra settings per service, as environment variables.
+    router_env: dict[str, str] = field(default_factory=dict)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    gateway_env: dict[str, str] = field(default_factory=dict)
+
+
+def module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+class LocalStack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self._tmp = Path(tempfile.mkdtemp(prefix="tokenyard-up-"))
+        self.log_dir = config.log_dir or self._tmp / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.nats_url = config.nats_url or ""
+        self.procs: list[ChildProcess] = []
+        self.workers: list[ChildProcess] = []
+        self._worker_count = 0
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    # --- starting ------------------------------------------------------------------------
+
+    def start(self) -> LocalStack:
+        try:
+            if not self.nats_url:
+                self._start_nats()
+            self._spawn(
+                "router",
+                "tokenyard.services.router",
+                {"TOKENYARD_ROUTER_NATS_URL": self.nats_url, **self.config.router_env},
+            )
+            if self.config.aggregated:
+                self.add_worker("both")
+            else:
+                for _ in range(self.config.prefill):
+                    self.add_worker("prefill")
+                for _ in range(self.config.decode):
+                    self.add_worker("decode")
+            if self.config.gateway:
+                self._start_gateway()
+            self._start_optional()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_nats(self) -> None:
+        port = free_port()
+        store = self._tmp / "jetstream"
+        store.mkdir()
+        argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)]
+        proc = ChildProcess("nats", argv, env={}, log_path=self.log_dir / "nats.log").start()
+        self.procs.append(proc)
+        self.nats_url = f"nats://127.0.0.1:{port}"
+        import socket
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    return
+            except OSError:
+                if not proc.alive():
+                    break
+                time.sleep(0.05)
+        raise StackError(f"nats-server did not start:\n{proc.log_tail()}")
+
+    def add_worker(
+        self, role: str, *, env: dict[str, str] | None = None, worker_id: str | None = None
+    ) -> ChildProcess:
+        """Start one more worker (prefill, decode or both) against this stack's NATS."""
+        self._worker_count += 1
+        worker_id = worker_id or f"{role}-{self._worker_count}"
+        module = "tokenyard.services.decode" if role == "decode" else "tokenyard.services.prefill"
+        settings = {
+            "TOKENYARD_WORKER_NATS_URL": self.nats_url,
+            "TOKENYARD_WORKER_ROLE": role,
+            "TOKENYARD_WORKER_WORKER_ID": worker_id,
+            "TOKENYARD_WORKER_ENGINE": self.config.engine,
+            **({"TOKENYARD_WORKER_MODEL": self.config.model} if self.config.model else {}),
+            **self.config.worker_env,
+            **(env or {}),
+        }
+        proc = self._spawn(worker_id, module, settings)
+        self.workers.append(proc)
+        return proc
+
+    def _start_gateway(self) -> None:
+        env = {
+            "TOKENYARD_GATEWAY_NATS_URL": self.nats_url,
+            "TOKENYARD_GATEWAY_HOST": self.config.host,
+            "TOKENYARD_GATEWAY_PORT": str(self.config.port),
+            **({"TOKENYARD_GATEWAY_MODEL_PATH": self.config.model} if self.config.model else {}),
+            **self.config.gateway_env,
+        }
+        self._spawn("gateway", "tokenyard.services.gateway", env)
+
+    def _start_optional(self) -> None:
+        if self.config.kvcache and module_exists("tokenyard.services.kvcache.__main__"):
+            self._spawn(
+                "kvcache",
+                "tokenyard.services.kvcache",
+                {"TOKENYARD_KVCACHE_PORT": str(free_port())},
+            )
+        inventory = _example_inventory()
+        if (
+            self.config.facilities
+            and inventory
+            and module_exists("tokenyard.services.facilities.__main__")
+        ):
+            data = self._tmp / "facilities"
+            data.mkdir()
+            env = {
+                "TOKENYARD_FACILITIES_NATS_URL": self.nats_url,
+                "TOKENYARD_FACILITIES_INVENTORY_PATH": str(inventory),
+                "TOKENYARD_FACILITIES_DATA_DIR": str(data),
+                "TOKENYARD_FACILITIES_PORT": str(free_port()),
+            }
+            self._spawn("facilities", "tokenyard.services.facilities", env)
+
+    def _spawn(self, name: str, module: str, env: dict[str, str]) -> ChildProcess:
+        proc = ChildProcess.python_module(
+            name, module, env=env, log_path=self.log_dir / f"{name}.log"
+        ).start()
+        self.procs.append(proc)
+        return proc
+
+    # --- waiting -------------------------------------------------------------------------
+
+    def ready(self) -> dict | None:
+        """The gateway's /ready body when it says ready, else None."""
+        try:
+            with urllib.request.urlopen(f"{self.gateway_url}/ready", timeout=1) as resp:
+                body = json.loads(resp.read())
+        except Exception:  # not up yet, or 503 while workers register
+            return None
+        return body if body.get("ready") else None
+
+    def wait_ready(self, timeout: float = 180.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            body = self.ready()
+            if body is not None and self._all_workers_registered(body):
+                return body
+            time.sleep(0.25)
+        raise StackError(
+            f"the stack was not ready after {timeout:.0f} s\n{self.describe_failures()}"
+        )
+
+    def _all_workers_registered(self, body: dict) -> bool:
+        live = {w["worker_id"] for w in body.get("workers", [])}
+        wanted = {p.name for p in self.workers if p.alive()}
+        return wanted <= live
+
+    def check_alive(self) -> None:
+        dead = [p for p in self.procs if not p.alive()]
+        if dead:
+            raise StackError(
+                f"{', '.join(p.name for p in dead)} exited\n{self.describe_failures()}"
+            )
+
+    def describe_failures(self) -> str:
+        parts = []
+        for p in self.procs:
+            state = "running" if p.alive() else f"exited {p.proc.returncode if p.proc else '?'}"
+            parts.append(f"--- {p.name} ({state}), {p.log_path}:\n{p.log_tail(15)}")
+        return "\n".join(parts)
+
+    # --- stopping ------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop everything: services first (they drain to NATS), NATS last."""
+        services = [p for p in self.procs if p.name != "nats"]
+        for p in services:
+            p.signal(15)
+        for p in reversed(services):
+            p.stop(timeout=20)
+        for p in self.procs:
+            p.stop()
+        if self.config.log_dir is None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        else:
+            shutil.rmtree(self._tmp / "jetstream", ignore_errors=True)
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _example_inventory() -> Path | None:
+    """The facilities inventory shipped with the repository, if this is a checkout."""
+    import tokenyard
+
+    candidate = (
+        Path(tokenyard.__file__).resolve().parents[1]
+        / "infra"
+        / "facilities"
+        / "inventory.example.yaml"
+    )
+    return candidate if candidate.exists() else None

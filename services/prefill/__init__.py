@@ -1,0 +1,1 @@
+"""Prefill worker: `python -m tokenyard.services.prefill` (code in tokenyard.services.worker)."""

@@ -1,0 +1,250 @@
+"""The shared worker: engine thread, heartbeats, cancel, KV events, generation helpers.
+
+Role handlers (prefill.py, decode.py) sit on top of one WorkerBase; a worker with role
+"both" runs both handlers over the same engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.msg import Msg
+from tokenyard.bus import subjects
+from tokenyard.bus.nats import Bus
+from tokenyard.kv.hashing import HASH_SPEC_VERSION
+from tokenyard.services.worker.convert import engine_params
+from tokenyard.services.worker.engine_loop import EngineLoop
+from tokenyard.services.worker.kv import KVPort
+from tokenyard.services.worker.settings import WorkerSettings
+from tokenyard.services.worker.stream import TokenStream
+from tokenyard.v1 import serving_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+CANCELLED_TTL_S = 300.0  # remember cancelled ids this long (their job may still be queued)
+
+
+@dataclass
+class Peer:
+    role: str
+    last_seen: float
+    interval_s: float
+
+
+class WorkerBase:
+    def __init__(self, settings: WorkerSettings, bus: Bus, engine: Any, params_cls: Any) -> None:
+        self.settings = settings
+        self.worker_id = settings.worker_id
+        self.bus = bus
+        self.engine = engine
+        self.params_cls = params_cls
+        self.loop = EngineLoop(engine, on_kv_events=self._publish_kv_events)
+        self.kv = KVPort(self.loop, settings)
+        self.streams: dict[str, TokenStream] = {}
+        self.cancelled: dict[str, float] = {}
+        self.peers: dict[str, Peer] = {}
+        self.stopping = asyncio.Event()
+        self._kv_seq = 0
+        self._loop_task: asyncio.Task[None]
+        self._tokens_at = (time.monotonic(), 0)
+
+    @property
+    def model_id(self) -> str:
+        return str(self.engine.model_id)
+
+    def decode_text(self, ids: list[int]) -> str:
+        return str(self.engine.tokenizer.decode(ids))
+
+    async def start(self, tg: asyncio.TaskGroup) -> None:
+        await self.kv.start()
+        self._loop_task = tg.create_task(self.loop.run(), name="engine-loop")
+        await self.bus.subscribe(subjects.CANCEL_ALL, pb.Cancel, self.on_cancel)
+        await self.bus.subscribe(
+            subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self.on_peer_heartbeat
+        )
+        await self.bus.publish(
+            subjects.kv_events(self.worker_id),
+            pb.KVEvent(
+                worker_id=self.worker_id, kind=pb.KVEvent.CLEARED, hash_version=HASH_SPEC_VERSION
+            ),
+        )
+        tg.create_task(self._heartbeats(), name="heartbeats")
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait for in-flight requests to finish; False if some are still running."""
+        deadline = time.monotonic() + timeout
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.streams
+
+    async def hand_back_all(self) -> None:
+        """Stop every request still running here without ending it for the client."""
+        for rid, stream in list(self.streams.items()):
+            await self.loop.abort(rid)
+            stream.hand_back()
+
+    async def stop(self) -> None:
+        self._loop_task.cancel()
+        await self.kv.stop()
+        self.loop.shutdown()
+
+    # --- running requests --------------------------------------------------------------
+
+    def new_stream(
+        self, request_id: str, *, start_index: int = 0, cached_tokens: int | None = None
+    ) -> TokenStream:
+        stream = TokenStream(
+            self.bus,
+            self.worker_id,
+            request_id,
+            self.decode_text,
+            start_index=start_index,
+            cached_tokens=cached_tokens,
+        )
+        self.streams[request_id] = stream
+        stream.done.add_done_callback(lambda _: self.streams.pop(request_id, None))
+        return stream
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: pb.SamplingParams,
+        *,
+        prefill_only: bool = False,
+    ) -> TokenStream:
+        """Run a request (or just its prefill) here; returns its stream once it has ended."""
+        stream = self.new_stream(request_id)
+        try:
+            await self.loop.add(
+                request_id,
+                prompt,
+                engine_params(params, self.params_cls),
+                stream,
+                prefill_only=prefill_only,
+            )
+        except ValueError as exc:
+            await stream.fail(pb.Error.INVALID_REQUEST, str(exc))
+        await stream.done
+        return stream
+
+    async def commit(self, request_id: str, *, kv_ok: bool) -> None:
+        """Start decoding an imported sequence (kv_ok=False: the engine recomputes the prompt)."""
+        await self.loop.call(self.engine.commit_import, request_id, kv_ok)
+        self.loop.wake()
+
+    async def decode_here(self, handoff: pb.DecodeHandoff) -> TokenStream:
+        """Continue a handed-off sequence on this worker by recomputing its prompt."""
+        stream, _ = await self.import_handoff(handoff)
+        await self.commit(handoff.request_id, kv_ok=False)
+        await stream.done
+        return stream
+
+    async def import_handoff(self, handoff: pb.DecodeHandoff) -> tuple[TokenStream, list[int]]:
+        """Allocate blocks for a handed-off sequence (raises when the pool is full)."""
+        rid = handoff.request_id
+        params = engine_params(handoff.params, self.params_cls)
+        dst = await self.loop.call(
+            self.engine.import_sequence,
+            rid,
+            list(handoff.prompt_token_ids),
+            list(handoff.output_token_ids),
+            params,
+        )
+        stream = self.new_stream(
+            rid, start_index=len(handoff.output_token_ids), cached_tokens=handoff.num_cached_tokens
+        )
+        stream.output_token_ids.extend(handoff.output_token_ids)
+        self.loop.sinks[rid] = stream
+        return stream, list(dst)
+
+    # --- cancel ------------------------------------------------------------------------
+
+    async def on_cancel(self, cancel: pb.Cancel, _msg: Msg) -> None:
+        rid = cancel.request_id
+        now = time.monotonic()
+        self.cancelled[rid] = now
+        for old in [r for r, t in self.cancelled.items() if now - t > CANCELLED_TTL_S]:
+            del self.cancelled[old]
+        stream = self.streams.get(rid)
+        if stream is None:
+            return
+        await self.loop.abort(rid)
+        log.info("cancelled %s (%s)", rid, cancel.reason or "no reason")
+        await stream.aborted()
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return request_id in self.cancelled
+
+    # --- heartbeats and KV events ------------------------------------------------------
+
+    async def on_peer_heartbeat(self, hb: pb.WorkerHeartbeat, _msg: Msg) -> None:
+        self.peers[hb.worker_id] = Peer(
+            hb.role, time.monotonic(), (hb.heartbeat_interval_ms or 1000) / 1000
+        )
+
+    def peer_alive(self, worker_id: str, missed: int = 3) -> bool:
+        peer = self.peers.get(worker_id)
+        return peer is not None and time.monotonic() - peer.last_seen <= missed * peer.interval_s
+
+    async def heartbeat(self) -> pb.WorkerHeartbeat:
+        stats = await self.loop.call(self.engine.stats)
+        now, generated = time.monotonic(), self.loop.tokens_generated
+        then, before = self._tokens_at
+        self._tokens_at = (now, generated)
+        return pb.WorkerHeartbeat(
+            worker_id=self.worker_id,
+            role=self.settings.role,
+            model=self.model_id,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_free_blocks=stats.num_free_blocks,
+            num_blocks=stats.num_blocks,
+            max_num_seqs=self.settings.max_num_seqs,
+            tokens_per_s=(generated - before) / (now - then) if now > then else 0.0,
+            kv_endpoint=self.kv.endpoint,
+            host=self.settings.host,
+            sent_unix_ms=int(time.time() * 1000),
+            block_size=int(
+                getattr(self.engine, "block_size", 0) or _layout_block_size(self.engine)
+            ),
+            heartbeat_interval_ms=int(self.settings.heartbeat_interval_s * 1000),
+            max_model_len=int(self.engine.max_model_len),
+        )
+
+    async def _heartbeats(self) -> None:
+        subject = subjects.heartbeat(self.settings.role, self.worker_id)
+        while not self.stopping.is_set():
+            try:
+                await self.bus.publish(subject, await self.heartbeat())
+            except Exception:
+                log.exception("heartbeat failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), self.settings.heartbeat_interval_s)
+
+    async def _publish_kv_events(self, events: list[tuple[str, list[int]]]) -> None:
+        kinds = {
+            "stored": pb.KVEvent.STORED,
+            "removed": pb.KVEvent.REMOVED,
+            "cleared": pb.KVEvent.CLEARED,
+        }
+        for kind, hashes in events:
+            self._kv_seq += 1
+            event = pb.KVEvent(
+                worker_id=self.worker_id,
+                kind=kinds.get(kind, pb.KVEvent.KIND_UNSPECIFIED),
+                block_hashes=hashes,
+                hash_version=HASH_SPEC_VERSION,
+                seq=self._kv_seq,
+            )
+            await self.bus.publish(subjects.kv_events(self.worker_id), event)
+
+
+def _layout_block_size(engine: Any) -> int:
+    layout = getattr(engine, "layout", None)
+    return int(layout.block_size) if layout is not None else 16

@@ -1,0 +1,114 @@
+"""Decode role: take handed-off sequences, pull their KV, decode them with continuous batching.
+
+Hand-offs arrive by core NATS request/reply on ``ty.decode.<worker>.jobs``; the reply
+(HandoffAck) tells the prefill worker whether we took the sequence. A stopping decode
+worker hands its running sequences to another decode worker with the tokens streamed so
+far (the prompt is recomputed there), so no answer is cut short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from nats.aio.msg import Msg
+from tokenyard.bus import subjects
+from tokenyard.services.worker.base import WorkerBase
+from tokenyard.v1 import serving_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DECODE_ROLES = ("decode", "both")
+
+
+class DecodeHandler:
+    def __init__(self, worker: WorkerBase) -> None:
+        self.w = worker
+        self.bus = worker.bus
+        self.handoffs: dict[str, pb.DecodeHandoff] = {}  # running here
+        self._tg: asyncio.TaskGroup | None = None
+        self._sub = None
+
+    async def start(self, tg: asyncio.TaskGroup) -> None:
+        self._tg = tg
+        self._sub = await self.bus.subscribe(
+            subjects.decode_jobs(self.w.worker_id), pb.DecodeHandoff, self.on_handoff
+        )
+
+    async def on_handoff(self, handoff: pb.DecodeHandoff, msg: Msg) -> None:
+        # NOTE: a subscription's callbacks run one at a time; the engine call inside would
+        # serialize hand-offs behind engine steps, so each one gets its own task.
+        assert self._tg is not None
+        self._tg.create_task(self._take(handoff, msg), name=f"handoff {handoff.request_id}")
+
+    async def _take(self, handoff: pb.DecodeHandoff, msg: Msg) -> None:
+        rid = handoff.request_id
+        if self.w.stopping.is_set() or self.w.is_cancelled(rid):
+            await self.bus.reply(
+                msg, pb.HandoffAck(request_id=rid, accepted=False, message="not taking work")
+            )
+            return
+        try:
+            stream, dst = await self.w.import_handoff(handoff)
+        except Exception as exc:  # NoFreeBlocks, a bad sequence: the prefill worker keeps it
+            await self.bus.reply(
+                msg, pb.HandoffAck(request_id=rid, accepted=False, message=str(exc))
+            )
+            return
+        self.handoffs[rid] = handoff
+        stream.done.add_done_callback(lambda _: self.handoffs.pop(rid, None))
+        await self.bus.reply(msg, pb.HandoffAck(request_id=rid, accepted=True))
+        kv_ok = await self.w.kv.pull(handoff.kv_endpoint, rid, list(handoff.src_block_ids), dst)
+        if stream.done.done():  # cancelled while we pulled
+            return
+        await self.w.commit(rid, kv_ok=kv_ok)
+
+    async def stop_taking(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+    async def hand_over_running(self) -> None:
+        """Move every sequence still running here to another live decode worker."""
+        for rid, handoff in list(self.handoffs.items()):
+            stream = self.w.streams.get(rid)
+            if stream is None:
+                continue
+            await self.w.loop.abort(rid)
+            resume = pb.DecodeHandoff()
+            resume.CopyFrom(handoff)
+            resume.ClearField("output_token_ids")
+            resume.output_token_ids.extend(stream.output_token_ids)
+            resume.kv_endpoint = ""
+            resume.ClearField("src_block_ids")
+            if await self._resume_elsewhere(resume):
+                stream.hand_back()
+            else:
+                await stream.fail(
+                    pb.Error.INTERNAL,
+                    "the decode worker stopped and no other could take the request",
+                )
+
+    async def _resume_elsewhere(self, resume: pb.DecodeHandoff) -> bool:
+        for peer_id, peer in self.w.peers.items():
+            if (
+                peer_id == self.w.worker_id
+                or peer.role not in DECODE_ROLES
+                or not self.w.peer_alive(peer_id)
+            ):
+                continue
+            try:
+                ack = await self.bus.request(
+                    subjects.decode_jobs(peer_id), resume, pb.HandoffAck, timeout=2.0
+                )
+            except Exception:
+                continue
+            if ack.accepted:
+                log.info(
+                    "handed %s (%d tokens in) to %s",
+                    resume.request_id,
+                    len(resume.output_token_ids),
+                    peer_id,
+                )
+                return True
+        return False

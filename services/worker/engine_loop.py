@@ -1,0 +1,122 @@
+"""All engine calls on one thread; the asyncio loop only waits for them.
+
+The engine is not thread-safe, so every call (add_request, step, abort, import/commit,
+export/release, stats) goes through :meth:`EngineLoop.call`, a single-thread executor.
+:meth:`EngineLoop.run` steps the engine while it has work and hands each step's outputs to
+the sink registered for the request, on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# A step that returns nothing this fast did no work (e.g. only an uncommitted import is
+# pending): wait a little instead of spinning a core.
+IDLE_STEP_S = 0.0005
+IDLE_SLEEP_S = 0.002
+
+
+class Sink(Protocol):
+    async def on_output(self, out: Any) -> None: ...
+
+
+@dataclass
+class StepResult:
+    outputs: list[Any]
+    kv_events: list[tuple[str, list[int]]]
+    has_unfinished: bool
+    seconds: float
+
+
+class EngineLoop:
+    def __init__(
+        self, engine: Any, on_kv_events: Callable[[list[tuple[str, list[int]]]], Any] | None = None
+    ) -> None:
+        self.engine = engine
+        self.sinks: dict[str, Sink] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._wake = asyncio.Event()
+        self._on_kv_events = on_kv_events
+        self.tokens_generated = 0
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, partial(fn, *args, **kwargs))
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: Any,
+        sink: Sink,
+        *,
+        prefill_only: bool = False,
+    ) -> None:
+        """Queue a request; its outputs go to ``sink`` (raises the engine's ValueError)."""
+        self.sinks[request_id] = sink
+        try:
+            await self.call(
+                self.engine.add_request, request_id, prompt, params, prefill_only=prefill_only
+            )
+        except BaseException:
+            self.sinks.pop(request_id, None)
+            raise
+        self.wake()
+
+    async def abort(self, request_id: str) -> bool:
+        self.sinks.pop(request_id, None)
+        return bool(await self.call(self.engine.abort, request_id))
+
+    def _step(self) -> StepResult:
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        drain = getattr(self.engine, "drain_kv_events", None)
+        events = drain() if drain is not None else []
+        return StepResult(
+            outputs, events, self.engine.has_unfinished(), time.perf_counter() - started
+        )
+
+    async def run(self) -> None:
+        """Step while there is work; sleep on the wake event otherwise. Runs until cancelled."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                result = await self.call(self._step)
+                await self._dispatch(result)
+                if not result.has_unfinished:
+                    break
+                if not result.outputs and result.seconds < IDLE_STEP_S:
+                    await asyncio.sleep(IDLE_SLEEP_S)
+
+    async def _dispatch(self, result: StepResult) -> None:
+        if result.kv_events and self._on_kv_events is not None:
+            await self._on_kv_events(result.kv_events)
+        for out in result.outputs:
+            self.tokens_generated += len(out.new_token_ids)
+            sink = self.sinks.get(out.request_id)
+            if out.finished:
+                self.sinks.pop(out.request_id, None)
+            if sink is None:
+                continue
+            try:
+                await sink.on_output(out)
+            except Exception:
+                log.exception("sink of %s failed", out.request_id)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,222 @@
+"""A test double of the engine: the same methods, no model, deterministic tokens.
+
+It lets the service plumbing (queues, hand-offs, cancel, redelivery) be tested in seconds.
+Token t+1 is a fixed function of token t, so a request continued on another worker yields
+the same tokens, like the real engine's greedy or seeded sampling.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+VOCAB = 1000
+EOS = 0
+
+
+def next_token(last: int) -> int:
+    return (last * 31 + 7) % (VOCAB - 1) + 1  # never EOS
+
+
+class FakeTokenizer:
+    eos_token_ids = {EOS}
+
+    def encode(self, text: str) -> list[int]:
+        return [(ord(c) % (VOCAB - 1)) + 1 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + (
+            "assistant: " if add_generation_prompt else ""
+        )
+
+
+@dataclass
+class FakeOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    logprobs: list[Any] | None = None
+
+
+@dataclass
+class FakeStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_hits: int = 0
+    prefix_cache_queries: int = 0
+
+
+@dataclass
+class FakeExported:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: Any
+
+
+@dataclass
+class _Seq:
+    prompt: list[int]
+    params: Any
+    prefill_only: bool
+    blocks: list[int]
+    output: list[int] = field(default_factory=list)
+    committed: bool = True
+    held: bool = False
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        *,
+        num_blocks: int = 256,
+        block_size: int = 16,
+        max_num_seqs: int = 32,
+        max_model_len: int = 2048,
+        step_s: float = 0.005,
+    ) -> None:
+        self.model_id = "fake-model"
+        self.tokenizer = FakeTokenizer()
+        self.layout = None
+        self.kv_cache = None
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.num_blocks = num_blocks
+        self.step_s = step_s
+        self._free = list(range(num_blocks))
+        self._seqs: dict[str, _Seq] = {}
+
+    def _allocate(self, n_tokens: int) -> list[int]:
+        n = -(-n_tokens // self.block_size)
+        if n > len(self._free):
+            raise NoFreeBlocks(f"need {n} blocks, {len(self._free)} free")
+        blocks, self._free = self._free[:n], self._free[n:]
+        return blocks
+
+    def add_request(
+        self, request_id: str, prompt: Any, params: Any, *, prefill_only: bool = False
+    ) -> None:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens + max_tokens exceeds max_model_len {self.max_model_len}"
+            )
+        self._seqs[request_id] = _Seq(
+            ids, params, prefill_only, self._allocate(len(ids) + params.max_tokens)
+        )
+
+    def _active(self) -> list[tuple[str, _Seq]]:
+        return [(r, s) for r, s in self._seqs.items() if s.committed and not s.held][
+            : self.max_num_seqs
+        ]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._active())
+
+    def step(self) -> list[FakeOutput]:
+        active = self._active()
+        if active and self.step_s:
+            time.sleep(self.step_s)
+        return [self._advance(rid, seq) for rid, seq in active]
+
+    def _advance(self, rid: str, seq: _Seq) -> FakeOutput:
+        tok = next_token(seq.output[-1] if seq.output else seq.prompt[-1])
+        seq.output.append(tok)
+        reason = None
+        if len(seq.output) >= seq.params.max_tokens:
+            reason = "length"
+        elif seq.prefill_only:
+            reason = "prefilled"
+        if reason == "prefilled":
+            seq.held = True
+        elif reason is not None:
+            self._free_seq(rid)
+        return FakeOutput(
+            rid,
+            [tok],
+            self.tokenizer.decode([tok]),
+            reason is not None,
+            reason,
+            len(seq.prompt),
+            len(seq.output),
+        )
+
+    def _free_seq(self, rid: str) -> None:
+        seq = self._seqs.pop(rid, None)
+        if seq is not None:
+            self._free.extend(seq.blocks)
+
+    def abort(self, request_id: str) -> bool:
+        found = request_id in self._seqs
+        self._free_seq(request_id)
+        return found
+
+    def export_sequence(self, request_id: str) -> FakeExported:
+        seq = self._seqs[request_id]
+        return FakeExported(
+            seq.prompt,
+            list(seq.output),
+            seq.blocks[: -(-len(seq.prompt) // self.block_size)],
+            len(seq.prompt),
+            seq.params,
+        )
+
+    def release(self, request_id: str) -> None:
+        self._free_seq(request_id)
+
+    def import_sequence(
+        self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int], params: Any
+    ) -> list[int]:
+        blocks = self._allocate(len(prompt_token_ids) + params.max_tokens)
+        seq = _Seq(
+            list(prompt_token_ids), params, False, blocks, list(output_token_ids), committed=False
+        )
+        self._seqs[request_id] = seq
+        return blocks[: -(-len(prompt_token_ids) // self.block_size)]
+
+    def commit_import(self, request_id: str, kv_ok: bool) -> None:
+        self._seqs[request_id].committed = True
+
+    def stats(self) -> FakeStats:
+        active = self._active()
+        waiting = sum(1 for s in self._seqs.values() if s.committed and not s.held) - len(active)
+        return FakeStats(len(active), waiting, len(self._free), self.num_blocks)
+
+    def drain_kv_events(self) -> list[tuple[str, list[int]]]:
+        return []
+
+
+@dataclass
+class FakeSamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None

@@ -1,0 +1,105 @@
+"""The worker's end of the KV hand-off, over tokenyard.kv.transfer.
+
+Prefill side: :meth:`KVPort.offer` holds a prefilled request's blocks for a decode worker to
+pull; the transfer layer ends the hold (pulled, aborted or timed out) and the blocks go back
+to the engine. Decode side: :meth:`KVPort.pull` copies them into freshly imported blocks.
+With no pool to share (a fake engine, or ``kv_transfer=False``) there is no endpoint and
+decode workers recompute the prompt instead: same call sites, slower but correct.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from tokenyard.services.worker.engine_loop import EngineLoop
+from tokenyard.services.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class KVPort:
+    def __init__(self, loop: EngineLoop, settings: WorkerSettings) -> None:
+        self.loop = loop
+        self.settings = settings
+        self.endpoint = ""
+        self._server: Any = None
+        self._client: Any = None
+        self._releases: set[asyncio.Task[None]] = set()
+
+    @property
+    def enabled(self) -> bool:
+        engine = self.loop.engine
+        return self.settings.kv_transfer and getattr(engine, "kv_cache", None) is not None
+
+    async def start(self) -> None:
+        if not self.enabled:
+            return
+        from tokenyard.kv.transfer import KVTransferClient, KVTransferServer
+
+        engine = self.loop.engine
+        if self.settings.prefills:
+            self._server = KVTransferServer(
+                engine.kv_cache,
+                engine.layout,
+                on_release=self._on_release,
+                host=self.settings.host,
+                port=self.settings.kv_port,
+            )
+            self.endpoint = await self._server.start()
+        if self.settings.decodes:
+            self._client = KVTransferClient(engine.kv_cache, engine.layout)
+
+    async def stop(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+        if self._server is not None:
+            await self._server.stop()
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
+
+    def offer(self, request_id: str, block_ids: list[int]) -> str:
+        """Hold the blocks for a pull; returns the endpoint, or "" (then release them yourself)."""
+        if self._server is None:
+            return ""
+        self._server.offer(request_id, block_ids)
+        return self.endpoint
+
+    async def end_hold(self, request_id: str, why: str) -> None:
+        """Free a request's held blocks now (nobody will pull them)."""
+        if self._server is None or not self._server.end_hold(request_id, why):
+            await self.loop.call(self.loop.engine.release, request_id)
+
+    async def pull(self, endpoint: str, request_id: str, src: list[int], dst: list[int]) -> bool:
+        """True when ``dst`` now holds the prompt's KV; False means: recompute."""
+        if self._client is None or not endpoint:
+            return False
+        if len(src) != len(dst):
+            log.warning(
+                "KV pull %s: %d source blocks for %d destination blocks; recomputing",
+                request_id,
+                len(src),
+                len(dst),
+            )
+            return False
+        try:
+            await self._client.pull(endpoint, request_id, src, dst)
+        except Exception as exc:  # KVTransferError and anything under it: recompute, lose nothing
+            log.warning(
+                "KV pull %s from %s failed (%s); recomputing the prompt", request_id, endpoint, exc
+            )
+            return False
+        return True
+
+    def _on_release(self, request_id: str) -> None:
+        # Called on the event loop by the transfer server; the engine call goes to its thread.
+        task = asyncio.get_running_loop().create_task(self._release(request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, request_id: str) -> None:
+        try:
+            await self.loop.call(self.loop.engine.release, request_id)
+        except Exception:  # already aborted or released: nothing left to free
+            log.debug("release of %s: nothing held", request_id, exc_info=True)

@@ -1,0 +1,121 @@
+"""Worker wiring: settings, engine, NATS, role handlers, graceful shutdown.
+
+python -m tokenyard.services.prefill            # role prefill
+python -m tokenyard.services.decode             # role decode
+python -m tokenyard.services.prefill --role both  # aggregated: one worker does both
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+from tokenyard.bus.nats import Bus
+from tokenyard.services.worker.base import WorkerBase
+from tokenyard.services.worker.decode import DecodeHandler
+from tokenyard.services.worker.prefill import PrefillHandler
+from tokenyard.services.worker.settings import Role, WorkerSettings
+from tokenyard.tracing import setup_tracing
+
+log = logging.getLogger("tokenyard.worker")
+
+
+def build_engine(settings: WorkerSettings) -> tuple[Any, Any]:
+    """The engine and its SamplingParams class."""
+    if settings.engine == "fake":
+        from tokenyard.services.worker.fake_engine import FakeEngine, FakeSamplingParams
+
+        return FakeEngine(max_num_seqs=settings.max_num_seqs), FakeSamplingParams
+    from tokenyard.engine.config import EngineConfig
+    from tokenyard.engine.llm_engine import LLMEngine
+    from tokenyard.engine.sampling_params import SamplingParams
+
+    optional = {
+        "dtype": settings.dtype,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "kv_cache_bytes": settings.kv_cache_bytes,
+        "max_model_len": settings.max_model_len,
+    }
+    config = EngineConfig(
+        model=settings.model,
+        max_num_seqs=settings.max_num_seqs,
+        **{k: v for k, v in optional.items() if v is not None},
+    )
+    return LLMEngine(config), SamplingParams
+
+
+async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
+    engine, params_cls = await asyncio.to_thread(build_engine, settings)
+    bus = await Bus.connect(settings.nats_url, name=f"worker-{settings.worker_id}")
+    worker = WorkerBase(settings, bus, engine, params_cls)
+    prefill = PrefillHandler(worker) if settings.prefills else None
+    decode = DecodeHandler(worker) if settings.decodes else None
+    try:
+        async with asyncio.TaskGroup() as tg:
+            await worker.start(tg)
+            for handler in (decode, prefill):
+                if handler is not None:
+                    await handler.start(tg)
+            log.info(
+                "worker %s (%s, %s) ready; KV endpoint %r",
+                settings.worker_id,
+                settings.role,
+                worker.model_id,
+                worker.kv.endpoint,
+            )
+            await stop.wait()
+            await shutdown(worker, prefill, decode)
+    finally:
+        await bus.close()
+
+
+async def shutdown(
+    worker: WorkerBase, prefill: PrefillHandler | None, decode: DecodeHandler | None
+) -> None:
+    """Stop taking work, finish what we can, hand back the rest, leave no held blocks."""
+    log.info("worker %s stopping: finishing %d requests", worker.worker_id, len(worker.streams))
+    worker.stopping.set()
+    if decode is not None:
+        await decode.stop_taking()
+    if not await worker.wait_idle(worker.settings.drain_timeout_s):
+        log.warning("handing back %d unfinished requests", len(worker.streams))
+        if decode is not None:
+            await decode.hand_over_running()
+        await worker.hand_back_all()
+    await asyncio.sleep(0)  # let the job tasks ack or nak
+    if prefill is not None:
+        await prefill.remove_own_consumer_if_empty()
+    await worker.stop()
+
+
+def parse_role(default: Role) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description="A Tokenyard worker (settings: TOKENYARD_WORKER_* env vars)"
+    )
+    parser.add_argument("--role", choices=["prefill", "decode", "both"], help=f"default {default}")
+    args = parser.parse_args()
+    if args.role:
+        return {"role": args.role}
+    return {} if "TOKENYARD_WORKER_ROLE" in os.environ else {"role": default}
+
+
+def main(default_role: Role) -> None:
+    settings = WorkerSettings(**parse_role(default_role))
+    logging.basicConfig(
+        level=settings.log_level,
+        format=f"%(asctime)s {settings.role}:{settings.worker_id} %(levelname)s %(message)s",
+    )
+    setup_tracing(f"worker-{settings.role}")
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(settings, stop)
+
+    asyncio.run(run())

@@ -1,0 +1,65 @@
+"""Worker settings (env prefix ``TOKENYARD_WORKER_``), shared by prefill, decode and both."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Role = Literal["prefill", "decode", "both"]
+
+
+def default_worker_id() -> str:
+    """hostname-pid, shortened to what a NATS subject token and a consumer name allow."""
+    host = socket.gethostname().split(".")[0][:24]
+    return sanitize_worker_id(f"{host}-{os.getpid()}")
+
+
+def sanitize_worker_id(value: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "-", value)
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENYARD_WORKER_")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    worker_id: str = Field(default_factory=default_worker_id)
+    role: Role = "both"
+    model: str | None = None  # a GGUF file or HF folder; None = the default model
+    engine: Literal["real", "fake"] = "real"  # fake: a tiny test double, no model (tests only)
+    dtype: str | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    max_model_len: int | None = None
+    heartbeat_interval_s: float = 1.0
+    host: str = "127.0.0.1"  # where the KV transfer server listens
+    kv_port: int = 0  # 0 = any free port
+    kv_transfer: bool = True  # False: decode workers always recompute the prompt
+    # JetStream: a job unacked this long is redelivered; we send in-progress acks meanwhile.
+    job_ack_wait_s: float = 6.0
+    job_max_deliver: int = 5
+    # How long the prefill worker waits for a decode worker to take a hand-off.
+    handoff_timeout_s: float = 2.0
+    # Graceful stop: finish in-flight requests for this long, then hand them back / abort.
+    drain_timeout_s: float = 15.0
+    log_level: str = "INFO"
+
+    @field_validator("worker_id")
+    @classmethod
+    def _subject_safe(cls, value: str) -> str:
+        if not value or sanitize_worker_id(value) != value:
+            raise ValueError(f"worker_id {value!r} may hold only letters, digits, '-' and '_'")
+        return value
+
+    @property
+    def prefills(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in ("decode", "both")

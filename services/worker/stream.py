@@ -1,0 +1,74 @@
+"""One request's token stream: engine outputs in, TokenChunks out on ``ty.tokens.<rid>``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from tokenyard.bus import subjects
+from tokenyard.bus.nats import Bus
+from tokenyard.services.worker.convert import error_chunk, token_chunk
+
+# A stream ended by a stopping worker without telling the gateway: someone else continues it.
+HANDED_BACK = "handed-back"
+
+
+class TokenStream:
+    """Publishes each step's tokens at their output index; ``done`` resolves with the
+    finish reason ("stop", "length", "abort", "prefilled", "error")."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        worker_id: str,
+        request_id: str,
+        decode: Callable[[list[int]], str],
+        *,
+        start_index: int = 0,
+        cached_tokens: int | None = None,
+    ) -> None:
+        self.bus = bus
+        self.worker_id = worker_id
+        self.request_id = request_id
+        self.decode = decode
+        self.next_index = start_index
+        self.cached_tokens = cached_tokens
+        self.output_token_ids: list[int] = []
+        self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def on_output(self, out: Any) -> None:
+        chunk = token_chunk(
+            out,
+            index=self.next_index,
+            worker_id=self.worker_id,
+            decode=self.decode,
+            cached_tokens=self.cached_tokens,
+        )
+        if self.cached_tokens is None:
+            self.cached_tokens = out.num_cached_tokens
+        self.next_index += len(out.new_token_ids)
+        self.output_token_ids.extend(out.new_token_ids)
+        await self.bus.publish(subjects.tokens(self.request_id), chunk)
+        if out.finished:
+            self._finish(out.finish_reason or "stop")
+
+    async def fail(self, code: int, message: str) -> None:
+        chunk = error_chunk(self.request_id, self.next_index, self.worker_id, code, message)
+        await self.bus.publish(subjects.tokens(self.request_id), chunk)
+        self._finish("error")
+
+    async def aborted(self) -> None:
+        """The request was cancelled: tell the gateway it ended (it may still be listening)."""
+        chunk = error_chunk(self.request_id, self.next_index, self.worker_id, 0, "")
+        chunk.finish_reason = "abort"
+        chunk.ClearField("error")
+        await self.bus.publish(subjects.tokens(self.request_id), chunk)
+        self._finish("abort")
+
+    def hand_back(self) -> None:
+        self._finish(HANDED_BACK)
+
+    def _finish(self, reason: str) -> None:
+        if not self.done.done():
+            self.done.set_result(reason)
