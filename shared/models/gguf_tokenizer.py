@@ -55,7 +55,7 @@ def build_backend(md: dict[str, Any], path: str) -> Backend:
     _add_special_tokens(
         backend, tokens, md.get("tokenizer.ggml.token_type") or [], byte_level=kind == "gpt2"
     )
-    backend.post_processor = _bos_processor(md, tokens, default_add_bos=kind == "llama")
+    backend.post_processor = _gguf_processor(md, tokens, default_add_bos=kind == "llama")
     return backend
 
 
@@ -153,16 +153,32 @@ def _add_special_tokens(
     backend.add_tokens(user)
 
 
-def _bos_processor(
+def _gguf_processor(
     md: dict[str, Any], tokens: list[str], *, default_add_bos: bool
 ) -> processors.PostProcessor:
-    bos_id = md.get("tokenizer.ggml.bos_token_id")
-    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", default_add_bos)) and bos_id is not None
-    if not add_bos:
-        return processors.TemplateProcessing(single="$A", pair="$A $B:1", special_tokens=[])
-    bos = tokens[bos_id]
+    def special(key: str, flag: str, default: bool) -> tuple[str, int] | None:
+        index = md.get(f"tokenizer.ggml.{key}")
+        wanted = bool(md.get(f"tokenizer.ggml.{flag}", default))
+        return (
+            (tokens[index], index)
+            if wanted and index is not None and 0 <= index < len(tokens)
+            else None
+        )
+
+    return special_tokens_processor(
+        special("bos_token_id", "add_bos_token", default_add_bos),
+        special("eos_token_id", "add_eos_token", False),
+    )
+
+
+def special_tokens_processor(
+    bos: tuple[str, int] | None, eos: tuple[str, int] | None
+) -> processors.PostProcessor:
+    """What encode(add_special_tokens=True) adds: BOS before and/or EOS after the text."""
+    single = " ".join([*([bos[0]] if bos else []), "$A", *([eos[0]] if eos else [])])
+    pair = single + " " + single.replace("$A", "$B:1")
     return processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, bos_id)]
+        single=single, pair=pair, special_tokens=[t for t in (bos, eos) if t]
     )
 
 

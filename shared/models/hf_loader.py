@@ -57,7 +57,7 @@ def _config(raw: dict[str, Any], arch: str) -> ModelConfig:
         num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(raw.get("head_dim") or hidden // heads),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         rope_scaling=scaling,

@@ -14,7 +14,7 @@ from typing import Any
 from tokenizers import Tokenizer as Backend
 from tokenyard.models.chat_template import render_chat_template
 from tokenyard.models.errors import ModelLoadError
-from tokenyard.models.gguf_tokenizer import build_backend
+from tokenyard.models.gguf_tokenizer import build_backend, special_tokens_processor
 
 # End-of-turn tokens of common chat formats; generation stops on any that the vocabulary has.
 _END_OF_TURN = (
@@ -85,6 +85,7 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception
             raise ModelLoadError(f"cannot read {str(folder / 'tokenizer.json')!r}: {e}") from e
         config = _read_json(folder / "tokenizer_config.json")
+        _apply_add_special_flags(backend, config)
         return cls(
             backend,
             bos_token=_token_content(config.get("bos_token")),
@@ -203,6 +204,26 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _apply_add_special_flags(backend: Backend, config: dict[str, Any]) -> None:
+    """tokenizer_config.json's add_bos_token/add_eos_token override tokenizer.json's
+    post-processor, as transformers does; so does a missing post-processor."""
+    if (
+        "add_bos_token" not in config
+        and "add_eos_token" not in config
+        and backend.post_processor is not None
+    ):
+        return
+
+    def special(name: str, flag: str) -> tuple[str, int] | None:
+        token = _token_content(config.get(name))
+        index = backend.token_to_id(token) if token is not None and config.get(flag) else None
+        return (token, index) if token is not None and index is not None else None
+
+    backend.post_processor = special_tokens_processor(
+        special("bos_token", "add_bos_token"), special("eos_token", "add_eos_token")
+    )
 
 
 def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:

@@ -360,3 +360,15 @@ def test_unsupported_hf_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
     with pytest.raises(ModelLoadError, match="unsupported architecture 'bert'"):
         load_model(str(tmp_path))
+
+
+def test_hf_folder_add_bos_token_flag(tmp_path):
+    folder = tmp_path / "tiny-llama"
+    _save_tiny_hf_model(folder, tie=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": True}))
+    tokenizer = load_tokenizer(str(folder))
+    assert tokenizer.encode("hi") == [
+        tokenizer.bos_token_id,
+        *tokenizer.encode("hi", add_special_tokens=False),
+    ]
