@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from tokenyard.bench import metrics, plots, report, results, workloads
 from tokenyard.bench.client import Target
-from tokenyard.bench.records import TokenCounter
-from tokenyard.bench.runner import Load, run_load
+from tokenyard.bench.records import RequestRecord, TokenCounter
+from tokenyard.bench.runner import Load, RunResult, run_load
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -168,7 +168,14 @@ async def serve(args: argparse.Namespace, console: Console | None = None) -> int
     return 0 if all(run["summary"]["requests"]["ok"] for run in runs) else 1
 
 
-async def _run_with_progress(target, sessions, load, warm, args, console):
+async def _run_with_progress(
+    target: Target,
+    sessions: list[workloads.Session],
+    load: Load,
+    warm: list[workloads.Session],
+    args: argparse.Namespace,
+    console: Console,
+) -> RunResult:
     total = sum(len(s.turns) for s in sessions)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -178,7 +185,7 @@ async def _run_with_progress(target, sessions, load, warm, args, console):
         task = progress.add_task(load.label, total=total, errors=0)
         errors = 0
 
-        def on_done(record) -> None:
+        def on_done(record: RequestRecord) -> None:
             nonlocal errors
             errors += not record.ok
             progress.update(task, advance=1, errors=errors)

@@ -42,6 +42,8 @@ def lookup(run: dict[str, Any], path: str) -> Any:
 def fmt(value: Any) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {fmt(v)}" for k, v in value.items()) or "-"
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
     return str(value)

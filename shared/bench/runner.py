@@ -53,10 +53,16 @@ class RunResult:
     client: dict = field(default_factory=dict)
 
 
-class _Session:
+class _Sender:
     """Sends sessions turn by turn and keeps their records (shared by both load shapes)."""
 
-    def __init__(self, target: Target, http: httpx.AsyncClient, t0_ns: int, on_done) -> None:
+    def __init__(
+        self,
+        target: Target,
+        http: httpx.AsyncClient,
+        t0_ns: int,
+        on_done: Callable[[RequestRecord], None] | None,
+    ) -> None:
         self.target, self.http, self.t0_ns, self.on_done = target, http, t0_ns, on_done
         self.records: list[RequestRecord] = []
         self.untokenized: list[tuple[RequestRecord, str, str]] = []  # no usage: count later
@@ -90,7 +96,7 @@ class _Session:
             conversation.add_reply(ex.output_text)
 
 
-async def _closed(sender: _Session, sessions: list[Session], concurrency: int, **kw) -> None:
+async def _closed(sender: _Sender, sessions: list[Session], concurrency: int, **kw) -> None:
     queue = deque(enumerate(sessions))
 
     async def worker() -> None:
@@ -103,7 +109,7 @@ async def _closed(sender: _Session, sessions: list[Session], concurrency: int, *
             tg.create_task(worker())
 
 
-async def _open(sender: _Session, sessions: list[Session], load: Load, seed: int) -> None:
+async def _open(sender: _Sender, sessions: list[Session], load: Load, seed: int) -> None:
     assert load.request_rate is not None
     offsets = poisson_arrivals(load.request_rate, len(sessions), random.Random(seed))
     slots = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
@@ -148,7 +154,7 @@ async def run_load(
     timeout = httpx.Timeout(target.timeout_s, connect=10.0, pool=None)
     # NOTE: trust_env=False: a proxy from the environment would sit inside every timing.
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as http:
-        sender = _Session(target, http, time.perf_counter_ns(), on_done)
+        sender = _Sender(target, http, time.perf_counter_ns(), on_done)
         if warmup:
             await _closed(
                 sender, warmup, load.concurrency or load.max_concurrency or 1, warmup=True

@@ -3,15 +3,17 @@
 Set TOKENYARD_BENCH_URL to measure a stack that is already running instead of starting one.
 """
 
+import collections
 import contextlib
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
-import httpx
 import pytest
 from tokenyard.bench import metrics
 from tokenyard.bench.client import Target
@@ -20,42 +22,40 @@ from tokenyard.bench.workloads import WorkloadOptions, build
 
 pytestmark = pytest.mark.slow
 
-GATEWAY_URL = "http://127.0.0.1:8000"
 MODEL = "SmolLM2-135M-Instruct"
-START_TIMEOUT_S = 240
+START_TIMEOUT_S = 300
+BANNER = "Tokenyard is up"
 
 
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/v1/models", timeout=2, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
 def _stack():
     if importlib.util.find_spec("tokenyard.services.up") is None:
         pytest.skip("services/up.py (`tokenyard up`) does not exist yet")
-    if _ready(GATEWAY_URL):
-        pytest.skip(
-            f"something already answers on {GATEWAY_URL}; set TOKENYARD_BENCH_URL to use it"
-        )
+    port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenyard.cli", "up"],
+        [sys.executable, "-m", "tokenyard.cli", "up", "--port", str(port)],
         start_new_session=True,  # its own process group: everything it started stops with it
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
+    output: collections.deque[str] = collections.deque(maxlen=200)
+    drain = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    drain.start()  # a full pipe would block the stack
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ready(GATEWAY_URL):
+        while not any(BANNER in line for line in list(output)):
             if proc.poll() is not None:
-                pytest.fail(
-                    f"tokenyard up exited {proc.returncode}: {proc.stderr.read()[-3000:]!r}"
-                )
-            assert time.monotonic() < deadline, "the gateway did not come up"
-            time.sleep(1)
-        yield GATEWAY_URL
+                pytest.fail(f"tokenyard up exited {proc.returncode}:\n{''.join(output)}")
+            assert time.monotonic() < deadline, f"no banner in time:\n{''.join(output)}"
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}"
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -63,6 +63,7 @@ def _stack():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        drain.join(timeout=5)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """`tokenyard bench` against a real HTTP server started here: a small FastAPI app that
 streams OpenAI-format SSE with usage. The server is the fake; the client is measured."""
 
+import argparse
 import asyncio
 import io
 import json
@@ -12,7 +13,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from rich.console import Console
-from tokenyard import cli
 from tokenyard.bench import cli as bench_cli
 from tokenyard.bench import metrics
 from tokenyard.bench.client import Target
@@ -209,10 +209,13 @@ async def test_open_loop_follows_the_poisson_schedule_and_measures_send_lag(fake
 def test_cli_sweep_writes_json_and_plots_and_compare_prints_ratios(fake, tmp_path):
     server, url = fake
     out = tmp_path / "a.json"
-    argv = ["bench", "serve", "--url", url + "/v1", "--num-prompts", "6", "--input-len", "20",
+    argv = ["serve", "--url", url + "/v1", "--num-prompts", "6", "--input-len", "20",
             "--output-len", "6", "--concurrency", "1,3", "--warmup", "1", "--no-progress",
             "--slo-ttft-ms", "1000", "--out", str(out)]  # fmt: skip
-    assert cli.main(argv) == 0
+    # NOTE: our own parser, not tokenyard.cli.main, which also imports every other sub-command
+    parser = argparse.ArgumentParser(prog="tokenyard bench")
+    bench_cli.add_arguments(parser)
+    assert bench_cli.run(parser.parse_args(argv)) == 0
     doc = json.loads(out.read_text())
     assert doc["config"]["model"] == "fake-model"  # from GET /v1/models
     assert [run["label"] for run in doc["runs"]] == ["concurrency=1", "concurrency=3"]
