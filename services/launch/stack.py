@@ -187,19 +187,24 @@ class LocalStack:
             return None
         return body if body.get("ready") else None
 
+    def model_id(self) -> str:
+        """The first model the gateway lists."""
+        with urllib.request.urlopen(f"{self.gateway_url}/v1/models", timeout=5) as resp:
+            return str(json.loads(resp.read())["data"][0]["id"])
+
     def wait_ready(self, timeout: float = 180.0) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
             body = self.ready()
-            if body is not None and self._all_workers_registered(body):
+            if body is not None and self.all_workers_registered(body):
                 return body
             time.sleep(0.25)
         raise StackError(
             f"the stack was not ready after {timeout:.0f} s\n{self.describe_failures()}"
         )
 
-    def _all_workers_registered(self, body: dict) -> bool:
+    def all_workers_registered(self, body: dict) -> bool:
         live = {w["worker_id"] for w in body.get("workers", [])}
         wanted = {p.name for p in self.workers if p.alive()}
         return wanted <= live

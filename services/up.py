@@ -1,0 +1,122 @@
+"""`tokenyard up`: the whole stack on this machine, each service its own process.
+
+An embedded nats-server (JetStream, temporary directory), the router, prefill and decode
+workers, the gateway, and the KV-cache and facilities services when installed. Ctrl-C (or
+SIGTERM) stops everything; children also die with this process (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+
+from tokenyard.services.launch.stack import LocalStack, StackConfig, StackError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    parser.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
+    parser.add_argument(
+        "--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)"
+    )
+    parser.add_argument(
+        "--decode", type=int, default=1, metavar="M", help="decode workers (default 1)"
+    )
+    parser.add_argument(
+        "--aggregated", action="store_true", help="one worker runs prefill and decode"
+    )
+    parser.add_argument(
+        "--model", help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--nats-url", help="use this NATS (with JetStream) instead of an embedded one"
+    )
+    parser.add_argument(
+        "--no-kvcache", action="store_true", help="do not start the KV-cache service"
+    )
+    parser.add_argument(
+        "--no-facilities", action="store_true", help="do not start the facilities service"
+    )
+    parser.add_argument(
+        "--log-dir", type=Path, help="keep service logs here (default: a temporary dir)"
+    )
+    parser.add_argument(
+        "--ready-timeout", type=float, default=300.0, help="seconds to wait for the workers"
+    )
+
+
+def config_from(args: argparse.Namespace) -> StackConfig:
+    if args.prefill < 1 or args.decode < 0:
+        raise SystemExit("--prefill must be at least 1 and --decode at least 0")
+    return StackConfig(
+        port=args.port,
+        host=args.host,
+        prefill=args.prefill,
+        decode=args.decode,
+        aggregated=args.aggregated,
+        nats_url=args.nats_url,
+        model=args.model,
+        kvcache=not args.no_kvcache,
+        facilities=not args.no_facilities,
+        log_dir=args.log_dir,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    stack = LocalStack(config_from(args))
+    try:
+        stack.start()
+        print(
+            f"Starting Tokenyard (NATS {stack.nats_url}; logs in {stack.log_dir}) ...", flush=True
+        )
+        if not _wait_ready(stack, stop, args.ready_timeout):
+            return 130 if stop.is_set() else 1
+        _banner(stack)
+        while not stop.wait(1.0):
+            stack.check_alive()
+        print("\nStopping ...", flush=True)
+        return 0
+    except StackError as exc:
+        print(f"tokenyard up failed: {exc}", flush=True)
+        return 1
+    finally:
+        stack.stop()
+
+
+def _wait_ready(stack: LocalStack, stop: threading.Event, timeout: float) -> bool:
+    waited = 0.0
+    while not stop.is_set():
+        stack.check_alive()
+        body = stack.ready()
+        if body is not None and stack.all_workers_registered(body):
+            return True
+        if waited > timeout:
+            raise StackError(f"not ready after {timeout:.0f} s\n{stack.describe_failures()}")
+        stop.wait(0.5)
+        waited += 0.5
+    return False
+
+
+def _banner(stack: LocalStack) -> None:
+    url = stack.gateway_url
+    try:
+        model = stack.model_id()
+    except Exception:  # the banner must not fail the stack
+        model = "SmolLM2-135M-Instruct"
+    print(f"\nTokenyard is up: {url}  (OpenAI-compatible; docs at {url}/docs)")
+    print("Try:")
+    print(
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f'    -d \'{{"model": "{model}", '
+        '"messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 32}' + "'"
+    )
+    print("Ctrl-C stops everything.", flush=True)
