@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenyard.services.gateway.backend import NatsBackend
 from tokenyard.services.gateway.errors import install_error_handlers
 from tokenyard.services.gateway.openapi import install_openapi
@@ -48,6 +49,35 @@ async def build_state(settings: GatewaySettings, stack: AsyncExitStack) -> Gatew
     )
 
 
+class CountRequests:
+    """Counts answers by route and status. Plain ASGI on purpose.
+
+    NOTE: not @app.middleware("http"): that wraps `receive`, and a handler then no longer
+    sees its client disconnect (request.is_disconnected()), so nothing would be cancelled.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            state = getattr(scope["app"].state, "gateway", None) if "app" in scope else None
+            if state is not None:
+                path = getattr(scope.get("route"), "path", "unmatched")
+                state.metrics.requests.labels(path, str(status[0])).inc()
+
+
 def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> FastAPI:
     """The gateway app; `state` replaces NATS, tokenizer and limiter (tests pass fakes)."""
 
@@ -74,14 +104,5 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
     install_error_handlers(app)
     install_openapi(app)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next) -> Response:
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        gateway = getattr(request.app.state, "gateway", None)
-        if gateway is not None:
-            gateway.metrics.requests.labels(path, str(response.status_code)).inc()
-        return response
-
+    app.add_middleware(CountRequests)
     return app

@@ -77,7 +77,9 @@ class Generation:
                 # The first chunk decides the status: a worker's refusal is still a 4xx here.
                 first = await until_disconnect(request, anext(stream))
                 handed_off = True
-                return StreamingResponse(self._sse(first, stream), media_type="text/event-stream")
+                return StreamingResponse(
+                    self._sse(request, first, stream), media_type="text/event-stream"
+                )
             await until_disconnect(request, self._collect(stream))
             body = self.fmt.complete(self.acc, len(self.prepared.prompt_ids))
             return JSONResponse(body.model_dump())
@@ -98,11 +100,13 @@ class Generation:
             self.state.metrics.ttft.labels(self.route).observe(self.first_token_at - self.t0)
         self.acc.add(chunk)
 
-    async def _sse(self, first: pb.TokenChunk, stream: TokenStream) -> AsyncIterator[str]:
+    async def _sse(
+        self, request: Request, first: pb.TokenChunk, stream: TokenStream
+    ) -> AsyncIterator[str]:
         try:
             for event in self.fmt.start():
                 yield event
-            async for chunk in _prepend(first, stream):
+            async for chunk in _prepend(first, _watched(request, stream)):
                 self._add(chunk)
                 for event in self.fmt.events(chunk):
                     yield event
@@ -114,6 +118,8 @@ class Generation:
             self.done = True
             log.warning("request %s failed mid-stream: %s", self.fmt.rid, exc.message)
             yield exc.sse()
+        except ClientGone:
+            log.info("client left request %s; cancelling it", self.fmt.rid)
         finally:
             await self._finish(stream)
 
@@ -134,6 +140,19 @@ class Generation:
         m.prompt_tokens.inc(len(self.prepared.prompt_ids))
         m.completion_tokens.inc(self.acc.num_output_tokens)
         m.cached_tokens.inc(self.acc.num_cached_tokens)
+
+
+async def _watched(request: Request, stream: TokenStream) -> AsyncIterator[pb.TokenChunk]:
+    """The stream's chunks, ending (ClientGone) when the client leaves.
+
+    NOTE: a server on ASGI 2.4 tells a streaming response of a disconnect only when a write
+    fails; while a slow worker sends nothing, only polling the connection notices it.
+    """
+    while True:
+        try:
+            yield await until_disconnect(request, anext(stream))
+        except StopAsyncIteration:
+            return
 
 
 async def _prepend(first: pb.TokenChunk, rest: TokenStream) -> AsyncIterator[pb.TokenChunk]:

@@ -1,0 +1,291 @@
+"""The OpenAI API of a real stack (gateway -> router -> prefill -> decode over NATS, the real
+engine on the CPU), driven with the official `openai` client.
+
+Uses TOKENYARD_E2E_GATEWAY_URL (a running stack) when set, else the suite's `stack` fixture
+when there is one, else starts its own LocalStack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import httpx
+import openai
+import pytest
+from tokenyard.services.gateway import schemas
+
+pytestmark = pytest.mark.slow
+
+HELLO = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def url(request) -> str:
+    if os.environ.get("TOKENYARD_E2E_GATEWAY_URL"):  # a stack that is already running
+        return os.environ["TOKENYARD_E2E_GATEWAY_URL"]
+    try:
+        return request.getfixturevalue("stack").gateway_url
+    except pytest.FixtureLookupError:
+        pass
+    from tokenyard.bus.embedded import free_port
+    from tokenyard.services.launch.stack import LocalStack, StackConfig
+
+    stack = LocalStack(StackConfig(port=free_port(), kvcache=False, facilities=False)).start()
+    request.addfinalizer(stack.stop)
+    stack.wait_ready()
+    return stack.gateway_url
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def chat(client, model, **kw):
+    kw.setdefault("messages", HELLO)
+    kw.setdefault("max_tokens", 16)
+    return client.chat.completions.create(model=model, **kw)
+
+
+def test_chat_streamed_equals_whole(client, model):
+    whole = chat(client, model, temperature=0)
+    text = whole.choices[0].message.content
+    assert text and whole.choices[0].finish_reason in ("stop", "length")
+    u = whole.usage
+    assert (
+        u.prompt_tokens > 0
+        and 0 < u.completion_tokens <= 16
+        and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    )
+    chunks = list(
+        chat(client, model, temperature=0, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == u.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_completions_streamed_equals_whole(client, model):
+    kw = {
+        "model": model,
+        "prompt": "The sky is",
+        "max_tokens": 8,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = client.completions.create(**kw)
+    assert whole.usage.completion_tokens == 8 and whole.choices[0].finish_reason == "length"
+    streamed = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_max_tokens_and_max_completion_tokens(client, model):
+    for kw in ({"max_tokens": 5}, {"max_completion_tokens": 5, "max_tokens": None}):
+        out = chat(client, model, extra_body={"ignore_eos": True}, **kw)
+        assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "length"
+
+
+def test_stop_strings_cut_the_text(client, model):
+    text = chat(client, model, temperature=0, max_tokens=24).choices[0].message.content
+    words = [w for w in text.split() if len(w) > 2]
+    stop = words[min(2, len(words) - 1)]
+    cut = chat(client, model, temperature=0, max_tokens=24, stop=[stop, "@@@"])
+    assert cut.choices[0].finish_reason == "stop"
+    assert stop not in cut.choices[0].message.content
+    assert text.startswith(cut.choices[0].message.content)
+
+
+def test_logprobs_shapes(client, model):
+    out = chat(
+        client, model, max_tokens=6, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True}
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 6
+    for tok in content:
+        assert (
+            tok.logprob <= 0
+            and len(tok.top_logprobs) == 2
+            and tok.bytes == list(tok.token.encode())
+        )
+        assert max(t.logprob for t in tok.top_logprobs) >= tok.logprob - 1e-4
+    legacy = client.completions.create(
+        model=model, prompt="One, two,", max_tokens=4, logprobs=1, extra_body={"ignore_eos": True}
+    )
+    lp = legacy.choices[0].logprobs
+    assert (
+        len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    )
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == legacy.choices[0].text
+
+
+def test_seed_gives_the_same_text_twice(client, model):
+    runs = [
+        chat(client, model, temperature=1.0, seed=1234, max_tokens=20).choices[0].message.content
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+
+
+def test_sixteen_concurrent_streams_complete(url, model):
+    async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+        stream = await aclient.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": f"Count to {i + 3}."}],
+            max_tokens=12,
+            stream=True,
+        )
+        text, reason = "", None
+        async for c in stream:
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                reason = c.choices[0].finish_reason or reason
+        return text, reason
+
+    async def main():
+        async with openai.AsyncOpenAI(
+            base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=180
+        ) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(16)))
+
+    results = asyncio.run(main())
+    assert len(results) == 16 and all(
+        text and reason in ("stop", "length") for text, reason in results
+    )
+
+
+BAD_INPUTS = [
+    ({"messages": [], "max_tokens": 4}, 400, "messages"),
+    ({"messages": HELLO, "n": 2}, 400, "n"),
+    ({"messages": HELLO, "temperature": 9}, 400, "temperature"),
+    ({"messages": HELLO, "max_tokens": 10**7}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "word " * 20_000}]}, 400, "messages"),
+    ({"messages": HELLO, "model": "no-such-model"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_INPUTS)
+def test_bad_inputs_get_openai_errors(url, model, body, status, param):
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": model, **body}, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    if "word " in json.dumps(body):
+        assert "maximum context length" in error["message"]
+
+
+def test_malformed_and_unknown(url):
+    r = httpx.post(
+        f"{url}/v1/chat/completions", content=b"{oops", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 422 and r.json()["error"]["code"] == "json_invalid"
+    r = httpx.get(f"{url}/v1/engines")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def blocks_free(url: str) -> bool:
+    workers = httpx.get(f"{url}/ready", timeout=5).json()["workers"]
+    return bool(workers) and all(
+        w["num_free_blocks"] == w["num_blocks"] and w["num_running"] == 0 for w in workers
+    )
+
+
+def wait_blocks_free(url: str, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if blocks_free(url):
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"blocks not freed: {httpx.get(f'{url}/ready').json()['workers']}")
+
+
+def busy(url: str, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not blocks_free(url):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_stream_disconnect_frees_blocks(url, model):
+    wait_blocks_free(url)
+    body = {
+        "model": model,
+        "messages": HELLO,
+        "max_tokens": 4000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+        assert busy(url)
+    wait_blocks_free(url)
+
+
+def test_non_streaming_disconnect_frees_blocks(url, model):
+    wait_blocks_free(url)
+    body = {"model": model, "messages": HELLO, "max_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=3))
+    wait_blocks_free(url)
+
+
+def test_openapi_matches_the_server(url, model, client):
+    doc = httpx.get(f"{url}/openapi.json").json()
+    assert {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/health",
+        "/ready",
+        "/metrics",
+    } <= set(doc["paths"])
+
+    def documented(method: str, path: str, status: int, content: str = "application/json"):
+        ref = doc["paths"][path][method]["responses"][str(status)]["content"][content]["schema"][
+            "$ref"
+        ]
+        return getattr(schemas, ref.rsplit("/", 1)[-1])
+
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": model, "messages": HELLO, "max_tokens": 3},
+        timeout=60,
+    )
+    documented("post", "/v1/chat/completions", 200).model_validate(r.json())
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": model, "prompt": "Hi", "max_tokens": 3, "stream": True},
+        timeout=60,
+    )
+    event = documented("post", "/v1/completions", 200, "text/event-stream")
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            event.model_validate_json(line[len("data: ") :])
+    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hi", "n": 3})
+    documented("post", "/v1/completions", 400).model_validate(r.json())
+    documented("get", "/v1/models", 200).model_validate(httpx.get(f"{url}/v1/models").json())
+    documented("get", "/ready", 200).model_validate(httpx.get(f"{url}/ready").json())
+    # the request schema the document names is the one the server validates with
+    req = doc["components"]["schemas"]["ChatCompletionRequest"]
+    assert {"messages", "max_completion_tokens", "top_logprobs", "stream_options", "seed"} <= set(
+        req["properties"]
+    )
+
+
+def test_metrics_after_traffic(url):
+    text = httpx.get(f"{url}/metrics").text
+    assert 'tokenyard_gateway_requests_total{route="/v1/chat/completions",status="200"}' in text
+    assert "tokenyard_gateway_ttft_seconds_bucket" in text
