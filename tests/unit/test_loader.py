@@ -372,3 +372,100 @@ def test_hf_folder_add_bos_token_flag(tmp_path):
         tokenizer.bos_token_id,
         *tokenizer.encode("hi", add_special_tokens=False),
     ]
+
+
+def _write_f32_gguf(
+    path: Path, arch: str, tensors: dict[str, np.ndarray], expert_count: int = 0
+) -> None:
+    """A 1-layer model with hidden size 64 (2 heads of 32, 1 kv head) and F32 tensors."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-6)
+    if expert_count:
+        writer.add_expert_count(expert_count)
+        writer.add_expert_used_count(2)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([chr(c) for c in range(33, 33 + 16)])
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _attention_tensors(rng: np.random.Generator, bias: bool) -> dict[str, np.ndarray]:
+    shapes = {"attn_q": (64, 64), "attn_k": (32, 64), "attn_v": (32, 64), "attn_output": (64, 64)}
+    tensors = {f"blk.0.{k}.weight": rng.standard_normal(s, np.float32) for k, s in shapes.items()}
+    if bias:
+        tensors |= {
+            f"blk.0.{k}.bias": rng.standard_normal(s[0], np.float32)
+            for k, s in shapes.items()
+            if k != "attn_output"
+        }
+    return tensors | {
+        "token_embd.weight": rng.standard_normal((16, 64), np.float32),
+        "output_norm.weight": np.ones(64, np.float32),
+        "output.weight": rng.standard_normal((16, 64), np.float32),
+        "blk.0.attn_norm.weight": np.ones(64, np.float32),
+        "blk.0.ffn_norm.weight": np.ones(64, np.float32),
+    }
+
+
+def test_qwen2_gguf_keeps_qk_layout_and_biases(tmp_path):
+    rng = np.random.default_rng(1)
+    tensors = _attention_tensors(rng, bias=True) | {
+        "blk.0.ffn_gate.weight": rng.standard_normal((32, 64), np.float32),
+        "blk.0.ffn_up.weight": rng.standard_normal((32, 64), np.float32),
+        "blk.0.ffn_down.weight": rng.standard_normal((64, 32), np.float32),
+    }
+    _write_f32_gguf(tmp_path / "qwen.gguf", "qwen2", tensors)
+    model = load_model(str(tmp_path / "qwen.gguf"))
+    assert model.config.architecture == "qwen2"
+    assert model.config.attention_bias is True
+    assert model.config.tie_word_embeddings is False
+    w = model.weights
+    assert torch.equal(
+        w["model.layers.0.self_attn.q_proj.weight"],
+        torch.from_numpy(tensors["blk.0.attn_q.weight"]),
+    )
+    assert torch.equal(
+        w["model.layers.0.self_attn.k_proj.bias"], torch.from_numpy(tensors["blk.0.attn_k.bias"])
+    )
+    assert torch.equal(w["lm_head.weight"], torch.from_numpy(tensors["output.weight"]))
+
+
+def test_mixtral_style_gguf_experts(tmp_path):
+    rng = np.random.default_rng(2)
+    experts = {
+        "w1": rng.standard_normal((4, 32, 64), np.float32),  # gate: [experts, ffn, hidden]
+        "w2": rng.standard_normal((4, 64, 32), np.float32),  # down
+        "w3": rng.standard_normal((4, 32, 64), np.float32),  # up
+    }
+    tensors = _attention_tensors(rng, bias=False) | {
+        "blk.0.ffn_gate_inp.weight": rng.standard_normal((4, 64), np.float32),
+        "blk.0.ffn_gate_exps.weight": experts["w1"],
+        "blk.0.ffn_down_exps.weight": experts["w2"],
+        "blk.0.ffn_up_exps.weight": experts["w3"],
+    }
+    _write_f32_gguf(tmp_path / "moe.gguf", "llama", tensors, expert_count=4)
+    model = load_model(str(tmp_path / "moe.gguf"))
+    c = model.config
+    assert (c.architecture, c.num_local_experts, c.num_experts_per_tok) == ("mixtral", 4, 2)
+    moe = "model.layers.0.block_sparse_moe"
+    assert torch.equal(
+        model.weights[f"{moe}.gate.weight"], torch.from_numpy(tensors["blk.0.ffn_gate_inp.weight"])
+    )
+    for w, stacked in experts.items():
+        for e in range(4):
+            assert torch.equal(
+                model.weights[f"{moe}.experts.{e}.{w}.weight"], torch.from_numpy(stacked[e])
+            )
+    # llama-family q is stored permuted by llama.cpp, so it must not come back unchanged
+    q = torch.from_numpy(tensors["blk.0.attn_q.weight"])
+    assert not torch.equal(model.weights["model.layers.0.self_attn.q_proj.weight"], q)
