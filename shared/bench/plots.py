@@ -40,7 +40,8 @@ def latency_cdfs(runs: list[dict[str, Any]], path: Path) -> None:
             ylabel="fraction of requests" if name != "ITL" else "fraction of gaps",
         )
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:  # nothing to label when every request failed
+            ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -57,7 +58,8 @@ def throughput_over_time(runs: list[dict[str, Any]], path: Path) -> None:
         title="output throughput over time", xlabel="s since first send", ylabel="output tokens/s"
     )
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

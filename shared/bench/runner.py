@@ -188,8 +188,8 @@ def _client_overhead(
         "cpu_s": cpu_s,
         "wall_s": wall_s,
         "cpu_util": cpu_s / wall_s if wall_s > 0 else math.nan,  # of one core
-        "cpu_ms_per_request": 1e3 * cpu_s / max(1, len(measured)),
-        "cpu_us_per_chunk": 1e6 * cpu_s / max(1, chunks),
+        "cpu_ms_per_request": 1e3 * cpu_s / len(measured) if measured else None,
+        "cpu_us_per_chunk": 1e6 * cpu_s / chunks if chunks else None,
         "chunks": chunks,
         "loop_lag_ms": metrics.stats(lags_ms),
         "send_lag_ms": metrics.stats(lags),

@@ -7,6 +7,7 @@ import io
 import json
 import threading
 import time
+import warnings
 
 import pytest
 import uvicorn
@@ -14,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from rich.console import Console
 from tokenyard.bench import cli as bench_cli
-from tokenyard.bench import metrics
+from tokenyard.bench import metrics, plots, report, results
 from tokenyard.bench.client import Target
 from tokenyard.bench.records import TokenCounter
 from tokenyard.bench.runner import Load, run_load
@@ -204,6 +205,20 @@ async def test_open_loop_follows_the_poisson_schedule_and_measures_send_lag(fake
     assert all(0 <= r.send_lag_ms < 200 for r in result.records)
     assert result.client["send_lag_ms"]["max"] is not None
     assert all(b["ignore_eos"] is True and "prompt" in b for b in server.bodies)
+
+
+async def test_a_run_where_everything_failed_still_reports_and_plots(tmp_path):
+    server = FakeServer(failures=dict.fromkeys(range(3), 503))
+    with Serving(server.app) as url:
+        result = await run_load(Target(url, "m"), build("chat", small(3)), Load(concurrency=1))
+    run = results.run_to_dict(result, metrics.SLOs(ttft_ms=10))
+    assert run["summary"]["errors"] == {"http_503": 3} and run["summary"]["ttft_ms"]["p50"] is None
+    assert run["client"]["cpu_us_per_chunk"] is None  # no chunks: no per-chunk figure
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        written = plots.write_all(results.document({}, [run, run]), tmp_path)
+    assert all(path.stat().st_size > 0 for path in written)
+    Console(file=io.StringIO()).print(report.summary_table([run]))
 
 
 def test_cli_sweep_writes_json_and_plots_and_compare_prints_ratios(fake, tmp_path):
