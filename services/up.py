@@ -109,7 +109,7 @@ def _wait_ready(stack: LocalStack, stop: threading.Event, timeout: float) -> boo
 def _banner(stack: LocalStack) -> None:
     url = stack.gateway_url
     try:
-        model = stack.model_id()
+        model = stack.fetch_model_id()
     except Exception:  # the banner must not fail the stack
         model = "SmolLM2-135M-Instruct"
     print(f"\nTokenyard is up: {url}  (OpenAI-compatible; docs at {url}/docs)")

@@ -64,6 +64,7 @@ class LocalStack:
         self.procs: list[ChildProcess] = []
         self.workers: list[ChildProcess] = []
         self._worker_count = 0
+        self.model_id = ""  # known once the gateway is ready
 
     @property
     def gateway_url(self) -> str:
@@ -187,7 +188,7 @@ class LocalStack:
             return None
         return body if body.get("ready") else None
 
-    def model_id(self) -> str:
+    def fetch_model_id(self) -> str:
         """The first model the gateway lists."""
         with urllib.request.urlopen(f"{self.gateway_url}/v1/models", timeout=5) as resp:
             return str(json.loads(resp.read())["data"][0]["id"])
@@ -198,6 +199,7 @@ class LocalStack:
             self.check_alive()
             body = self.ready()
             if body is not None and self.all_workers_registered(body):
+                self.model_id = self.fetch_model_id()
                 return body
             time.sleep(0.25)
         raise StackError(

@@ -29,7 +29,9 @@ def build_engine(settings: WorkerSettings) -> tuple[Any, Any]:
     if settings.engine == "fake":
         from tokenyard.services.worker.fake_engine import FakeEngine, FakeSamplingParams
 
-        return FakeEngine(max_num_seqs=settings.max_num_seqs), FakeSamplingParams
+        return FakeEngine(
+            max_num_seqs=settings.max_num_seqs, step_s=settings.fake_step_s
+        ), FakeSamplingParams
     from tokenyard.engine.config import EngineConfig
     from tokenyard.engine.llm_engine import LLMEngine
     from tokenyard.engine.sampling_params import SamplingParams

@@ -31,6 +31,7 @@ class WorkerSettings(BaseSettings):
     role: Role = "both"
     model: str | None = None  # a GGUF file or HF folder; None = the default model
     engine: Literal["real", "fake"] = "real"  # fake: a tiny test double, no model (tests only)
+    fake_step_s: float = 0.005  # the fake engine's time per step
     dtype: str | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None
