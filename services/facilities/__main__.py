@@ -17,7 +17,7 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await serve(FacilitiesSettings(), stop)  # type: ignore[call-arg]  (required fields come from the environment)
+    await serve(FacilitiesSettings(), stop)  # type: ignore[call-arg]  # required fields come from the environment
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ class RackStateTracker:
         seq_cap = max(1, msg.max_seqs_per_worker) if state is State.DERATE else 0
         return WorkerThrottle(
             rack=msg.rack,
-            state=state.label,  # type: ignore[arg-type]  (labels are exactly StateName)
+            state=state.label,  # type: ignore[arg-type]  # labels are exactly StateName
             seq_cap=seq_cap,
             cost_penalty=self.derate_penalty if state is State.DERATE else 0.0,
             retry_after_s=self.drain_retry_after_s if state is State.DRAIN else 0,

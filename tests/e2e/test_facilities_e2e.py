@@ -8,6 +8,7 @@ Workers run the engine's test double, so the placement logic is what is measured
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -171,3 +172,54 @@ async def test_pump_failure_moves_new_requests_to_the_other_rack(
         stop_service.set()
         await asyncio.wait_for(service, 10)
         await bus.close()
+
+
+async def test_every_rack_drained_answers_503_with_retry_after(
+    stack: object, tmp_path: Path
+) -> None:
+    settings = FacilitiesSettings(
+        nats_url=stack.nats_url,  # type: ignore[attr-defined]
+        data_dir=tmp_path,
+        inventory_path=EXAMPLE,
+        admin_token=TOKEN,
+        port=free_port(),
+        tick_s=0.25,
+        dwell_s=DWELL_S,
+        state_heartbeat_s=HEARTBEAT_S,
+        sim_time_constant_s=0.0,
+    )
+    stop = asyncio.Event()
+    service = asyncio.create_task(serve(settings, stop))
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        async with (
+            httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{settings.port}", headers=headers, trust_env=False
+            ) as admin,
+            httpx.AsyncClient(base_url=stack.gateway_url, timeout=30, trust_env=False) as gateway,  # type: ignore[attr-defined]
+        ):
+            for _ in range(100):
+                with contextlib.suppress(httpx.TransportError):
+                    if (await admin.get("/health")).status_code == 200:
+                        break
+                await asyncio.sleep(0.1)
+            for rack in ("rack-a", "rack-b"):
+                assert (
+                    await admin.post(
+                        f"/v1/admin/racks/{rack}/faults", json={"kind": "pump_failure"}
+                    )
+                ).status_code == 200
+            await asyncio.sleep(HEARTBEAT_S + 1)
+            started = time.monotonic()
+            r = await gateway.post(
+                "/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 2}
+            )
+            assert time.monotonic() - started < 5, "a drained fleet answers at once, never hangs"
+            assert r.status_code == 503
+            assert int(r.headers["retry-after"]) > 0
+            assert "drain" in r.json()["error"]["message"]
+            for rack in ("rack-a", "rack-b"):
+                await admin.delete(f"/v1/admin/racks/{rack}/faults")
+    finally:
+        stop.set()
+        await asyncio.wait_for(service, 10)

@@ -68,11 +68,13 @@ def test_rack_power_is_idle_plus_utilization_times_tdp(inventory: Inventory) -> 
     rack = inventory.rack("rack-a")
     assert rack_power_kw(rack, {}) == pytest.approx(1.5)
     # The running workers share node-a1's 8 GPUs: the node runs at their mean utilization.
-    assert rack_power_kw(
-        rack, {"prefill-1": 1.0, "decode-3": 1.0, "both-1": 1.0}
-    ) == pytest.approx(1.5 + 5.6)
+    assert rack_power_kw(rack, {"prefill-1": 1.0, "decode-3": 1.0, "both-1": 1.0}) == pytest.approx(
+        1.5 + 5.6
+    )
     assert rack_power_kw(rack, {"decode-3": 0.75}) == pytest.approx(1.5 + 5.6 * 0.75)
-    assert rack_power_kw(rack, {"decode-3": 0.5, "prefill-1": 0.0}) == pytest.approx(1.5 + 5.6 * 0.25)
+    assert rack_power_kw(rack, {"decode-3": 0.5, "prefill-1": 0.0}) == pytest.approx(
+        1.5 + 5.6 * 0.25
+    )
 
 
 def test_coolant_rise() -> None:

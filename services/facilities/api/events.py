@@ -19,7 +19,7 @@ def event_out(e: StateEvent) -> EventOut:
     return EventOut(
         rack=e.rack.name,
         ts=e.ts,
-        from_state=e.from_state,  # type: ignore[arg-type]  (stored from State labels)
+        from_state=e.from_state,  # type: ignore[arg-type]  # stored from State labels
         to_state=e.to_state,  # type: ignore[arg-type]
         reason=e.reason,
         max_seqs_per_worker=e.max_seqs_per_worker,
