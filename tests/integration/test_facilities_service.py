@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -58,16 +59,16 @@ async def running(settings: FacilitiesSettings) -> AsyncIterator[httpx.AsyncClie
         base_url=f"http://127.0.0.1:{settings.port}", timeout=5.0
     ) as client:
         try:
-            for _ in range(100):
+            deadline = time.monotonic() + 30
+            while True:
                 if task.done():
                     task.result()  # raises the start-up error
-                try:
+                with contextlib.suppress(httpx.TransportError):
                     if (await client.get("/health")).status_code == 200:
                         break
-                except httpx.TransportError:
-                    await asyncio.sleep(0.05)
-            else:
-                raise TimeoutError("facilities service did not start")
+                if time.monotonic() > deadline:
+                    raise TimeoutError("facilities service did not start")
+                await asyncio.sleep(0.05)
             yield client
         finally:
             stop.set()
@@ -84,7 +85,7 @@ class StateLog:
         self.seen.append((time.monotonic(), msg))
 
     async def wait_for(
-        self, rack: str, kind: RackStateKind.ValueType, timeout: float = 5.0
+        self, rack: str, kind: RackStateKind.ValueType, timeout: float = 10.0
     ) -> tuple[float, RackState]:
         deadline = time.monotonic() + timeout
         start = len(self.seen)
