@@ -23,11 +23,13 @@ from tokenyard.facilities.inventory import Inventory, RackSpec
 from tokenyard.facilities.messages import STATE_TO_PROTO, reading_from_proto, reading_to_proto
 from tokenyard.facilities.simulator import Faults, RackSimulator, SimSettings, utilization
 from tokenyard.services.facilities.settings import FacilitiesSettings
-from tokenyard.services.facilities.store import FacilitiesStore
+from tokenyard.services.facilities.store import FacilitiesStore, to_datetime
 from tokenyard.v1.facilities_pb2 import FacilityReading, RackState
 from tokenyard.v1.serving_pb2 import WorkerHeartbeat
 
 log = logging.getLogger(__name__)
+
+PRUNE_EVERY_S = 3600.0
 
 
 @dataclass
@@ -75,6 +77,7 @@ class RackMonitor:
         self.worker_rack = inventory.worker_racks()
         self.heartbeats: dict[str, tuple[WorkerHeartbeat, float]] = {}
         self._lock = asyncio.Lock()
+        self._last_prune = 0.0
 
     def _runtime(self, spec: RackSpec) -> RackRuntime:
         loop = self.inventory.loop_of(spec)
@@ -203,6 +206,11 @@ class RackMonitor:
             await self.evaluate(rt, now)  # staleness: a rack whose readings stopped
             if now - rt.last_published >= self.settings.state_heartbeat_s:
                 await self.publish_state(rt, now)
+        if now - self._last_prune >= PRUNE_EVERY_S:
+            self._last_prune = now
+            cutoff = to_datetime(now - self.settings.readings_retention_h * 3600)
+            pruned = await asyncio.to_thread(self.store.prune_readings, cutoff)
+            log.info("pruned %d readings older than %s", pruned, cutoff.isoformat())
 
     def _utilizations(self, now: float) -> dict[str, float]:
         fresh = self.sim_settings.heartbeat_stale_s

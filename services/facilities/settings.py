@@ -32,6 +32,9 @@ class FacilitiesSettings(BaseSettings):
     # Used for the derated cap until a rack's workers have sent heartbeats.
     default_max_num_seqs: int = Field(default=8, ge=1)
 
+    # Readings older than this are deleted (hourly), except those behind a state event.
+    readings_retention_h: float = Field(default=7 * 24, gt=0)
+
     simulate: bool = True  # model the racks whose inventory source is "simulator"
     sim_time_constant_s: float = Field(default=20.0, ge=0)
     sim_full_tokens_per_s: float = Field(default=0.0, ge=0)

@@ -149,6 +149,13 @@ class FacilitiesStore:
             q = q.order_by(StateEvent.ts.desc(), StateEvent.id.desc()).limit(limit)
             return list(reversed(s.scalars(q).all()))
 
+    def prune_readings(self, before: datetime) -> int:
+        """Delete readings older than `before`, except those a state event points at."""
+        with self.sessions.begin() as s:
+            kept = select(StateEvent.reading_id).where(StateEvent.reading_id.is_not(None))
+            result = s.execute(delete(Reading).where(Reading.ts < before, Reading.id.not_in(kept)))
+            return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
     def last_states(self) -> dict[str, StoredState]:
         with self.sessions() as s:
             latest = (

@@ -119,3 +119,16 @@ def test_last_states_resume_each_rack(store: FacilitiesStore) -> None:
     last = store.last_states()
     assert last["rack-a"].state is policy.State.DRAIN and last["rack-a"].since == t0 + 5
     assert last["rack-b"].state is policy.State.DERATE
+
+
+def test_prune_keeps_readings_behind_events(store: FacilitiesStore) -> None:
+    t0 = 1_700_000_000.0
+    ids = [store.add_reading(policy.Reading("rack-a", t0 + i, power_kw=1.0)) for i in range(4)]
+    store.add_event(
+        "rack-a", t0 + 1, policy.State.NORMAL, policy.State.DERATE, "derate: power", 4, ids[1]
+    )
+    assert store.prune_readings(datetime.fromtimestamp(t0 + 3, UTC)) == 2  # ids 0 and 2
+    left = store.readings(
+        "rack-a", datetime.fromtimestamp(t0, UTC), datetime.fromtimestamp(t0 + 10, UTC), 10
+    )
+    assert [r.id for r in left] == [ids[1], ids[3]]
