@@ -3,52 +3,19 @@ itself not ready, and answers generation with a clear 503 (never a hang, never a
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
-from tokenyard.bus.embedded import EmbeddedNats, free_port
+from openai_gateway_proc import gateway_process
+from tokenyard.bus.embedded import EmbeddedNats
 
 
 @pytest.fixture(scope="module")
 def gateway_url():
-    with EmbeddedNats() as nats:
-        port = free_port()
-        env = {
-            **os.environ,
-            "TOKENYARD_GATEWAY_NATS_URL": nats.url,
-            "TOKENYARD_GATEWAY_PORT": str(port),
-            "TOKENYARD_GATEWAY_LOG_LEVEL": "warning",
-        }
-        proc = subprocess.Popen([sys.executable, "-m", "tokenyard.services.gateway"], env=env)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(url, proc)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"gateway exited with {proc.returncode}"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("gateway did not become healthy")
+    with EmbeddedNats() as nats, gateway_process(nats.url) as url:
+        yield url
 
 
 def test_generation_is_503_with_retry_after(gateway_url):

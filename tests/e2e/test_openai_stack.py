@@ -1,8 +1,8 @@
 """The OpenAI API of a real stack (gateway -> router -> prefill -> decode over NATS, the real
 engine on the CPU), driven with the official `openai` client.
 
-Uses TOKENYARD_E2E_GATEWAY_URL (a running stack) when set, else the suite's `stack` fixture
-when there is one, else starts its own LocalStack.
+Uses the suite's `stack` fixture (tests/e2e/conftest.py), or with TOKENYARD_E2E_GATEWAY_URL
+set, a stack that is already running.
 """
 
 from __future__ import annotations
@@ -26,17 +26,7 @@ HELLO = [{"role": "user", "content": "Name three colors."}]
 def url(request) -> str:
     if os.environ.get("TOKENYARD_E2E_GATEWAY_URL"):  # a stack that is already running
         return os.environ["TOKENYARD_E2E_GATEWAY_URL"]
-    try:
-        return request.getfixturevalue("stack").gateway_url
-    except pytest.FixtureLookupError:
-        pass
-    from tokenyard.bus.embedded import free_port
-    from tokenyard.services.launch.stack import LocalStack, StackConfig
-
-    stack = LocalStack(StackConfig(port=free_port(), kvcache=False, facilities=False)).start()
-    request.addfinalizer(stack.stop)
-    stack.wait_ready()
-    return stack.gateway_url
+    return request.getfixturevalue("stack").gateway_url
 
 
 @pytest.fixture(scope="module")
@@ -289,3 +279,26 @@ def test_metrics_after_traffic(url):
     text = httpx.get(f"{url}/metrics").text
     assert 'tokenyard_gateway_requests_total{route="/v1/chat/completions",status="200"}' in text
     assert "tokenyard_gateway_ttft_seconds_bucket" in text
+
+
+def test_api_keys_and_rate_limit_on_a_gateway_of_their_own(request, model):
+    """A second gateway on the same NATS, with keys and a 1-request-per-2-s bucket of 2."""
+    from openai_gateway_proc import gateway_process
+
+    if os.environ.get("TOKENYARD_E2E_GATEWAY_URL"):
+        pytest.skip("needs the stack's NATS URL")
+    stack = request.getfixturevalue("stack")
+    settings = {"api_keys": "k1,k2", "rate_limit_rps": "0.5", "rate_limit_burst": "2"}
+    with gateway_process(stack.nats_url, **settings) as url:
+        bad = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as info:
+            bad.models.list()
+        assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+        good = openai.OpenAI(base_url=f"{url}/v1", api_key="k1", max_retries=0, timeout=120)
+        for _ in range(2):
+            chat(good, model, max_tokens=2)
+        with pytest.raises(openai.RateLimitError) as info:
+            chat(good, model, max_tokens=2)
+        assert int(info.value.response.headers["retry-after"]) >= 1
+        other = openai.OpenAI(base_url=f"{url}/v1", api_key="k2", max_retries=0, timeout=120)
+        assert chat(other, model, max_tokens=2).choices  # each key has its own bucket
