@@ -1,0 +1,62 @@
+"""Moving a prompt's full KV blocks between an engine's pool and the KV-cache service.
+
+Both helpers use only the engine's public API and must run on the thread that drives the
+engine (between two ``step()`` calls):
+
+- :func:`offload_prefix` stores the full blocks of a prefilled request (a held
+  prefill-only request, from ``export_sequence``) under their content hashes.
+- :func:`fetch_prefix` finds the longest cached prefix of a prompt, lands it in fresh
+  blocks of the pool and names them in the engine's prefix cache, so the next
+  ``add_request`` with that prompt computes only the rest.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from tokenyard.kv.hashing import prefix_block_hashes
+from tokenyard.kv.store.client import KVCacheClient, KVCacheError
+
+
+async def offload_prefix(engine: Any, client: KVCacheClient, request_id: str) -> int:
+    """Store a held request's full prompt blocks; returns how many were stored."""
+    exported = engine.export_sequence(request_id)
+    hashes = prefix_block_hashes(exported.prompt_token_ids, engine.layout.block_size)
+    return await client.put_blocks(
+        engine.layout, hashes, engine.kv_cache, exported.block_ids[: len(hashes)]
+    )
+
+
+async def fetch_prefix(engine: Any, client: KVCacheClient, token_ids: list[int]) -> int:
+    """Seed the engine's prefix cache from the service; returns the tokens now cached
+    (0 on a miss or any cache failure: the engine then simply computes them)."""
+    from tokenyard.engine.sampling_params import SamplingParams
+
+    bs = engine.layout.block_size
+    # The engine always computes the block holding the prompt's last token itself.
+    hashes = prefix_block_hashes(token_ids, bs)[: (len(token_ids) - 1) // bs]
+    if not hashes:
+        return 0
+    try:
+        n = await client.contains(engine.layout, hashes)
+    except Exception:  # a cache outage costs a recompute, never the request
+        return 0
+    if n == 0:
+        return 0
+    # NOTE: the engine has no "import a prefix" call yet; an imported sequence committed
+    # with kv_ok=True names its blocks in the prefix cache, and aborting it right away
+    # leaves them there, unreferenced and findable, exactly like a finished request's.
+    rid = f"kv-prefetch-{uuid.uuid4().hex[:12]}"
+    prefix = token_ids[: n * bs]
+    dst = engine.import_sequence(rid, prefix, [token_ids[n * bs]], SamplingParams(max_tokens=1))
+    try:
+        landed = await client.get_prefix(engine.layout, hashes[:n], engine.kv_cache, dst)
+    except (KVCacheError, OSError):
+        landed = 0
+    if landed < n:  # evicted meanwhile: drop it all rather than register a partial prefix
+        engine.abort(rid)
+        return 0
+    engine.commit_import(rid, kv_ok=True)
+    engine.abort(rid)
+    return n * bs
