@@ -26,7 +26,7 @@ from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.engine.scheduler import Scheduler
 from tokenyard.engine.sequence import Sequence, Status, TokenLogprob
 from tokenyard.engine.stop import StopChecker
-from tokenyard.models.loader import load_model
+from tokenyard.models.loader import LoadedModel, load_model
 from tokenyard.models.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -71,16 +71,16 @@ class ExportedSequence:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None) -> None:
+        """`loaded` reuses weights already read from disk (tests build several engines)."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model)
+        loaded = loaded or load_model(config.model)
         self.model_id = loaded.model_id
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         model, self.kv_cache, self.layout, self.memory = build_model_and_pool(loaded, config)
-        del loaded
         num_blocks = self.kv_cache.shape[0]
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings, num_blocks * config.block_size
