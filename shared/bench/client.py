@@ -104,7 +104,7 @@ async def stream_request(
         ex.fail("timeout", repr(exc))
     except (httpx.TransportError, httpx.StreamError) as exc:
         ex.fail("connection", repr(exc))
-    except (json.JSONDecodeError, KeyError, TypeError, IndexError) as exc:
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError, IndexError) as exc:
         ex.fail("protocol", repr(exc))
     ex.end_ns = ex.end_ns or time.perf_counter_ns()
     if ex.ok and not ex.chunk_ns:

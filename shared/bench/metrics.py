@@ -117,6 +117,9 @@ def summarize(records: list[RequestRecord], slos: SLOs) -> dict:
     return {
         "requests": {"measured": len(measured), "ok": len(ok), "failed": len(measured) - len(ok)},
         "errors": dict(Counter(r.error_kind for r in measured if not r.ok)),
+        "error_codes": dict(
+            Counter(f"{r.error_kind}/{r.error_code}" for r in measured if r.error_code)
+        ),
         "duration_s": span,
         "request_throughput": per_s(len(ok)),
         "input_token_throughput": per_s(prompt_total),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,9 @@ class RequestRecord:
     max_tokens: int
     error_kind: str | None = None
     error: str | None = None
+    error_code: str | None = (
+        None  # the server's own code for it, e.g. "rate_limited", if it gave one
+    )
     http_status: int | None = None
     scheduled_s: float | None = None  # open loop: when the arrival process said to send
     prompt_tokens: int | None = None
@@ -59,12 +63,26 @@ def make_record(
         max_tokens=max_tokens,
         error_kind=ex.error_kind,
         error=ex.error,
+        error_code=error_code(ex.error),
         http_status=ex.status,
         scheduled_s=None if scheduled_ns is None else (scheduled_ns - t0_ns) / 1e9,
         prompt_tokens=usage.get("prompt_tokens"),
         output_tokens=usage.get("completion_tokens"),
         chunk_ms=[round((t - ex.start_ns) / 1e6, 4) for t in ex.chunk_ns],
     )
+
+
+def error_code(detail: str | None) -> str | None:
+    """`code` (else `type`) of an OpenAI-style error body, `{"error": {...}}` or the bare object."""
+    try:
+        body = json.loads(detail or "")
+    except json.JSONDecodeError:
+        return None
+    inner = body.get("error", body) if isinstance(body, dict) else None
+    if not isinstance(inner, dict):
+        return None
+    code = inner.get("code") or inner.get("type")
+    return str(code) if code is not None else None
 
 
 class TokenCounter:

@@ -49,8 +49,8 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-def _errors(run: dict[str, Any]) -> str:
-    errors = lookup(run, "summary.errors") or {}
+def _errors(run: dict[str, Any], key: str = "errors") -> str:
+    errors = lookup(run, f"summary.{key}") or {}
     return ", ".join(f"{k}: {v}" for k, v in sorted(errors.items())) or "-"
 
 
@@ -62,6 +62,7 @@ def summary_table(runs: list[dict[str, Any]], title: str = "tokenyard bench") ->
     for path, label, _ in ROWS:
         table.add_row(label, *(fmt(lookup(run, path)) for run in runs))
     table.add_row("errors", *(_errors(run) for run in runs))
+    table.add_row("server error codes", *(_errors(run, "error_codes") for run in runs))
     table.add_row(
         "tokens counted from", *(fmt(lookup(run, "summary.token_source")) for run in runs)
     )

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tokenyard.bench import metrics
 from tokenyard.bench.arrivals import poisson_arrivals
-from tokenyard.bench.records import RequestRecord
+from tokenyard.bench.records import RequestRecord, error_code
 
 
 def rec(start_s, end_s, chunk_ms, output_tokens=None, ok=True, error_kind=None, **kw):
@@ -124,3 +124,12 @@ def test_poisson_arrivals_statistics_and_seed():
     assert poisson_arrivals(float("inf"), 3, random.Random(0)) == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError):
         poisson_arrivals(0.0, 3, random.Random(0))
+
+
+def test_error_code_from_openai_style_bodies():
+    body = '{"error": {"message": "m", "type": "service_unavailable", "code": "no_workers"}}'
+    assert error_code(body) == "no_workers"
+    assert error_code('{"message": "m", "type": "overloaded"}') == "overloaded"
+    assert error_code("Internal Server Error") is None
+    assert error_code(None) is None
+    assert error_code("[1, 2]") is None

@@ -146,6 +146,7 @@ async def test_errors_are_counted_by_kind():
     assert summary["errors"] == {"http_429": 2, "http_500": 1}
     assert summary["requests"] == {"measured": 10, "ok": 7, "failed": 3}
     assert result.records[2].http_status == 429 and not result.records[2].ok
+    assert summary["error_codes"] == {"http_429/429": 2, "http_500/500": 1}
     assert [r.error_kind for r in stalled.records] == ["timeout"]
     closed = await run_load(Target(url, "m"), build("chat", small(2)), Load(concurrency=2))
     assert {r.error_kind for r in closed.records} == {"connection"}
