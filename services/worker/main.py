@@ -41,6 +41,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Any, Any]:
         "max_num_batched_tokens": settings.max_num_batched_tokens,
         "kv_cache_bytes": settings.kv_cache_bytes,
         "max_model_len": settings.max_model_len,
+        "num_threads": settings.num_threads,
     }
     config = EngineConfig(
         model=settings.model,

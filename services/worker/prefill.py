@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import BusError, parse
 from tokenyard.services.worker.base import WorkerBase
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 CONSUMER_PREFIX = "prefill-"
 FETCH_TIMEOUT_S = 1.0
-ORPHAN_SCAN_S = 2.0
+ORPHAN_SCAN_S = 1.0
 
 
 def consumer_name(worker_id: str) -> str:
@@ -61,7 +61,10 @@ class PrefillHandler:
             subjects.PREFILL_STREAM, [subjects.PREFILL_JOBS, f"{subjects.PREFILL_JOBS}.>"]
         )
         config = self.consumer_config(self.w.worker_id)
-        await self.bus.js.add_consumer(subjects.PREFILL_STREAM, config)
+        try:
+            await self.bus.js.add_consumer(subjects.PREFILL_STREAM, config)
+        except BadRequestError as exc:  # ours from an earlier run, with other settings: reuse it
+            log.info("reusing consumer %s (%s)", config.durable_name, exc.description)
         psub = await self.bus.js.pull_subscribe_bind(config.durable_name, subjects.PREFILL_STREAM)
         tg.create_task(self._consume(psub, own=True), name="prefill-consume")
         tg.create_task(self._adopt_orphans(), name="prefill-adopt")
@@ -178,6 +181,8 @@ class PrefillHandler:
         accepted = await self._send(job.decode_worker_id, handoff)
         if not endpoint or not accepted:
             await self.w.kv.end_hold(rid, "not pulled")
+        if not accepted and self.w.is_cancelled(rid):
+            return
         if not accepted:
             log.warning(
                 "decode worker %s did not take %s; decoding it here", job.decode_worker_id, rid

@@ -37,12 +37,13 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int | None = None
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
+    num_threads: int | None = None  # torch threads; None = torch's default
     heartbeat_interval_s: float = 1.0
     host: str = "127.0.0.1"  # where the KV transfer server listens
     kv_port: int = 0  # 0 = any free port
     kv_transfer: bool = True  # False: decode workers always recompute the prompt
     # JetStream: a job unacked this long is redelivered; we send in-progress acks meanwhile.
-    job_ack_wait_s: float = 6.0
+    job_ack_wait_s: float = 3.0
     job_max_deliver: int = 5
     # How long the prefill worker waits for a decode worker to take a hand-off.
     handoff_timeout_s: float = 2.0

@@ -1,0 +1,272 @@
+"""The service path against the in-process engine: what do NATS, the router and the
+prefill -> decode hand-off cost?
+
+Both sides get the same prompts (synthetic text, --input-tokens long), the same
+max_tokens with ignore_eos and greedy sampling, at concurrency 1 and 16 (closed loop:
+a new request starts when one ends).
+
+- in-process: one LLMEngine in this process, stepped in a loop (no HTTP, no NATS);
+- service: `LocalStack` (embedded NATS, router, 1 prefill + 1 decode worker, gateway, each
+  its own process), every request disaggregated, streamed over HTTP (httpx, SSE).
+
+Reported per concurrency: TTFT p50 on both sides and the difference ("added TTFT"), and
+output tokens/s on both sides and their ratio. Targets: added TTFT p50 <= 15 ms,
+throughput ratio >= 0.85. Writes benchmarks/results/service_path.json.
+
+    python benchmarks/service_path.py [--requests 8 32] [--max-tokens 64] [--out ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+from tokenyard.bench.text import text_of_tokens
+from tokenyard.bus.embedded import free_port
+from tokenyard.services.launch.stack import LocalStack, StackConfig
+
+TARGET_ADDED_TTFT_MS = 15.0
+TARGET_THROUGHPUT_RATIO = 0.85
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    e2e_s: float
+    output_tokens: int
+
+
+@dataclass
+class Summary:
+    requests: int
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    output_tokens: int
+    wall_s: float
+    tokens_per_s: float
+
+
+def summarize(samples: list[Sample], wall_s: float) -> Summary:
+    ttfts = sorted(s.ttft_s * 1000 for s in samples)
+    tokens = sum(s.output_tokens for s in samples)
+    return Summary(
+        requests=len(samples),
+        ttft_p50_ms=round(statistics.median(ttfts), 2),
+        ttft_p90_ms=round(ttfts[math.ceil(0.9 * len(ttfts)) - 1], 2),  # nearest rank
+        output_tokens=tokens,
+        wall_s=round(wall_s, 3),
+        tokens_per_s=round(tokens / wall_s, 2),
+    )
+
+
+def make_prompts(n: int, input_tokens: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [text_of_tokens(rng, input_tokens) for _ in range(n)]
+
+
+# --- in-process --------------------------------------------------------------------------
+
+
+def run_inprocess(
+    engine, prompts: list[str], concurrency: int, max_tokens: int
+) -> tuple[list[Sample], float]:
+    from tokenyard.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    pending = list(enumerate(prompts))
+    started: dict[str, float] = {}
+    first: dict[str, float] = {}
+    samples: list[Sample] = []
+    t0 = time.perf_counter()
+
+    def admit() -> None:
+        while pending and len(started) - len(samples) < concurrency:
+            i, prompt = pending.pop(0)
+            rid = f"bench-{concurrency}-{i}"
+            started[rid] = time.perf_counter()
+            engine.add_request(rid, prompt, params)
+
+    admit()
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            first.setdefault(out.request_id, now)
+            if out.finished:
+                rid = out.request_id
+                samples.append(
+                    Sample(first[rid] - started[rid], now - started[rid], out.num_output_tokens)
+                )
+        admit()
+    return samples, time.perf_counter() - t0
+
+
+# --- service -----------------------------------------------------------------------------
+
+
+async def one_streamed(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int
+) -> Sample:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    ttft = None
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:") or line.endswith("[DONE]"):
+                continue
+            event = json.loads(line[5:])
+            if ttft is None and event.get("choices"):
+                ttft = time.perf_counter() - start
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    return Sample(ttft if ttft is not None else end - start, end - start, tokens)
+
+
+async def run_service(
+    url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int
+) -> tuple[list[Sample], float]:
+    queue = list(prompts)
+    samples: list[Sample] = []
+
+    async def user(client: httpx.AsyncClient) -> None:
+        while queue:
+            prompt = queue.pop(0)
+            samples.append(await one_streamed(client, model, prompt, max_tokens))
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(concurrency):
+                tg.create_task(user(client))
+        return samples, time.perf_counter() - t0
+
+
+# --- main --------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument(
+        "--requests", type=int, nargs="+", default=[8, 32], help="requests per concurrency level"
+    )
+    ap.add_argument("--input-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    ap.add_argument(
+        "--worker-threads", type=int, default=0, help="torch threads per worker (0 = default)"
+    )
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/service_path.json"))
+    args = ap.parse_args()
+    if len(args.requests) != len(args.concurrency):
+        ap.error("give one --requests figure per --concurrency level")
+    levels = list(zip(args.concurrency, args.requests, strict=True))
+    prompt_sets = {c: make_prompts(n, args.input_tokens, seed=1000 + c) for c, n in levels}
+    warmup = make_prompts(2, args.input_tokens, seed=7)
+
+    from tokenyard.engine.config import EngineConfig
+    from tokenyard.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(kv_cache_bytes=args.kv_cache_bytes, num_threads=args.threads or None))
+    run_inprocess(engine, warmup, 2, args.max_tokens)
+    inproc = {}
+    for c, _ in levels:
+        samples, wall = run_inprocess(engine, prompt_sets[c], c, args.max_tokens)
+        inproc[c] = summarize(samples, wall)
+        print(f"in-process  c={c:<3} {inproc[c]}", flush=True)
+    del engine
+    gc.collect()
+
+    worker_env = {
+        "TOKENYARD_WORKER_KV_CACHE_BYTES": str(args.kv_cache_bytes),
+        "TOKENYARD_WORKER_LOG_LEVEL": "WARNING",
+    }
+    if args.threads:
+        worker_env["TOKENYARD_WORKER_NUM_THREADS"] = str(args.threads)
+    config = StackConfig(
+        port=free_port(),
+        kvcache=False,
+        facilities=False,
+        router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
+        worker_env=worker_env,
+        gateway_env={"TOKENYARD_GATEWAY_LOG_LEVEL": "warning"},
+    )
+    service = {}
+    with LocalStack(config) as stack:
+        stack.wait_ready(timeout=600)
+
+        async def measure() -> None:
+            await run_service(stack.gateway_url, stack.model_id, warmup, 2, args.max_tokens)
+            for c, _ in levels:
+                samples, wall = await run_service(
+                    stack.gateway_url, stack.model_id, prompt_sets[c], c, args.max_tokens
+                )
+                service[c] = summarize(samples, wall)
+                print(f"service     c={c:<3} {service[c]}", flush=True)
+
+        asyncio.run(measure())
+
+    report = {
+        "what": "gateway -> router -> prefill -> decode (disaggregated, streamed SSE) vs the in-process engine",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "note": "every service process and the client share these CPUs with each other"
+            " (and with anything else running); the in-process run had them alone",
+        },
+        "config": {
+            "input_tokens": args.input_tokens,
+            "max_tokens": args.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "levels": [{"concurrency": c, "requests": n} for c, n in levels],
+            "torch_threads_per_engine": args.threads or "default",
+        },
+        "targets": {
+            "added_ttft_p50_ms_max": TARGET_ADDED_TTFT_MS,
+            "throughput_ratio_min": TARGET_THROUGHPUT_RATIO,
+        },
+        "results": {},
+    }
+    for c, _ in levels:
+        added = round(service[c].ttft_p50_ms - inproc[c].ttft_p50_ms, 2)
+        ratio = round(service[c].tokens_per_s / inproc[c].tokens_per_s, 3)
+        report["results"][f"c{c}"] = {
+            "in_process": asdict(inproc[c]),
+            "service": asdict(service[c]),
+            "added_ttft_p50_ms": added,
+            "throughput_ratio": ratio,
+            "meets_targets": added <= TARGET_ADDED_TTFT_MS and ratio >= TARGET_THROUGHPUT_RATIO,
+        }
+        print(f"c={c}: added TTFT p50 {added} ms, throughput ratio {ratio}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
