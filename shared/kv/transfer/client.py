@@ -192,12 +192,7 @@ class KVTransferClient:
             copy_blocks(server.pool, self.pool, src, dst)
         elif transport == "shm":
             source = self._attach(desc.shm_name, desc.pool_nbytes)
-            copy_blocks(
-                source.view(-1, self.layout.block_nbytes),
-                pool_bytes(self.pool).view(-1, self.layout.block_nbytes),
-                src,
-                dst,
-            )
+            copy_blocks(source.view(-1, self.layout.block_nbytes), self.pool, src, dst)
         elif transport == "mooncake":
             await self._pull_mooncake(desc, src, dst)
         if desc.block_crc32 and block_crc32(self.pool, dst) != list(desc.block_crc32):

@@ -118,9 +118,18 @@ def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
 def copy_blocks(
     src_pool: torch.Tensor, dst_pool: torch.Tensor, src: Sequence[int], dst: Sequence[int]
 ) -> None:
-    """Pool-to-pool copy of whole blocks, straight from source rows into destination rows."""
+    """Pool-to-pool copy of whole blocks, straight from source rows into destination rows.
+
+    Either pool may be any contiguous tensor whose first dimension is the block id (a pool,
+    or a peer's pool as flat bytes)."""
+    nb = src_pool[0].nbytes
+    assert nb == dst_pool[0].nbytes, "pools with different block sizes"
+    # NOTE: numpy slice assignment is one single-threaded memcpy per run. torch's copy_
+    # splits each run over its intra-op threads and, on a CPU shared with the engine's
+    # own threads, waits on every one of them: several times slower under load.
+    s_bytes, d_bytes = pool_bytes(src_pool).numpy(), pool_bytes(dst_pool).numpy()
     for s, d, n in block_runs(src, dst):
-        dst_pool[d : d + n].copy_(src_pool[s : s + n])
+        d_bytes[d * nb : (d + n) * nb] = s_bytes[s * nb : (s + n) * nb]
 
 
 def block_crc32(pool: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
