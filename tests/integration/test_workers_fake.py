@@ -6,13 +6,20 @@ gateway); a small client in worker_client.py plays the gateway.
 
 from __future__ import annotations
 
+import asyncio
+import signal
+
 import pytest
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 from tokenyard.services.worker.fake_engine import next_token
 from tokenyard.v1 import serving_pb2 as pb
 from worker_client import Heartbeats, Request, connect
 
-FAST = {"TOKENYARD_WORKER_HEARTBEAT_INTERVAL_S": "0.5", "TOKENYARD_WORKER_JOB_ACK_WAIT_S": "2"}
+FAST = {
+    "TOKENYARD_WORKER_HEARTBEAT_INTERVAL_S": "0.5",
+    "TOKENYARD_WORKER_JOB_ACK_WAIT_S": "2",
+    "TOKENYARD_WORKER_DRAIN_TIMEOUT_S": "2",  # shorter than the requests the stop tests cut
+}
 PROMPT = list(range(1, 50))
 
 
@@ -116,4 +123,37 @@ async def test_cancel_frees_the_blocks(stack_factory):
     assert await beats.wait_for(
         lambda b: all(h.num_free_blocks == h.num_blocks for h in b.values()), 10
     )
+    await bus.close()
+
+
+async def test_stopping_decode_worker_hands_its_sequences_to_another(stack_factory):
+    stack = stack_factory(1, 2, step_s=0.05)
+    bus = await connect(stack.nats_url)
+    await wait_workers(bus, 3)
+    req = Request(bus, PROMPT, pb.SamplingParams(max_tokens=150))
+    reply = await req.submit()
+    decoder = next(p for p in stack.workers if p.name == reply.placement.decode_worker_id)
+    while len(req.result.tokens) < 10:
+        await asyncio.sleep(0.05)
+    decoder.signal(signal.SIGTERM)  # it cannot finish the 140 steps left within its 2 s drain
+    result = await req.wait(30)
+    assert result.token_ids == expected(PROMPT, 150)
+    assert result.last.finish_reason == "length"
+    assert result.last.worker_id not in (decoder.name, "prefill-1")
+    await asyncio.to_thread(decoder.proc.wait, 10)
+    await bus.close()
+
+
+async def test_stopping_prefill_worker_hands_back_its_job(stack_factory):
+    stack = stack_factory(2, 0, step_s=0.1)
+    bus = await connect(stack.nats_url)
+    await wait_workers(bus, 2)
+    req = Request(bus, PROMPT, pb.SamplingParams(max_tokens=100))
+    reply = await req.submit()
+    victim = next(p for p in stack.workers if p.name == reply.placement.prefill_worker_id)
+    await req.first_chunk.wait()
+    victim.signal(signal.SIGTERM)
+    result = await req.wait(90)
+    assert result.token_ids == expected(PROMPT, 100)
+    assert result.last.worker_id != victim.name
     await bus.close()
