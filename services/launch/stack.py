@@ -36,7 +36,7 @@ class StackConfig:
     aggregated: bool = False  # one worker with role "both" instead of the two pools
     nats_url: str | None = None  # an external NATS (with JetStream); None = embedded
     model: str | None = None
-    engine: str = "real"  # "fake" = the workers' test double (no model)
+    engine: str | None = None  # "fake" = the workers' test double; None = the workers' default
     kvcache: bool = True
     facilities: bool = True
     gateway: bool = True
@@ -128,7 +128,7 @@ class LocalStack:
             "TOKENYARD_WORKER_NATS_URL": self.nats_url,
             "TOKENYARD_WORKER_ROLE": role,
             "TOKENYARD_WORKER_WORKER_ID": worker_id,
-            "TOKENYARD_WORKER_ENGINE": self.config.engine,
+            **({"TOKENYARD_WORKER_ENGINE": self.config.engine} if self.config.engine else {}),
             **({"TOKENYARD_WORKER_MODEL": self.config.model} if self.config.model else {}),
             **self.config.worker_env,
             **(env or {}),

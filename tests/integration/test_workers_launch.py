@@ -1,0 +1,93 @@
+"""No orphans: `tokenyard up` stops everything on Ctrl-C, and a killed launcher takes its
+children with it (PR_SET_PDEATHSIG)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tokenyard.bus.embedded import free_port
+from tokenyard.services.launch.procs import wait_until
+
+LAUNCHER = """
+import json, sys, time
+from tokenyard.services.launch.stack import LocalStack, StackConfig
+stack = LocalStack(StackConfig(engine="fake", gateway=False, kvcache=False, facilities=False)).start()
+print(json.dumps([p.pid for p in stack.procs]), flush=True)
+time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose (its parent, the launcher, is gone; init reaps it).
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def test_children_die_with_a_killed_launcher():
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(launcher.stdout.readline())
+        assert len(pids) == 4 and all(alive(p) for p in pids)  # nats, router, prefill, decode
+        launcher.kill()
+        launcher.wait()
+        assert wait_until(lambda: not any(alive(p) for p in pids), 15), [
+            p for p in pids if alive(p)
+        ]
+    finally:
+        launcher.kill()
+
+
+def test_up_stops_everything_on_ctrl_c(tmp_path):
+    port = free_port()
+    env = {**os.environ, "TOKENYARD_WORKER_ENGINE": "fake"}
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenyard.cli",
+            "up",
+            "--port",
+            str(port),
+            "--no-kvcache",
+            "--no-facilities",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        banner = "".join(lines)
+        assert f"http://127.0.0.1:{port}" in banner and "curl" in banner, banner
+        kids = children_of(up.pid)
+        assert len(kids) == 5  # nats, router, prefill, decode, gateway
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        assert not any(alive(p) for p in kids)
+    finally:
+        up.kill()
