@@ -178,7 +178,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
     ap.add_argument(
-        "--worker-threads", type=int, default=0, help="torch threads per worker (0 = default)"
+        "--threads", type=int, default=0, help="torch threads per engine, both sides (0 = default)"
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/service_path.json"))
     args = ap.parse_args()
@@ -191,7 +191,9 @@ def main() -> None:
     from tokenyard.engine.config import EngineConfig
     from tokenyard.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(kv_cache_bytes=args.kv_cache_bytes, num_threads=args.threads or None))
+    engine = LLMEngine(
+        EngineConfig(kv_cache_bytes=args.kv_cache_bytes, num_threads=args.threads or None)
+    )
     run_inprocess(engine, warmup, 2, args.max_tokens)
     inproc = {}
     for c, _ in levels:

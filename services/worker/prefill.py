@@ -22,6 +22,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import BusError, parse
 from tokenyard.services.worker.base import WorkerBase
+from tokenyard.services.worker.convert import error_chunk
 from tokenyard.services.worker.stream import HANDED_BACK
 from tokenyard.v1 import serving_pb2 as pb
 
@@ -115,12 +116,23 @@ class PrefillHandler:
             async with self._in_progress(msg):
                 done = await self.run_job(job)
             await (msg.ack() if done else msg.nak())  # nak: handed back, a live worker takes it
-        except Exception:
+        except Exception as exc:
             log.exception("prefill job %s failed", job.request_id)
-            with contextlib.suppress(Exception):
-                await msg.nak()
+            await self._failed(job, msg, exc)
         finally:
             self.slots.release()
+
+    async def _failed(self, job: pb.PrefillJob, msg: Msg, exc: Exception) -> None:
+        """Retry on another delivery; on the last one, tell the client instead of going silent."""
+        with contextlib.suppress(Exception):
+            if msg.metadata.num_delivered < self.settings.job_max_deliver:
+                await msg.nak()
+                return
+            await msg.term()
+            chunk = error_chunk(
+                job.request_id, 0, self.w.worker_id, pb.Error.INTERNAL, f"the request failed: {exc}"
+            )
+            await self.bus.publish(subjects.tokens(job.request_id), chunk)
 
     @contextlib.asynccontextmanager
     async def _in_progress(self, msg: Msg) -> AsyncIterator[None]:
