@@ -1,0 +1,119 @@
+"""The block pool's bookkeeping: allocation, prefix sharing, LRU eviction, no leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenyard.engine.block_manager import BlockManager, NoFreeBlocks
+from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.engine.sequence import Sequence
+from tokenyard.kv.hashing import prefix_block_hashes
+
+BS = 4
+
+
+def seq(tokens: list[int], rid: str = "r") -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(), arrival=0)
+
+
+def computed(bm: BlockManager, s: Sequence) -> None:
+    """Pretend the model computed every token of `s`."""
+    s.num_computed_tokens = s.num_tokens
+    bm.register_computed(s)
+
+
+def test_allocate_and_free_returns_every_block():
+    bm = BlockManager(8, BS)
+    s = seq(list(range(10)))
+    assert bm.can_allocate(s)
+    bm.allocate(s)
+    assert len(s.block_table) == 3 and bm.num_free_blocks == 5
+    assert s.num_computed_tokens == 0
+    bm.free_sequence(s)
+    bm.check_no_leaks()
+
+
+def test_second_request_shares_computed_prefix_blocks():
+    bm = BlockManager(16, BS)
+    a = seq(list(range(13)), "a")
+    bm.allocate(a)
+    computed(bm, a)
+    assert a.block_hashes == prefix_block_hashes(list(range(13)), BS)
+    b = seq(list(range(12)) + [99, 98], "b")
+    bm.allocate(b)
+    assert b.block_table[:3] == a.block_table[:3]
+    assert b.num_computed_tokens == 12 and b.num_cached_tokens == 12
+    assert bm.blocks[a.block_table[0]].ref_count == 2
+    assert bm.stats.hits == 12 and bm.stats.queries == 13 + 14
+    bm.free_sequence(a)
+    bm.free_sequence(b)
+    bm.check_no_leaks()
+
+
+def test_fully_cached_prompt_still_computes_its_last_block():
+    bm = BlockManager(16, BS)
+    a = seq(list(range(8)), "a")
+    bm.allocate(a)
+    computed(bm, a)
+    b = seq(list(range(8)), "b")
+    bm.allocate(b)
+    # the block holding the last token is fresh, so a shared block is never written
+    assert b.num_computed_tokens == 4
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
+    bm.free_sequence(a)
+    bm.free_sequence(b)
+    bm.check_no_leaks()
+
+
+def test_uncomputed_blocks_are_not_shared():
+    bm = BlockManager(16, BS)
+    a = seq(list(range(12)), "a")
+    bm.allocate(a)  # allocated but not computed yet
+    b = seq(list(range(12)), "b")
+    bm.allocate(b)
+    assert b.num_computed_tokens == 0
+    assert not set(a.block_table) & set(b.block_table)
+
+
+def test_freed_cached_blocks_survive_until_evicted_lru():
+    bm = BlockManager(4, BS)
+    a = seq(list(range(8)) + [1], "a")
+    bm.allocate(a)
+    computed(bm, a)
+    bm.free_sequence(a)
+    assert bm.num_free_blocks == 4 and len(bm.cached) == 2
+    # a new unrelated sequence needing 3 blocks evicts the tail first, keeping block 0's content
+    c = seq([50 + i for i in range(12)], "c")
+    bm.allocate(c)
+    assert len(bm.cached) == 1
+    events = bm.drain_events()
+    assert [k for k, _ in events] == ["stored", "stored", "removed"]
+    bm.free_sequence(c)
+    d = seq(list(range(4)) + [7, 7], "d")
+    bm.allocate(d)
+    assert d.num_cached_tokens == 4
+
+
+def test_append_slots_grows_by_blocks_and_raises_when_full():
+    bm = BlockManager(2, BS)
+    s = seq([1, 2, 3, 4])
+    bm.allocate(s)
+    s.num_computed_tokens = 4
+    assert bm.can_append(s, 1)
+    bm.append_slots(s, 1)
+    assert len(s.block_table) == 2
+    s.num_computed_tokens = 8
+    assert not bm.can_append(s, 1)
+    with pytest.raises(NoFreeBlocks):
+        bm.append_slots(s, 1)
+
+
+def test_double_free_is_caught():
+    bm = BlockManager(4, BS)
+    s = seq([1, 2])
+    bm.allocate(s)
+    table = list(s.block_table)
+    bm.free_sequence(s)
+    s.block_table = table
+    with pytest.raises(AssertionError):
+        bm.free_sequence(s)
