@@ -74,3 +74,23 @@ def test_holds_expire_unless_touched_and_end_once():
     assert holds.end("a") is False
     assert "released or expired" in holds.check("a", [1])
     assert len(holds) == 0
+
+
+def test_hand_encoded_chunks_are_plain_block_chunk_messages():
+    import zlib
+
+    from tokenyard.kv.transfer.wire import decode_chunk, encode_chunk
+    from tokenyard.v1 import kv_pb2
+
+    pieces = [memoryview(b"abc" * 100), memoryview(b"\x00\xff" * 70000)]
+    data = b"".join(pieces)
+    message = encode_chunk(1 << 40, pieces)
+    parsed = kv_pb2.BlockChunk.FromString(message)
+    assert (parsed.offset, parsed.data, parsed.crc32) == (1 << 40, data, zlib.crc32(data))
+
+    standard = kv_pb2.BlockChunk(offset=300, data=data, crc32=7).SerializeToString()
+    offset, crc, view = decode_chunk(standard)
+    assert (offset, crc, bytes(view)) == (300, 7, data)
+    assert decode_chunk(kv_pb2.BlockChunk().SerializeToString())[2].nbytes == 0
+    with pytest.raises((ValueError, IndexError)):
+        decode_chunk(message[:-5])

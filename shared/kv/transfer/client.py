@@ -40,14 +40,17 @@ from tokenyard.kv.transfer.common import (
     process_id,
 )
 from tokenyard.kv.transfer.negotiate import Peer, candidates, ordered
-from tokenyard.kv.transfer.server import GRPC_OPTIONS, LOCAL_SERVERS
+from tokenyard.kv.transfer.server import GRPC_OPTIONS, LOCAL_SERVERS, READ_BLOCKS
 from tokenyard.kv.transfer.settings import KVTransferSettings
 from tokenyard.kv.transfer.shm import Attached
+from tokenyard.kv.transfer.wire import decode_chunk
 from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 1.0
+
+_Channel = tuple[grpc.aio.Channel, kv_pb2_grpc.KVTransferStub, grpc.aio.UnaryStreamMultiCallable]
 
 
 class _Unusable(Exception):
@@ -69,7 +72,7 @@ class KVTransferClient:
         self.pool, self.layout, self.settings = pool, layout, s
         self.allowed = ordered(allowed if allowed is not None else s.allowed)
         self.timeout_s = timeout_s if timeout_s is not None else s.timeout_s
-        self._channels: dict[str, tuple[grpc.aio.Channel, kv_pb2_grpc.KVTransferStub]] = {}
+        self._channels: dict[str, _Channel] = {}
         self._attached: dict[str, Attached] = {}
         self._mooncake: mooncake.MooncakeEngine | None = None
 
@@ -130,7 +133,7 @@ class KVTransferClient:
         return TransferResult(transport=transport, nbytes=nbytes, seconds=seconds)
 
     async def close(self) -> None:
-        for channel, _ in self._channels.values():
+        for channel, *_ in self._channels.values():
             await channel.close()
         self._channels.clear()
         for attached in self._attached.values():
@@ -183,7 +186,7 @@ class KVTransferClient:
 
     async def _move(self, transport, endpoint, stub, desc, request_id, src, dst) -> None:
         if transport == "grpc":
-            await self._pull_grpc(stub, request_id, src, dst)
+            await self._pull_grpc(endpoint, request_id, src, dst)
             return
         if transport == "inproc":
             server = LOCAL_SERVERS.get(endpoint)
@@ -226,27 +229,29 @@ class KVTransferClient:
             dst,
         )
 
-    async def _pull_grpc(self, stub, request_id: str, src: list[int], dst: list[int]) -> None:
+    async def _pull_grpc(
+        self, endpoint: str, request_id: str, src: list[int], dst: list[int]
+    ) -> None:
         nb = self.layout.block_nbytes
         total = len(src) * nb
         flat = pool_bytes(self.pool).numpy()
-        call = stub.ReadBlocks(
-            kv_pb2.ReadBlocksRequest(
-                request_id=request_id, src_block_ids=src, chunk_bytes=self.settings.chunk_bytes
-            )
+        request = kv_pb2.ReadBlocksRequest(
+            request_id=request_id, src_block_ids=src, chunk_bytes=self.settings.chunk_bytes
         )
+        call = self._read_blocks(endpoint)(request)
         try:
             received = 0
             while received < total:
-                chunk = await asyncio.wait_for(call.read(), self.settings.stall_timeout_s)
-                if chunk is grpc.aio.EOF:
+                message = await asyncio.wait_for(call.read(), self.settings.stall_timeout_s)
+                if message is grpc.aio.EOF:
                     raise KVTransferError(f"sender ended the stream at byte {received} of {total}")
-                if chunk.offset != received:
-                    raise KVTransferError(f"chunk at byte {chunk.offset}, expected {received}")
-                if zlib.crc32(chunk.data) != chunk.crc32:
+                offset, crc, data = decode_chunk(message)
+                if offset != received:
+                    raise KVTransferError(f"chunk at byte {offset}, expected {received}")
+                if zlib.crc32(data) != crc:
                     raise KVTransferError(f"corrupt KV chunk at byte {received} (crc32 mismatch)")
-                _scatter(flat, dst, nb, received, chunk.data)
-                received += len(chunk.data)
+                _scatter(flat, dst, nb, received, data)
+                received += len(data)
         finally:
             call.cancel()
 
@@ -260,13 +265,23 @@ class KVTransferClient:
             log.info("KV abort of %s not delivered: %s", request_id, exc.code().name)
 
     def _stub(self, endpoint: str) -> kv_pb2_grpc.KVTransferStub:
+        return self._channel(endpoint)[1]
+
+    def _read_blocks(self, endpoint: str) -> grpc.aio.UnaryStreamMultiCallable:
+        return self._channel(endpoint)[2]
+
+    def _channel(self, endpoint: str) -> _Channel:
         if endpoint not in self._channels:
             channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
-            self._channels[endpoint] = (channel, kv_pb2_grpc.KVTransferStub(channel))
-        return self._channels[endpoint][1]
+            # ReadBlocks without a deserializer: messages arrive as bytes for wire.py.
+            read_blocks = channel.unary_stream(
+                READ_BLOCKS, request_serializer=kv_pb2.ReadBlocksRequest.SerializeToString
+            )
+            self._channels[endpoint] = (channel, kv_pb2_grpc.KVTransferStub(channel), read_blocks)
+        return self._channels[endpoint]
 
 
-def _scatter(flat: np.ndarray, dst: list[int], nb: int, offset: int, data: bytes) -> None:
+def _scatter(flat: np.ndarray, dst: list[int], nb: int, offset: int, data: memoryview) -> None:
     """Write ``data`` (bytes ``offset..`` of the concatenated blocks) into their destination
     blocks of the pool."""
     view = np.frombuffer(data, dtype=np.uint8)

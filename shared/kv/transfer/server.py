@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +32,7 @@ from tokenyard.kv.transfer.holds import HoldTable
 from tokenyard.kv.transfer.negotiate import TRANSPORTS, ordered
 from tokenyard.kv.transfer.settings import KVTransferSettings
 from tokenyard.kv.transfer.shm import shared_pool_name
+from tokenyard.kv.transfer.wire import encode_chunk
 from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,9 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+READ_BLOCKS = f"/{SERVICE}/ReadBlocks"
 
 # Servers running in this process by endpoint: the "inproc" transport copies straight
 # from their pools. Entries live exactly from start() to stop().
@@ -95,7 +98,7 @@ class KVTransferServer:
             if self._mooncake is not None:
                 self._mooncake.register(self.pool)
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
-        kv_pb2_grpc.add_KVTransferServicer_to_server(_Servicer(self), self._server)
+        self._server.add_generic_rpc_handlers((_handlers(_Servicer(self)),))
         port = self._server.add_insecure_port(f"{self._host}:{self._port}")
         await self._server.start()
         self.endpoint = f"{self._host}:{port}"
@@ -161,8 +164,9 @@ class KVTransferServer:
             reply.block_crc32.extend(block_crc32(self.pool, list(req.src_block_ids)))
         return reply
 
-    async def chunks(self, req: kv_pb2.ReadBlocksRequest) -> AsyncIterator[kv_pb2.BlockChunk]:
-        """The requested blocks' bytes, concatenated in request order, in checksummed chunks."""
+    async def chunks(self, req: kv_pb2.ReadBlocksRequest) -> AsyncIterator[bytes]:
+        """The requested blocks' bytes, concatenated in request order, as serialized
+        BlockChunk messages (see wire.py)."""
         flat = pool_bytes(self.pool).numpy()
         nb = self.layout.block_nbytes
         step = min(req.chunk_bytes or self.settings.chunk_bytes, MAX_MESSAGE_BYTES // 2)
@@ -180,13 +184,12 @@ class KVTransferServer:
                 block, within = divmod(pos, nb)
                 take = min(nb - within, end - pos)
                 start = ids[block] * nb + within
-                pieces.append(memoryview(flat[start : start + take]))
+                pieces.append(flat[start : start + take].data)
                 pos += take
-            data = b"".join(pieces)
-            crc = zlib.crc32(data)
+            message = encode_chunk(offset, pieces)
             if self._faults.corrupt_chunk == n:
-                data = bytes([data[0] ^ 0xFF]) + data[1:]
-            yield kv_pb2.BlockChunk(offset=offset, data=data, crc32=crc)
+                message = message[:-1] + bytes([message[-1] ^ 0xFF])
+            yield message
 
 
 class _Servicer(kv_pb2_grpc.KVTransferServicer):
@@ -218,6 +221,33 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
     async def Abort(self, request, context):
         held = self.s.end_hold(request.request_id, f"aborted by receiver: {request.reason}")
         return kv_pb2.AbortReply(was_held=held)
+
+
+def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
+    """The KVTransfer service, as generated, except that ReadBlocks yields BlockChunk
+    messages already serialized (wire.py)."""
+    unary = grpc.unary_unary_rpc_method_handler
+    methods = {
+        "Describe": unary(
+            servicer.Describe,
+            request_deserializer=kv_pb2.DescribeRequest.FromString,
+            response_serializer=kv_pb2.DescribeReply.SerializeToString,
+        ),
+        "ReadBlocks": grpc.unary_stream_rpc_method_handler(
+            servicer.ReadBlocks, request_deserializer=kv_pb2.ReadBlocksRequest.FromString
+        ),
+        "Release": unary(
+            servicer.Release,
+            request_deserializer=kv_pb2.ReleaseRequest.FromString,
+            response_serializer=kv_pb2.ReleaseReply.SerializeToString,
+        ),
+        "Abort": unary(
+            servicer.Abort,
+            request_deserializer=kv_pb2.AbortRequest.FromString,
+            response_serializer=kv_pb2.AbortReply.SerializeToString,
+        ),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 
 __all__ = ["TRANSPORTS", "FaultInjection", "KVTransferServer", "LOCAL_SERVERS"]
