@@ -132,3 +132,45 @@ async def test_vanished_receiver_blocks_are_freed_after_hold_timeout(ctx):
         receiver.kill()
         receiver.join(10)
         await server.stop(0)
+
+
+def _serve_mooncake(endpoints: mp.Queue) -> None:
+    async def main() -> None:
+        server = KVTransferServer(
+            source_pool(), LAYOUT, on_release=lambda rid: None, allowed=["mooncake"]
+        )
+        endpoints.put(await server.start())
+        for i in range(10_000):
+            server.offer(f"r{i}", SRC)
+        await asyncio.sleep(60)
+
+    asyncio.run(main())
+
+
+async def test_sender_killed_during_mooncake_reads(ctx):
+    from tokenyard.kv.transfer import mooncake
+
+    if mooncake.process_engine("127.0.0.1", "tcp") is None:
+        pytest.skip(f"Mooncake unavailable here: {mooncake.unavailable_reason()}")
+    endpoints = ctx.Queue()
+    sender = ctx.Process(target=_serve_mooncake, args=(endpoints,), daemon=True)
+    sender.start()
+    settings = KVTransferSettings(allowed=["mooncake"], timeout_s=5.0)
+    try:
+        endpoint = await asyncio.to_thread(endpoints.get, True, 60)
+        dst_pool = torch.zeros(LAYOUT.pool_shape(NUM_BLOCKS))
+        async with KVTransferClient(dst_pool, LAYOUT, settings=settings) as client:
+            loop = asyncio.get_running_loop()
+            killer = loop.call_later(1.0, os.kill, sender.pid, signal.SIGKILL)
+            pulled = 0
+            with pytest.raises(KVTransferError):  # wherever the kill lands: Describe or a read
+                while True:
+                    t0 = loop.time()
+                    await client.pull(endpoint, f"r{pulled}", SRC, DST)
+                    pulled += 1
+            assert loop.time() - t0 < settings.timeout_s + 1
+            killer.cancel()
+        assert pulled > 0
+    finally:
+        sender.kill()
+        sender.join(10)
