@@ -30,6 +30,7 @@ from tokenyard.v1 import serving_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+ROUTE_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
 PREFILL_SUBJECTS = [subjects.PREFILL_JOBS, f"{subjects.PREFILL_JOBS}.>"]
 
 
@@ -37,6 +38,10 @@ class TokenStream(Protocol):
     def __aiter__(self) -> TokenStream: ...
 
     async def __anext__(self) -> pb.TokenChunk: ...
+
+    def has_chunk(self) -> bool:
+        """True when the next __anext__ can answer without waiting for the workers."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -49,6 +54,22 @@ class Backend(Protocol):
     async def submit(
         self, rid: str, model: str, prompt_ids: list[int], params: pb.SamplingParams
     ) -> TokenStream: ...
+
+    async def _ask_router(self, bus: Bus, request: pb.RouteRequest) -> pb.RouteReply:
+        """One route request; "no responders" is asked again a few times, quickly.
+
+        NOTE: a router that is restarting, or whose subscription is still on its way to the
+        server, answers within milliseconds; a missing router still fails well under a second.
+        """
+        timeout = self.settings.route_timeout_s
+        for delay in ROUTE_RETRY_DELAYS_S:
+            try:
+                return await bus.request(
+                    subjects.ROUTER_ROUTE, request, pb.RouteReply, timeout=timeout
+                )
+            except NoRespondersError:
+                await asyncio.sleep(delay)
+        return await bus.request(subjects.ROUTER_ROUTE, request, pb.RouteReply, timeout=timeout)
 
     async def cancel(self, rid: str, reason: str) -> None: ...
 
@@ -104,9 +125,20 @@ class NatsTokenStream:
             if chunk.error.code:
                 raise chunk_error(chunk.error)
             self._last_chunk = time.monotonic()
-            self._worker = chunk.worker_id or self._placement.decode_worker_id or self._worker
+            self._worker = self._owner(chunk)
             self._ready.extend(self._orderer.push(chunk))
         return self._ready.popleft()
+
+    def has_chunk(self) -> bool:
+        return bool(self._ready) or not self._queue.empty()
+
+    def _owner(self, chunk: pb.TokenChunk) -> str:
+        """The worker that owes the next chunk: after the prefill worker's first token, the
+        decode worker; once a chunk past the first arrives, whoever sent it (a prefill worker
+        that decodes itself when no decode worker took the hand-off)."""
+        if chunk.index == 0 and self._placement.decode_worker_id:
+            return self._placement.decode_worker_id
+        return chunk.worker_id or self._worker
 
     def _check_stall(self, now: float) -> None:
         silent = now - self._last_chunk
@@ -199,9 +231,7 @@ class NatsBackend:
         )
         retry = self.settings.retry_after_s
         try:
-            reply = await bus.request(
-                subjects.ROUTER_ROUTE, request, pb.RouteReply, timeout=self.settings.route_timeout_s
-            )
+            reply = await self._ask_router(bus, request)
         except NoRespondersError:
             raise OpenAIError(
                 503,
@@ -216,6 +246,22 @@ class NatsBackend:
         if reply.WhichOneof("result") != "placement":
             raise route_error(reply.error, retry)
         return reply.placement
+
+    async def _ask_router(self, bus: Bus, request: pb.RouteRequest) -> pb.RouteReply:
+        """One route request; "no responders" is asked again a few times, quickly.
+
+        NOTE: a router that is restarting, or whose subscription is still on its way to the
+        server, answers within milliseconds; a missing router still fails well under a second.
+        """
+        timeout = self.settings.route_timeout_s
+        for delay in ROUTE_RETRY_DELAYS_S:
+            try:
+                return await bus.request(
+                    subjects.ROUTER_ROUTE, request, pb.RouteReply, timeout=timeout
+                )
+            except NoRespondersError:
+                await asyncio.sleep(delay)
+        return await bus.request(subjects.ROUTER_ROUTE, request, pb.RouteReply, timeout=timeout)
 
     async def cancel(self, rid: str, reason: str) -> None:
         if self.connected():

@@ -21,9 +21,11 @@ from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.responses import Accumulator, ResponseFormat
 from tokenyard.services.gateway.state import GatewayState
 from tokenyard.services.gateway.translate import Prepared
+from tokenyard.tracing import tracer
 from tokenyard.v1 import serving_pb2 as pb
 
 log = logging.getLogger(__name__)
+_tracer = tracer("tokenyard.gateway")
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.25
@@ -69,7 +71,11 @@ class Generation:
 
     async def serve(self, request: Request, model: str) -> Response:
         rid, backend = self.fmt.rid, self.state.backend
-        stream = await backend.submit(rid, model, self.prepared.prompt_ids, self.prepared.params)
+        # One trace per request: the bus carries this span's context to router and workers.
+        with _tracer.start_as_current_span(f"gateway.{self.route}", attributes={"request_id": rid}):
+            stream = await backend.submit(
+                rid, model, self.prepared.prompt_ids, self.prepared.params
+            )
         self.state.metrics.in_flight.inc()
         handed_off = False  # once the SSE generator owns the stream, it cleans up
         try:
@@ -150,7 +156,10 @@ async def _watched(request: Request, stream: TokenStream) -> AsyncIterator[pb.To
     """
     while True:
         try:
-            yield await until_disconnect(request, anext(stream))
+            if stream.has_chunk():  # the common case while tokens flow: no race to set up
+                yield await anext(stream)
+            else:
+                yield await until_disconnect(request, anext(stream))
         except StopAsyncIteration:
             return
 

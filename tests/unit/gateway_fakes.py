@@ -92,6 +92,9 @@ class FakeStream:
             await asyncio.sleep(3600)
         raise StopAsyncIteration
 
+    def has_chunk(self) -> bool:
+        return bool(self._chunks)
+
     async def close(self) -> None:
         self.closed = True
 
