@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -125,6 +126,7 @@ class LocalStack:
         worker_id = worker_id or f"{role}-{self._worker_count}"
         module = "tokenyard.services.decode" if role == "decode" else "tokenyard.services.prefill"
         settings = {
+            "TOKENYARD_WORKER_NUM_THREADS": str(self._threads_per_worker()),
             "TOKENYARD_WORKER_NATS_URL": self.nats_url,
             "TOKENYARD_WORKER_ROLE": role,
             "TOKENYARD_WORKER_WORKER_ID": worker_id,
@@ -136,6 +138,12 @@ class LocalStack:
         proc = self._spawn(worker_id, module, settings)
         self.workers.append(proc)
         return proc
+
+    def _threads_per_worker(self) -> int:
+        """Share the cores: torch's default (every core per process) makes N workers on a
+        small machine spin against each other and run several times slower."""
+        workers = 1 if self.config.aggregated else self.config.prefill + self.config.decode
+        return max(1, (os.cpu_count() or 1) // max(1, workers))
 
     def _start_gateway(self) -> None:
         env = {
