@@ -295,3 +295,32 @@ async def test_client_that_leaves_a_slow_request_cancels_it(stream):
     assert backend.cancelled == [backend.submitted[0][0]]
     assert backend.streams[0].closed
     assert state.metrics.in_flight._value.get() == 0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"null",
+        b"[]",
+        b'"text"',
+        b"{}",
+        b'{"model": 5, "messages": "hi"}',
+        json.dumps({**CHAT, "max_tokens": 1e30}).encode(),
+        json.dumps({**CHAT, "seed": 2**70}).encode(),
+        json.dumps({**CHAT, "stop": ["s"] * 100}).encode(),
+        json.dumps(
+            {
+                **CHAT,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            }
+        ).encode(),
+        json.dumps({**CHAT, "messages": [{"role": "user"}]}).encode(),
+        json.dumps({**CHAT, "stream_options": {"include_usage": "maybe"}}).encode(),
+        json.dumps({**CHAT, "stop_token_ids": [-1]}).encode(),
+    ],
+)
+def test_odd_bodies_never_500(http, raw):
+    r = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
