@@ -56,7 +56,7 @@ def _errors(run: dict[str, Any], key: str = "errors") -> str:
 
 def summary_table(runs: list[dict[str, Any]], title: str = "tokenyard bench") -> Table:
     table = Table(title=title)
-    table.add_column("metric")
+    table.add_column("metric", no_wrap=True)
     for run in runs:
         table.add_column(run["label"], justify="right")
     for path, label, _ in ROWS:

@@ -21,7 +21,7 @@ from tokenyard.bench.client import Target, stream_request
 from tokenyard.bench.records import RequestRecord, TokenCounter, make_record
 from tokenyard.bench.workloads import Conversation, Session
 
-LOOP_PROBE_S = 0.01  # how often the event-loop lag probe wakes
+LOOP_PROBE_S = 0.05  # how often the event-loop lag probe wakes (each wake-up costs CPU too)
 
 
 @dataclass(frozen=True)

@@ -105,3 +105,15 @@ def test_token_counter_uses_the_project_tokenizer_when_it_loads():
     if count is None:
         pytest.skip("the default model's tokenizer is not installed here")
     assert 5 <= count <= 10  # 7 with SmolLM2's BPE; no BOS counted
+
+
+def test_generated_lengths_match_the_tokenizer():
+    import random
+
+    from tokenyard.bench.records import TokenCounter
+
+    pytest.importorskip("tokenyard.models.loader")
+    count = TokenCounter().count(text.text_of_tokens(random.Random(0), 1000))
+    if count is None:
+        pytest.skip("the default model's tokenizer is not installed here")
+    assert 900 <= count <= 1100
