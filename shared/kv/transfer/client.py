@@ -18,6 +18,7 @@ import logging
 import time
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -53,6 +54,11 @@ ABORT_TIMEOUT_S = 1.0
 _Channel = tuple[grpc.aio.Channel, kv_pb2_grpc.KVTransferStub, grpc.aio.UnaryStreamMultiCallable]
 
 
+@dataclass
+class _Attempt:
+    transport: str = "none"  # the transport being tried, for metrics and errors
+
+
 class _Unusable(Exception):
     """A transport cannot be set up for this peer; nothing was written, try the next."""
 
@@ -84,40 +90,23 @@ class KVTransferClient:
             raise ValueError("src_block_ids and dst_block_ids differ in length")
         stub = self._stub(endpoint)
         started = time.perf_counter()
-        transport = "none"
+        attempt = _Attempt()
         try:
             async with asyncio.timeout(self.timeout_s):
-                desc = await self._describe(stub, request_id, src_block_ids)
-                for transport in self._candidates(endpoint, desc):
-                    try:
-                        await self._move(
-                            transport,
-                            endpoint,
-                            stub,
-                            desc,
-                            request_id,
-                            src_block_ids,
-                            dst_block_ids,
-                        )
-                        break
-                    except _Unusable as exc:
-                        log.info("KV transport %s unusable for %s: %s", transport, endpoint, exc)
-                else:
-                    raise KVTransferError(f"no transport usable between us and {endpoint}")
-                released = await stub.Release(kv_pb2.ReleaseRequest(request_id=request_id))
-                if not released.was_held:
-                    raise KVTransferError(
-                        f"the sender stopped holding {request_id!r} before we released it"
-                    )
+                await self._transfer(
+                    attempt, endpoint, stub, request_id, src_block_ids, dst_block_ids
+                )
         except Exception as exc:
             outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
-            TRANSFERS.labels(transport, outcome).inc()
+            TRANSFERS.labels(attempt.transport, outcome).inc()
             await self._abort(stub, request_id, f"{outcome}: {exc}")
             if isinstance(exc, KVTransferError):
                 raise
             raise KVTransferError(
-                f"KV pull of {request_id!r} from {endpoint} via {transport} failed: {_describe_exc(exc)}"
+                f"KV pull of {request_id!r} from {endpoint} via {attempt.transport} failed: "
+                f"{_describe_exc(exc)}"
             ) from exc
+        transport = attempt.transport
         seconds = time.perf_counter() - started
         nbytes = len(src_block_ids) * self.layout.block_nbytes
         TRANSFERS.labels(transport, "ok").inc()
@@ -131,6 +120,23 @@ class KVTransferClient:
             seconds,
         )
         return TransferResult(transport=transport, nbytes=nbytes, seconds=seconds)
+
+    async def _transfer(self, attempt, endpoint, stub, request_id, src, dst) -> None:
+        """Describe, move the bytes over the first usable transport, Release."""
+        desc = await self._describe(stub, request_id, src)
+        for attempt.transport in self._candidates(endpoint, desc):
+            try:
+                await self._move(attempt.transport, endpoint, stub, desc, request_id, src, dst)
+                break
+            except _Unusable as exc:
+                log.info("KV transport %s unusable for %s: %s", attempt.transport, endpoint, exc)
+        else:
+            raise KVTransferError(f"no transport usable between us and {endpoint}")
+        released = await stub.Release(kv_pb2.ReleaseRequest(request_id=request_id))
+        if not released.was_held:
+            raise KVTransferError(
+                f"the sender stopped holding {request_id!r} before we released it"
+            )
 
     async def close(self) -> None:
         for channel, *_ in self._channels.values():
