@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -45,8 +44,7 @@ def paged_attention(
     meta: AttnMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    kv_layer[meta.slot_blocks, 0, meta.slot_offsets] = k
-    kv_layer[meta.slot_blocks, 1, meta.slot_offsets] = v
+    kv_layer[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     if meta.num_decode:
@@ -55,30 +53,37 @@ def paged_attention(
         kv = kv_layer[meta.decode_block_tables]  # [B, max_blocks, 2, block_size, H_kv, D]
         keys = kv[:, :, 0].reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, H_kv, ctx, D]
         values = kv[:, :, 1].reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[:b].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )  # [B, H, 1, D]
-        out[:b] = o.squeeze(2)
+        out[:b] = attend(q[:b].unsqueeze(2), keys, values, meta.decode_mask, scale).squeeze(2)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         if span.context_len == span.num_tokens:  # nothing before this chunk: no gather needed
-            keys, values, mask = k[rows], v[rows], None
+            keys, values = k[rows], v[rows]
         else:
             kv = kv_layer[span.block_ids]  # [n_blocks, 2, block_size, H_kv, D]
             keys = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[: span.context_len]
             values = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[: span.context_len]
-            mask = _chunk_causal_mask(span.num_tokens, span.context_len, q.device)
-        o = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1),  # [H, n, D]
-            keys.transpose(0, 1),  # [H_kv, ctx, D]
-            values.transpose(0, 1),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[rows] = o.transpose(0, 1)
+        mask = _chunk_causal_mask(span.num_tokens, span.context_len, q.device)
+        o = attend(q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                   mask[None, None], scale)  # [1, H, n, D]
+        out[rows] = o[0].transpose(0, 1)
     return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention with the softmax in fp32.
+
+    q: [B, H, n, D]; k, v: [B, H_kv, ctx, D]; mask: [B or 1, 1, n, ctx] bool (True = attend).
+    NOTE: written out rather than F.scaled_dot_product_attention: on CPUs torch's fused kernel
+    was 1.5-12x slower here (bf16 above all) and it repeats K/V per query head for GQA.
+    """
+    b, h, n, d = q.shape
+    h_kv, ctx = k.shape[1], k.shape[2]
+    g = h // h_kv  # query heads per KV head: heads [i*g, (i+1)*g) read KV head i
+    qg = q.reshape(b, h_kv, g * n, d)
+    scores = (qg @ k.transpose(-1, -2)).float().view(b, h_kv, g, n, ctx) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, h_kv, g * n, ctx)
+    return (probs @ v).view(b, h, n, d)
 
 
 def _chunk_causal_mask(num_tokens: int, context_len: int, device: torch.device) -> torch.Tensor:

@@ -47,11 +47,13 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().float()  # [max_pos, head_dim]
         self.sin = emb.sin().float()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, H_kv, D]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for a step's positions: [T, 1, head_dim], looked up once for all layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -86,14 +88,14 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttnMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # kv_cache: [num_blocks, num_layers, 2, block_size, H_kv, D]; this layer's view.
         o = paged_attention(q, k, v, kv_cache[:, self.layer_idx], meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
@@ -118,9 +120,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttnMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_cache)
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -141,8 +143,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         assert self.rope is not None, "load_weights() first"
+        rope = self.rope.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, meta, kv_cache)
+            x = layer(x, rope, meta, kv_cache)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
