@@ -144,3 +144,19 @@ async def test_standalone_service_starts_and_stops_on_sigterm(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_put_of_a_block_of_the_wrong_size_is_refused(service):
+    import grpc
+
+    from tokenyard.kv.transfer.common import layout_to_proto
+    from tokenyard.v1 import kv_pb2, kv_pb2_grpc
+
+    async def blocks():
+        yield kv_pb2.PutBlock(layout=layout_to_proto(LAYOUT), hash=1, data=b"short", crc32=0)
+
+    async with grpc.aio.insecure_channel(service.endpoint) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await kv_pb2_grpc.KVCacheStub(channel).Put(blocks())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "has 5 bytes; layout says" in err.value.details()

@@ -176,3 +176,19 @@ async def test_unreleased_offer_is_freed_after_hold_timeout():
         await asyncio.sleep(0.6)
         assert sender.released == ["r1"]
         assert len(sender.server.holds) == 0
+
+
+async def test_hold_ended_by_the_sender_mid_stream_fails_the_pull():
+    dst_pool = torch.zeros(LAYOUT.pool_shape(NUM_BLOCKS))
+    settings = KVTransferSettings(allowed=["grpc"], chunk_bytes=LAYOUT.block_nbytes)
+    async with Sender(
+        filled(), settings=settings, faults=FaultInjection(chunk_delay_s=0.1)
+    ) as sender:
+        sender.server.offer("r1", SRC)
+        async with KVTransferClient(dst_pool, LAYOUT, settings=settings) as client:
+            pull = asyncio.create_task(client.pull(sender.endpoint, "r1", SRC, DST))
+            await asyncio.sleep(0.25)
+            assert sender.server.end_hold("r1", "request cancelled") is True
+            with pytest.raises(KVTransferError, match="released or expired"):
+                await pull
+    assert sender.released == ["r1"]  # once: the client's Abort found nothing left to free
