@@ -177,7 +177,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
     ap.add_argument(
-        "--threads", type=int, default=0, help="torch threads per engine, both sides (0 = default)"
+        "--inproc-threads", type=int, default=0, help="torch threads in-process (0 = all cores)"
+    )
+    ap.add_argument(
+        "--worker-threads",
+        type=int,
+        default=0,
+        help="torch threads per worker (0 = the launcher's share: cores / workers)",
     )
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; medians reported")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/service_path.json"))
@@ -192,8 +198,8 @@ def main() -> None:
         "TOKENYARD_WORKER_KV_CACHE_BYTES": str(args.kv_cache_bytes),
         "TOKENYARD_WORKER_LOG_LEVEL": "WARNING",
     }
-    if args.threads:
-        worker_env["TOKENYARD_WORKER_NUM_THREADS"] = str(args.threads)
+    if args.worker_threads:
+        worker_env["TOKENYARD_WORKER_NUM_THREADS"] = str(args.worker_threads)
     config = StackConfig(
         port=free_port(),
         kvcache=False,
@@ -210,7 +216,10 @@ def main() -> None:
     with LocalStack(config) as stack:
         stack.wait_ready(timeout=600)
         engine = LLMEngine(
-            EngineConfig(kv_cache_bytes=args.kv_cache_bytes, num_threads=args.threads or None)
+            EngineConfig(
+                kv_cache_bytes=args.kv_cache_bytes,
+                num_threads=args.inproc_threads or os.cpu_count(),
+            )
         )
         url, model = stack.gateway_url, stack.model_id
         run_inprocess(engine, warmup, 2, args.max_tokens)
@@ -242,7 +251,8 @@ def main() -> None:
             "temperature": 0.0,
             "levels": [{"concurrency": c, "requests": n} for c, n in levels],
             "rounds": args.rounds,
-            "torch_threads_per_engine": args.threads or "default",
+            "torch_threads_in_process": args.inproc_threads or os.cpu_count(),
+            "torch_threads_per_worker": args.worker_threads or "cores / workers",
         },
         "targets": {
             "added_ttft_p50_ms_max": TARGET_ADDED_TTFT_MS,
