@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import zlib
-
 import grpc
 
+from tokenyard.kv.checksum import crc32
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store.tiered import TieredStore, block_key, layout_key
@@ -56,7 +55,7 @@ class KVCacheHandler(kv_pb2_grpc.KVCacheServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"block {block.hash:016x} has {len(block.data)} bytes; layout says {layout.block_nbytes}",
                 )
-            if zlib.crc32(block.data) != block.crc32:
+            if crc32(block.data) != block.crc32:
                 await context.abort(
                     grpc.StatusCode.DATA_LOSS, f"block {block.hash:016x} failed its crc32"
                 )
@@ -70,7 +69,7 @@ class KVCacheHandler(kv_pb2_grpc.KVCacheServicer):
             data = await self.store.get(block_key(digest, h))
             if data is None:
                 return
-            yield kv_pb2.CachedBlock(index=index, hash=h, data=data, crc32=zlib.crc32(data))
+            yield kv_pb2.CachedBlock(index=index, hash=h, data=data, crc32=crc32(data))
 
     async def Contains(self, request, context):
         digest = layout_key(await self._layout(request.layout, context))

@@ -7,13 +7,13 @@ destination block.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import numpy as np
 import torch
 
+from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer.common import check_pool, layout_to_proto, pool_bytes
 from tokenyard.kv.transfer.server import GRPC_OPTIONS
@@ -47,7 +47,7 @@ class KVCacheClient:
         async def blocks() -> AsyncIterator[kv_pb2.PutBlock]:
             for h, b in zip(hashes, block_ids, strict=True):
                 data = flat[b * nb : (b + 1) * nb].tobytes()
-                yield kv_pb2.PutBlock(layout=desc, hash=h, data=data, crc32=zlib.crc32(data))
+                yield kv_pb2.PutBlock(layout=desc, hash=h, data=data, crc32=crc32(data))
 
         try:
             reply = await self._stub.Put(blocks(), timeout=self.timeout_s)
@@ -77,7 +77,7 @@ class KVCacheClient:
             async for block in self._stub.Get(request, timeout=self.timeout_s):
                 if block.index != landed or len(block.data) != nb:
                     raise KVCacheError(f"unexpected block {block.index} ({len(block.data)} bytes)")
-                if zlib.crc32(block.data) != block.crc32:
+                if crc32(block.data) != block.crc32:
                     raise KVCacheError(f"corrupt KV block {block.index} from the cache")
                 d = dst_block_ids[landed]
                 flat[d * nb : (d + 1) * nb] = np.frombuffer(block.data, dtype=np.uint8)

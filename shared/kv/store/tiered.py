@@ -13,9 +13,9 @@ import asyncio
 import hashlib
 import logging
 import struct
-import zlib
 from dataclasses import asdict
 
+from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store.tiers import Evicted, Tier
 
@@ -35,14 +35,14 @@ def block_key(layout_digest: str, block_hash: int) -> str:
 
 
 def frame(data: bytes) -> bytes:
-    return _CRC.pack(zlib.crc32(data)) + data
+    return _CRC.pack(crc32(data)) + data
 
 
 def unframe(value: bytes) -> bytes | None:
     """The block's bytes, or None if they were corrupted at rest."""
     (crc,) = _CRC.unpack_from(value)
     data = value[_CRC.size :]
-    return data if zlib.crc32(data) == crc else None
+    return data if crc32(data) == crc else None
 
 
 class TieredStore:

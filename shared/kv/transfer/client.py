@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ import grpc
 import numpy as np
 import torch
 
+from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import mooncake
 from tokenyard.kv.transfer.common import (
@@ -254,7 +254,7 @@ class KVTransferClient:
                 offset, crc, data = decode_chunk(message)
                 if offset != received:
                     raise KVTransferError(f"chunk at byte {offset}, expected {received}")
-                if zlib.crc32(data) != crc:
+                if crc32(data) != crc:
                     raise KVTransferError(f"corrupt KV chunk at byte {received} (crc32 mismatch)")
                 _scatter(flat, dst, nb, received, data)
                 received += len(data)

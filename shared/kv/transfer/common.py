@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 from prometheus_client import Counter
 
+from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
 from tokenyard.v1 import kv_pb2
 
@@ -135,4 +135,4 @@ def copy_blocks(
 def block_crc32(pool: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
     flat = pool_bytes(pool).numpy()
     nb = pool[0].nbytes
-    return [zlib.crc32(flat[i * nb : (i + 1) * nb].data) for i in block_ids]
+    return [crc32(flat[i * nb : (i + 1) * nb].data) for i in block_ids]

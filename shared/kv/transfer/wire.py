@@ -10,8 +10,9 @@ the one transport every pair of workers has. Here the sender copies each payload
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
+
+from tokenyard.kv.checksum import crc32
 
 _OFFSET = (1 << 3) | 0  # field 1, varint
 _DATA = (2 << 3) | 2  # field 2, length-delimited
@@ -48,7 +49,7 @@ def encode_chunk(offset: int, pieces: Sequence[memoryview]) -> bytes:
     crc = 0
     size = 0
     for piece in pieces:
-        crc = zlib.crc32(piece, crc)
+        crc = crc32(piece, crc)
         size += len(piece)
     header = bytes([_OFFSET]) + _varint(offset) + bytes([_CRC]) + _varint(crc)
     return b"".join([header, bytes([_DATA]), _varint(size), *pieces])
