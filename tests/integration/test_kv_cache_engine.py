@@ -5,12 +5,18 @@ really what the second engine used."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.kv.store import KVCacheClient
-from tokenyard.kv.store.engine_bridge import fetch_prefix, offload_prefix
+from tokenyard.kv.store.engine_bridge import (
+    fetch_prefix,
+    offload_prefix,
+    offload_snapshot,
+    snapshot_stored_blocks,
+)
 from tokenyard.services.kvcache.server import serve
 from tokenyard.services.kvcache.settings import KVCacheSettings
 
@@ -72,3 +78,24 @@ async def test_a_miss_leaves_the_engine_untouched(loaded_model, cache):
     free = eng.stats().num_free_blocks
     assert await fetch_prefix(eng, cache, PROMPT) == 0
     assert eng.stats().num_free_blocks == free and not eng.has_unfinished()
+
+
+async def test_blocks_written_through_on_their_stored_events(loaded_model, cache):
+    eng = engine(loaded_model)
+    eng.add_request("w", PROMPT, SamplingParams(max_tokens=2, temperature=0.0))
+    stored: list[int] = []
+    while eng.has_unfinished():
+        eng.step()
+        for kind, hashes in eng.drain_kv_events():
+            if kind == "stored":
+                found, snapshot = snapshot_stored_blocks(eng, hashes)
+                assert await offload_snapshot(cache, eng.layout, found, snapshot) == len(found)
+                stored += found
+    assert len(stored) == 5
+    other = engine(loaded_model)
+    assert await fetch_prefix(other, cache, PROMPT) == 80
+    cached = eng.block_manager.cached
+    for i, h in enumerate(stored):
+        assert torch.equal(
+            other.kv_cache[other.block_manager.cached[h]], eng.kv_cache[cached[h]]
+        ), i

@@ -5,6 +5,9 @@ engine (between two ``step()`` calls):
 
 - :func:`offload_prefix` stores the full blocks of a prefilled request (a held
   prefill-only request, from ``export_sequence``) under their content hashes.
+- :func:`snapshot_stored_blocks` copies out blocks the engine just named (its "stored"
+  KV events) so they can be written through to the service while the engine runs on;
+  :func:`offload_snapshot` sends them.
 - :func:`fetch_prefix` finds the longest cached prefix of a prompt, lands it in fresh
   blocks of the pool and names them in the engine's prefix cache, so the next
   ``add_request`` with that prompt computes only the rest.
@@ -15,8 +18,12 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import torch
+
 from tokenyard.kv.hashing import prefix_block_hashes
+from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store.client import KVCacheClient, KVCacheError
+from tokenyard.kv.transfer.common import copy_blocks
 
 
 async def offload_prefix(engine: Any, client: KVCacheClient, request_id: str) -> int:
@@ -26,6 +33,29 @@ async def offload_prefix(engine: Any, client: KVCacheClient, request_id: str) ->
     return await client.put_blocks(
         engine.layout, hashes, engine.kv_cache, exported.block_ids[: len(hashes)]
     )
+
+
+def snapshot_stored_blocks(engine: Any, hashes: list[int]) -> tuple[list[int], torch.Tensor]:
+    """The hashes still cached by the engine and a copy of their blocks (a small pool).
+
+    Call on the engine's thread right after the step that stored them: a cached block can
+    be reused for other tokens by any later step, so the bytes are copied out now."""
+    # NOTE: reads the block manager's hash -> block id map; the engine has no public
+    # lookup for it yet.
+    cached: dict[int, int] = engine.block_manager.cached
+    found = [(h, cached[h]) for h in hashes if h in cached]
+    snapshot = torch.empty(engine.layout.pool_shape(len(found)), dtype=engine.kv_cache.dtype)
+    copy_blocks(engine.kv_cache, snapshot, [b for _, b in found], list(range(len(found))))
+    return [h for h, _ in found], snapshot
+
+
+async def offload_snapshot(
+    client: KVCacheClient, layout: KVLayout, hashes: list[int], snapshot: torch.Tensor
+) -> int:
+    """Send a :func:`snapshot_stored_blocks` result to the service (from any thread's loop)."""
+    if not hashes:
+        return 0
+    return await client.put_blocks(layout, hashes, snapshot, list(range(len(hashes))))
 
 
 async def fetch_prefix(engine: Any, client: KVCacheClient, token_ids: list[int]) -> int:
