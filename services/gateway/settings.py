@@ -33,6 +33,7 @@ class GatewaySettings(BaseSettings):
     rate_limit_burst: int = Field(default=20, ge=1)
     redis_url: str | None = None
 
+    connect_timeout_s: float = Field(default=15.0, gt=0)  # first NATS connection, at start
     route_timeout_s: float = Field(default=2.0, gt=0)
     # No chunk for this long: the request fails with a clear error instead of hanging.
     # Generous because a CPU worker may queue a request behind many others.
