@@ -55,22 +55,6 @@ class Backend(Protocol):
         self, rid: str, model: str, prompt_ids: list[int], params: pb.SamplingParams
     ) -> TokenStream: ...
 
-    async def _ask_router(self, bus: Bus, request: pb.RouteRequest) -> pb.RouteReply:
-        """One route request; "no responders" is asked again a few times, quickly.
-
-        NOTE: a router that is restarting, or whose subscription is still on its way to the
-        server, answers within milliseconds; a missing router still fails well under a second.
-        """
-        timeout = self.settings.route_timeout_s
-        for delay in ROUTE_RETRY_DELAYS_S:
-            try:
-                return await bus.request(
-                    subjects.ROUTER_ROUTE, request, pb.RouteReply, timeout=timeout
-                )
-            except NoRespondersError:
-                await asyncio.sleep(delay)
-        return await bus.request(subjects.ROUTER_ROUTE, request, pb.RouteReply, timeout=timeout)
-
     async def cancel(self, rid: str, reason: str) -> None: ...
 
 
@@ -171,11 +155,12 @@ class NatsBackend:
         url, limit = self.settings.nats_url, self.settings.connect_timeout_s
         try:
             # NOTE: the bus keeps retrying a first connect forever; a gateway must not hang.
-            self.bus = await asyncio.wait_for(Bus.connect(url, name="gateway"), limit)
+            bus = await asyncio.wait_for(Bus.connect(url, name="gateway"), limit)
         except TimeoutError:
             raise BusError(f"cannot connect to NATS at {url} within {limit:.0f} s") from None
-        await self.bus.ensure_work_queue(subjects.PREFILL_STREAM, PREFILL_SUBJECTS)
-        await self.bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self._on_heartbeat)
+        self.bus = bus
+        await bus.ensure_work_queue(subjects.PREFILL_STREAM, PREFILL_SUBJECTS)
+        await bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self._on_heartbeat)
 
     async def stop(self) -> None:
         if self.bus:
