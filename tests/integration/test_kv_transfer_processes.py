@@ -71,3 +71,31 @@ async def test_default_negotiation_picks_shm_on_one_host(sender):
     dst_pool = torch.zeros(LAYOUT.pool_shape(NUM_BLOCKS), dtype=torch.bfloat16)
     async with KVTransferClient(dst_pool, LAYOUT) as client:
         assert (await client.pull(sender, "auto", SRC, DST)).transport == "shm"
+
+
+def _attach_and_exit(name: str, nbytes: int) -> None:
+    from tokenyard.kv.transfer.shm import Attached
+
+    attached = Attached(name, nbytes)
+    assert attached.bytes is not None and attached.bytes.numel() == nbytes
+    attached.close()
+
+
+def test_a_peer_that_maps_a_pool_never_unlinks_it():
+    from pathlib import Path
+
+    from tokenyard.kv.transfer import free_shared_pool
+
+    pool, name = allocate_shared_pool(LAYOUT, 4)
+    segment = Path("/dev/shm") / name
+    try:
+        ctx = mp.get_context("spawn")
+        for _ in range(2):  # a spawned child shares our resource tracker: still ours after
+            child = ctx.Process(target=_attach_and_exit, args=(name, pool.nbytes))
+            child.start()
+            child.join(60)
+            assert child.exitcode == 0
+        assert segment.exists()
+    finally:
+        free_shared_pool(pool)
+    assert not segment.exists()

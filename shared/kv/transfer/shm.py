@@ -7,10 +7,14 @@ and copies the blocks it needs, pool to pool, with no serialization.
 
 from __future__ import annotations
 
+import _posixshmem  # type: ignore[import-not-found]  # CPython's shm_open, POSIX only
+import atexit
 import contextlib
+import mmap
+import os
 import threading
 import uuid
-from multiprocessing import resource_tracker
+import warnings
 from multiprocessing.shared_memory import SharedMemory
 
 import torch
@@ -35,6 +39,8 @@ def allocate_shared_pool(layout: KVLayout, num_blocks: int) -> tuple[torch.Tenso
     pool = flat.view(layout.torch_dtype).view(layout.pool_shape(num_blocks))
     pool.zero_()
     with _LOCK:
+        if not _OWNED:
+            atexit.register(_unlink_all)
         _OWNED[pool.data_ptr()] = shm
     return pool, shm.name
 
@@ -54,23 +60,42 @@ def free_shared_pool(pool: torch.Tensor) -> None:
         shm.unlink()
 
 
+def _unlink_all() -> None:
+    """At exit: a pool's name must not outlive its process (a killed process leaves this to
+    the resource tracker, where the segment is registered too)."""
+    with _LOCK:
+        owned = list(_OWNED.values())
+        _OWNED.clear()
+    for shm in owned:
+        with contextlib.suppress(FileNotFoundError):
+            shm.unlink()
+
+
 class Attached:
-    """A peer's pool mapped into this process (read side)."""
+    """A peer's pool mapped into this process (read side).
+
+    NOTE: mapped with shm_open + mmap rather than SharedMemory(create=False): on
+    Python < 3.13 the latter registers the segment with the resource tracker, which then
+    unlinks the owner's pool when this process exits, and unregistering it instead would
+    also drop the owner's registration when both share a tracker (spawned children do).
+    Only the owner ever unlinks.
+    """
 
     def __init__(self, name: str, nbytes: int):
-        self._shm = SharedMemory(name=name, create=False)
-        # NOTE: Python < 3.13 registers attached segments with the resource tracker, which
-        # would unlink the owner's pool when *this* process exits. Only the owner unlinks.
-        resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
-        if self._shm.size < nbytes:
-            self._shm.close()
-            raise ValueError(f"shared memory {name!r} holds {self._shm.size} bytes, not {nbytes}")
-        self.bytes: torch.Tensor | None = torch.frombuffer(
-            self._shm.buf, dtype=torch.uint8, count=nbytes
-        )
+        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDONLY, mode=0o600)
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise ValueError(f"shared memory {name!r} holds {size} bytes, not {nbytes}")
+            self._map = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():  # read-only on purpose: we never write a peer's pool
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def close(self) -> None:
         self.bytes = None
         # A view still alive somewhere keeps the mapping; it goes with that view.
         with contextlib.suppress(BufferError):
-            self._shm.close()
+            self._map.close()
