@@ -16,9 +16,15 @@ def main() -> None:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     setup_tracing("gateway")
-    # NOTE: uvicorn handles SIGINT/SIGTERM: it stops accepting, then runs lifespan shutdown.
+    # NOTE: uvicorn handles SIGINT/SIGTERM: it stops accepting, gives open requests
+    # `shutdown_grace_s` (cut streams cancel their requests on the workers), then runs the
+    # lifespan shutdown, which drains the NATS connection.
     uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
 
 

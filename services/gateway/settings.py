@@ -47,6 +47,7 @@ class GatewaySettings(BaseSettings):
     retry_after_s: int = Field(default=1, ge=1)
     # Cap on max_tokens when a request gives none (None = the rest of the context, as vLLM).
     default_max_tokens: int | None = Field(default=None, ge=1)
+    shutdown_grace_s: float = Field(default=10.0, ge=0)  # open requests at SIGTERM
     log_level: str = "info"
 
     @field_validator("api_keys", mode="before")

@@ -8,14 +8,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import httpx
 from tokenyard.bus.embedded import free_port
 
 
+@dataclass
+class GatewayProc:
+    url: str
+    proc: subprocess.Popen
+
+
 @contextlib.contextmanager
-def gateway_process(nats_url: str, **settings: str) -> Iterator[str]:
-    """Runs `python -m tokenyard.services.gateway` on a free port; yields its URL."""
+def gateway_process(nats_url: str, **settings: str) -> Iterator[GatewayProc]:
+    """Runs `python -m tokenyard.services.gateway` on a free port until the block ends."""
     port = free_port()
     env = {
         **os.environ,
@@ -28,7 +35,7 @@ def gateway_process(nats_url: str, **settings: str) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
-        yield url
+        yield GatewayProc(url, proc)
     finally:
         proc.terminate()
         try:

@@ -14,8 +14,8 @@ from tokenyard.bus.embedded import EmbeddedNats
 
 @pytest.fixture(scope="module")
 def gateway_url():
-    with EmbeddedNats() as nats, gateway_process(nats.url) as url:
-        yield url
+    with EmbeddedNats() as nats, gateway_process(nats.url) as gateway:
+        yield gateway.url
 
 
 def test_generation_is_503_with_retry_after(gateway_url):

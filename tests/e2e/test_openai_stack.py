@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 
 import httpx
@@ -289,7 +290,8 @@ def test_api_keys_and_rate_limit_on_a_gateway_of_their_own(request, model):
         pytest.skip("needs the stack's NATS URL")
     stack = request.getfixturevalue("stack")
     settings = {"api_keys": "k1,k2", "rate_limit_rps": "0.5", "rate_limit_burst": "2"}
-    with gateway_process(stack.nats_url, **settings) as url:
+    with gateway_process(stack.nats_url, **settings) as gateway:
+        url = gateway.url
         bad = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError) as info:
             bad.models.list()
@@ -302,3 +304,30 @@ def test_api_keys_and_rate_limit_on_a_gateway_of_their_own(request, model):
         assert int(info.value.response.headers["retry-after"]) >= 1
         other = openai.OpenAI(base_url=f"{url}/v1", api_key="k2", max_retries=0, timeout=120)
         assert chat(other, model, max_tokens=2).choices  # each key has its own bucket
+
+
+def test_sigterm_mid_stream_stops_the_gateway_and_frees_blocks(request, model):
+    from openai_gateway_proc import gateway_process
+
+    if os.environ.get("TOKENYARD_E2E_GATEWAY_URL"):
+        pytest.skip("needs the stack's NATS URL")
+    stack = request.getfixturevalue("stack")
+    wait_blocks_free(stack.gateway_url)
+    body = {
+        "model": model,
+        "messages": HELLO,
+        "max_tokens": 4000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        gateway_process(stack.nats_url, shutdown_grace_s="1") as gateway,
+        httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as r,
+    ):
+        next(r.iter_lines())
+        gateway.proc.terminate()
+        t0 = time.monotonic()
+        # uvicorn ends by re-raising the signal it caught: -SIGTERM is a clean stop
+        assert gateway.proc.wait(15) in (0, -signal.SIGTERM)
+        assert time.monotonic() - t0 < 10
+    wait_blocks_free(stack.gateway_url)
