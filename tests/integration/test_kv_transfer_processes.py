@@ -99,3 +99,31 @@ def test_a_peer_that_maps_a_pool_never_unlinks_it():
     finally:
         free_shared_pool(pool)
     assert not segment.exists()
+
+
+def _own_a_pool(names: mp.Queue, done) -> None:
+    pool, name = allocate_shared_pool(LAYOUT, 4)
+    names.put((name, pool.nbytes))
+    done.wait(60)
+
+
+def test_a_pool_is_unlinked_when_its_owner_exits_even_after_peers_mapped_it():
+    from pathlib import Path
+
+    from tokenyard.kv.transfer.shm import Attached
+
+    ctx = mp.get_context("spawn")
+    names, done = ctx.Queue(), ctx.Event()
+    owner = ctx.Process(target=_own_a_pool, args=(names, done))
+    owner.start()
+    try:
+        name, nbytes = names.get(timeout=60)
+        Attached(name, nbytes).close()
+        assert (Path("/dev/shm") / name).exists()
+        done.set()
+        owner.join(30)
+        assert owner.exitcode == 0
+        assert not (Path("/dev/shm") / name).exists()
+    finally:
+        owner.kill()
+        owner.join()
