@@ -20,7 +20,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from tokenyard.bus import subjects
-from tokenyard.bus.nats import Bus, BusError
+from tokenyard.bus.nats import Bus
 from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes
 from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.responses import ChunkOrderer
@@ -152,12 +152,9 @@ class NatsBackend:
         self.bus: Bus | None = None
 
     async def start(self) -> None:
-        url, limit = self.settings.nats_url, self.settings.connect_timeout_s
-        try:
-            # NOTE: the bus keeps retrying a first connect forever; a gateway must not hang.
-            bus = await asyncio.wait_for(Bus.connect(url, name="gateway"), limit)
-        except TimeoutError:
-            raise BusError(f"cannot connect to NATS at {url} within {limit:.0f} s") from None
+        bus = await Bus.connect(
+            self.settings.nats_url, name="gateway", first_connect_timeout=self.settings.connect_timeout_s
+        )
         self.bus = bus
         await bus.ensure_work_queue(subjects.PREFILL_STREAM, PREFILL_SUBJECTS)
         await bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self._on_heartbeat)

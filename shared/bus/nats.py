@@ -10,6 +10,7 @@ Handlers receive ``(message, msg)``; ``msg`` is the raw nats Msg (reply, headers
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -22,7 +23,6 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StreamConfig
 from nats.js.errors import BadRequestError
-
 from tokenyard.tracing import extract_context, inject_headers
 
 log = logging.getLogger(__name__)
@@ -41,15 +41,24 @@ class Bus:
         self.js: JetStreamContext = nc.jetstream()
 
     @classmethod
-    async def connect(cls, url: str, *, name: str, connect_timeout: float = 5.0) -> Bus:
+    async def connect(cls, url: str, *, name: str, connect_timeout: float = 5.0,
+                      first_connect_timeout: float = 15.0) -> Bus:
+        """Connect, reconnecting forever once up; a first connect that cannot succeed within
+        `first_connect_timeout` raises BusError (nats-py would otherwise retry it forever and a
+        service pointed at a wrong URL would hang at start)."""
         try:
-            nc = await nats.connect(
-                url,
-                name=name,
-                connect_timeout=connect_timeout,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    url,
+                    name=name,
+                    connect_timeout=connect_timeout,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                ),
+                first_connect_timeout,
             )
+        except TimeoutError:
+            raise BusError(f"cannot connect to NATS at {url} within {first_connect_timeout:.0f} s") from None
         except Exception as exc:  # nats raises several unrelated types here
             raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
         return cls(nc)
