@@ -79,7 +79,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     load = p.add_argument_group("load (a comma list runs a sweep)")
     load.add_argument("--concurrency", type=_ints, default=[1], help="closed loop, e.g. 1,4,16")
     load.add_argument(
-        "--request-rate", type=_floats, help="open loop, Poisson req/s, e.g. 1,2,4 or inf"
+        "--request-rate",
+        type=_floats,
+        help="open loop, Poisson req/s, e.g. 1,2,4 or inf (overrides --concurrency)",
     )
     load.add_argument("--max-concurrency", type=int, help="open loop: cap on requests in flight")
 
@@ -146,18 +148,16 @@ async def serve(args: argparse.Namespace, console: Console | None = None) -> int
         temperature=args.temperature, timeout_s=args.timeout, api_key=args.api_key,
         extra_body=args.extra_body,
     )  # fmt: skip
-    sessions = workloads.build(name, _workload_options(args, args.num_prompts, args.seed))
-    # NOTE: warm-up prompts come from the next seed, so they never pre-cache a measured prompt.
-    warm = (
-        workloads.build(name, _workload_options(args, args.warmup, args.seed + 1))
-        if args.warmup
-        else []
-    )
-    warm = [workloads.Session(s.prelude, s.turns[:1]) for s in warm]
+    try:
+        sessions, warm = _sessions(args, name)
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]workload {name}: {exc}[/]")
+        return 2
     slos = metrics.SLOs(args.slo_ttft_ms, args.slo_itl_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+    counter = TokenCounter(args.tokenizer)  # shared: the tokenizer loads once, if ever needed
     runs = []
     for load in _loads(args):
-        result = await _run_with_progress(target, sessions, load, warm, args, console)
+        result = await _run_with_progress(target, sessions, load, warm, args, console, counter)
         runs.append(results.run_to_dict(result, slos, args.window_s))
     console.print(report.summary_table(runs, title=f"tokenyard bench: {name} on {model}"))
     config = {
@@ -168,6 +168,18 @@ async def serve(args: argparse.Namespace, console: Console | None = None) -> int
     return 0 if all(run["summary"]["requests"]["ok"] for run in runs) else 1
 
 
+def _sessions(
+    args: argparse.Namespace, name: str
+) -> tuple[list[workloads.Session], list[workloads.Session]]:
+    """The measured sessions and the warm-up (first turns only)."""
+    sessions = workloads.build(name, _workload_options(args, args.num_prompts, args.seed))
+    if not args.warmup:
+        return sessions, []
+    # NOTE: warm-up prompts come from the next seed, so they never pre-cache a measured prompt.
+    warm = workloads.build(name, _workload_options(args, args.warmup, args.seed + 1))
+    return sessions, [workloads.Session(s.prelude, s.turns[:1]) for s in warm]
+
+
 async def _run_with_progress(
     target: Target,
     sessions: list[workloads.Session],
@@ -175,6 +187,7 @@ async def _run_with_progress(
     warm: list[workloads.Session],
     args: argparse.Namespace,
     console: Console,
+    counter: TokenCounter,
 ) -> RunResult:
     total = sum(len(s.turns) for s in sessions)
     with Progress(
@@ -197,7 +210,7 @@ async def _run_with_progress(
             warmup=warm,
             seed=args.seed,
             on_done=on_done,
-            counter=TokenCounter(args.tokenizer),
+            counter=counter,
         )
 
 

@@ -247,3 +247,13 @@ def test_cli_sweep_writes_json_and_plots_and_compare_prints_ratios(fake, tmp_pat
     assert shown.count("concurrency=1  vs  concurrency=1") == 1
     requests_row = next(line for line in shown.splitlines() if "requests/s" in line)
     assert requests_row.rstrip(" │").endswith("1")  # same file on both sides: ratio 1
+
+
+@pytest.mark.parametrize("extra", [["--workload", "dataset"], ["--dataset", "no-such-file.jsonl"]])
+def test_cli_refuses_a_workload_it_cannot_build(extra):
+    parser = argparse.ArgumentParser(prog="tokenyard bench")
+    bench_cli.add_arguments(parser)
+    args = parser.parse_args(["serve", "--model", "m", "--no-progress", *extra])
+    console = Console(file=io.StringIO(), width=200)
+    assert asyncio.run(bench_cli.serve(args, console)) == 2
+    assert "workload dataset" in console.file.getvalue()
