@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import (
     KVTransferClient,

@@ -9,7 +9,6 @@ import signal
 import sys
 
 from pydantic import ValidationError
-
 from tokenyard.services.kvcache.server import serve
 from tokenyard.services.kvcache.settings import KVCacheSettings
 

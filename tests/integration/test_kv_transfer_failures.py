@@ -10,7 +10,6 @@ import signal
 
 import pytest
 import torch
-
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import (
     FaultInjection,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store.tiered import TieredStore, block_key, layout_key
 from tokenyard.kv.store.tiers import DiskTier, RamTier

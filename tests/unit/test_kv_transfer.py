@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 import torch
-
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import (
     FaultInjection,

@@ -19,7 +19,6 @@ import uuid
 from typing import Any
 
 import torch
-
 from tokenyard.kv.hashing import prefix_block_hashes
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store.client import KVCacheClient, KVCacheError

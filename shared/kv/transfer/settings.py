@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
 from tokenyard.kv.transfer.negotiate import TRANSPORTS
 
 
