@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenyard.kv.layout import KVLayout
 
 
 @dataclass
@@ -17,6 +24,10 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 1024**2  # the KV pool's memory budget
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+    # Makes the KV pool: (layout, num_blocks) -> a zeroed contiguous tensor of
+    # layout.pool_shape(num_blocks). None = private memory; workers pass a shared-memory
+    # allocator so a peer on the same host can read blocks without a copy through a socket.
+    kv_pool_factory: Callable[[KVLayout, int], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -57,7 +57,12 @@ def build_model_and_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[
     num_blocks = config.kv_cache_bytes // layout.block_nbytes
     if num_blocks < 2:
         raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds fewer than 2 KV blocks")
-    kv_cache = torch.zeros(layout.pool_shape(num_blocks), dtype=dtype)
+    if config.kv_pool_factory is None:
+        kv_cache = torch.zeros(layout.pool_shape(num_blocks), dtype=dtype)
+    else:
+        kv_cache = config.kv_pool_factory(layout, num_blocks)
+        assert kv_cache.shape == layout.pool_shape(num_blocks) and kv_cache.dtype == dtype
+        assert kv_cache.is_contiguous()
     report = MemoryReport(
         weights_bytes=_weights_bytes(model),
         kv_cache_bytes=kv_cache.numel() * kv_cache.element_size(),
