@@ -162,6 +162,48 @@ async def run_service(
         return samples, time.perf_counter() - t0
 
 
+# --- plumbing only ----------------------------------------------------------------------
+
+
+async def plumbing_ttft(url: str, n: int) -> list[float]:
+    """TTFT through the whole path with the workers' fake engine (no compute): pure overhead."""
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        for _ in range(n):
+            sample = await one_streamed(client, "fake-model", "hello there, my friend", 4)
+            out.append(sample.ttft_s * 1000)
+    return out
+
+
+def run_plumbing(args: argparse.Namespace) -> None:
+    config = StackConfig(
+        port=free_port(),
+        engine="fake",
+        kvcache=False,
+        facilities=False,
+        router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
+        worker_env={"TOKENYARD_WORKER_FAKE_STEP_S": "0", "TOKENYARD_WORKER_LOG_LEVEL": "WARNING"},
+        gateway_env={"TOKENYARD_GATEWAY_LOG_LEVEL": "warning"},
+    )
+    with LocalStack(config) as stack:
+        stack.wait_ready(timeout=120)
+        ttfts = asyncio.run(plumbing_ttft(stack.gateway_url, args.plumbing + 5))[5:]
+    ttfts.sort()
+    report = {
+        "what": "TTFT of gateway -> router -> prefill -> decode with a zero-cost fake engine:"
+        " the service path's own overhead (HTTP, tokenization, NATS, JetStream, SSE)",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "requests": len(ttfts),
+        "ttft_p50_ms": round(statistics.median(ttfts), 2),
+        "ttft_p90_ms": round(ttfts[math.ceil(0.9 * len(ttfts)) - 1], 2),
+        "target_added_ttft_p50_ms_max": TARGET_ADDED_TTFT_MS,
+    }
+    out = args.out.with_name(args.out.stem + "_plumbing.json")
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
 # --- main --------------------------------------------------------------------------------
 
 
@@ -186,8 +228,18 @@ def main() -> None:
         help="torch threads per worker (0 = the launcher's share: cores / workers)",
     )
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; medians reported")
+    ap.add_argument(
+        "--plumbing",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: N requests through the stack with the fake engine (overhead only)",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/service_path.json"))
     args = ap.parse_args()
+    if args.plumbing:
+        run_plumbing(args)
+        return
     if len(args.requests) != len(args.concurrency):
         ap.error("give one --requests figure per --concurrency level")
     levels = list(zip(args.concurrency, args.requests, strict=True))
