@@ -13,7 +13,7 @@ import pytest
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 from tokenyard.services.worker.fake_engine import next_token
 from tokenyard.v1 import serving_pb2 as pb
-from worker_client import Heartbeats, Request, connect
+from worker_client import Heartbeats, Request, connect, wait_disaggregated
 
 FAST = {
     "TOKENYARD_WORKER_HEARTBEAT_INTERVAL_S": "0.5",
@@ -71,6 +71,7 @@ async def test_disaggregated_request_through_both_workers(stack_factory):
     stack = stack_factory(1, 1)
     bus = await connect(stack.nats_url)
     await wait_workers(bus, 2)
+    await wait_disaggregated(bus, PROMPT)
     req = Request(bus, PROMPT, pb.SamplingParams(max_tokens=12))
     reply = await req.submit()
     assert reply.placement.disaggregated
@@ -112,6 +113,7 @@ async def test_cancel_frees_the_blocks(stack_factory):
     stack = stack_factory(1, 1, step_s=0.05)
     bus = await connect(stack.nats_url)
     beats = await wait_workers(bus, 2)
+    await wait_disaggregated(bus, PROMPT)
     total = beats.latest["decode-2"].num_blocks
     req = Request(bus, PROMPT, pb.SamplingParams(max_tokens=500))
     await req.submit()
@@ -130,6 +132,7 @@ async def test_stopping_decode_worker_hands_its_sequences_to_another(stack_facto
     stack = stack_factory(1, 2, step_s=0.05)
     bus = await connect(stack.nats_url)
     await wait_workers(bus, 3)
+    await wait_disaggregated(bus, PROMPT)
     req = Request(bus, PROMPT, pb.SamplingParams(max_tokens=150))
     reply = await req.submit()
     decoder = next(p for p in stack.workers if p.name == reply.placement.decode_worker_id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 from tokenyard.v1 import serving_pb2 as pb
-from worker_client import Heartbeats, Request, connect
+from worker_client import Heartbeats, Request, connect, wait_disaggregated
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +52,7 @@ async def test_disaggregated_greedy_equals_offline(stack, offline):
     bus = await connect(stack.nats_url)
     beats = await Heartbeats().start(bus)
     assert await beats.wait_for(lambda b: len(b) >= 2, 240), stack.describe_failures()
+    await wait_disaggregated(bus, prompts[0])
     params = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0, ignore_eos=True)
     for prompt, tokens in zip(prompts, want, strict=True):
         req = Request(bus, prompt, params)

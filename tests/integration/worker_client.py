@@ -116,3 +116,14 @@ class Heartbeats:
                 return True
             await asyncio.sleep(0.1)
         return bool(predicate(self.latest))
+
+
+async def wait_disaggregated(bus: Bus, prompt: list[int], timeout: float = 60) -> None:
+    """Until the router places this prompt on two workers (it has heard from both pools)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reply = await Request(bus, prompt, pb.SamplingParams()).route()
+        if reply.WhichOneof("result") == "placement" and reply.placement.disaggregated:
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError("the router never disaggregated the prompt")
