@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 CONSUMER_PREFIX = "prefill-"
 FETCH_TIMEOUT_S = 1.0
 ORPHAN_SCAN_S = 1.0
+CONSUMER_INACTIVE_S = 3600.0
 
 
 def consumer_name(worker_id: str) -> str:
@@ -54,6 +55,9 @@ class PrefillHandler:
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.settings.job_ack_wait_s,
             max_deliver=self.settings.job_max_deliver,
+            # A consumer nobody pulls from (its worker gone, nobody adopted it) goes away by
+            # itself instead of piling up on a long-lived NATS.
+            inactive_threshold=CONSUMER_INACTIVE_S,
         )
 
     async def start(self, tg: asyncio.TaskGroup) -> None:

@@ -13,7 +13,7 @@ import pytest
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 from tokenyard.services.worker.fake_engine import next_token
 from tokenyard.v1 import serving_pb2 as pb
-from worker_client import Heartbeats, Request, connect, wait_disaggregated
+from worker_client import Heartbeats, Request, connect, wait_disaggregated, wait_router
 
 FAST = {
     "TOKENYARD_WORKER_HEARTBEAT_INTERVAL_S": "0.5",
@@ -47,9 +47,10 @@ def fake_stack(
     return LocalStack(config).start()
 
 
-async def wait_workers(bus, n: int) -> Heartbeats:
+async def wait_workers(bus, n: int, *, placeable: bool = True) -> Heartbeats:
     beats = await Heartbeats().start(bus)
     assert await beats.wait_for(lambda b: len(b) >= n, 30), "workers did not come up"
+    await wait_router(bus, placeable=placeable)
     return beats
 
 
@@ -85,7 +86,7 @@ async def test_disaggregated_request_through_both_workers(stack_factory):
 async def test_no_workers_is_a_route_error(stack_factory):
     stack = stack_factory(0, 1)
     bus = await connect(stack.nats_url)
-    await wait_workers(bus, 1)  # only the decode worker: nobody can prefill
+    await wait_workers(bus, 1, placeable=False)  # only a decode worker: nobody can prefill
     reply = await Request(bus, PROMPT, pb.SamplingParams()).route()
     assert reply.WhichOneof("result") == "error"
     assert reply.error.code == pb.RouteError.NO_WORKERS

@@ -122,8 +122,27 @@ async def wait_disaggregated(bus: Bus, prompt: list[int], timeout: float = 60) -
     """Until the router places this prompt on two workers (it has heard from both pools)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        reply = await Request(bus, prompt, pb.SamplingParams()).route()
+        try:
+            reply = await Request(bus, prompt, pb.SamplingParams()).route()
+        except Exception:  # the router process may not be subscribed yet
+            reply = pb.RouteReply()
         if reply.WhichOneof("result") == "placement" and reply.placement.disaggregated:
             return
         await asyncio.sleep(0.2)
     raise TimeoutError("the router never disaggregated the prompt")
+
+
+async def wait_router(bus: Bus, *, placeable: bool, timeout: float = 30) -> None:
+    """Until the router answers (its process starts at its own pace) and, if ``placeable``,
+    has heard a worker's heartbeat, so the next route gets a placement."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            reply = await Request(bus, [1], pb.SamplingParams()).route()
+            if not placeable or reply.WhichOneof("result") == "placement":
+                return
+        except Exception:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("the router did not come up")
+        await asyncio.sleep(0.2)
