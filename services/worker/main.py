@@ -24,6 +24,13 @@ from tokenyard.tracing import setup_tracing
 log = logging.getLogger("tokenyard.worker")
 
 
+def shared_pool(layout: Any, num_blocks: int) -> Any:
+    from tokenyard.kv.transfer import allocate_shared_pool
+
+    pool, _name = allocate_shared_pool(layout, num_blocks)
+    return pool
+
+
 def build_engine(settings: WorkerSettings) -> tuple[Any, Any]:
     """The engine and its SamplingParams class."""
     if settings.engine == "fake":
@@ -43,6 +50,8 @@ def build_engine(settings: WorkerSettings) -> tuple[Any, Any]:
         "max_model_len": settings.max_model_len,
         "num_threads": settings.num_threads,
     }
+    if settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
+        optional["kv_pool_factory"] = shared_pool
     config = EngineConfig(
         model=settings.model,
         max_num_seqs=settings.max_num_seqs,

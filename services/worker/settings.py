@@ -42,6 +42,9 @@ class WorkerSettings(BaseSettings):
     host: str = "127.0.0.1"  # where the KV transfer server listens
     kv_port: int = 0  # 0 = any free port
     kv_transfer: bool = True  # False: decode workers always recompute the prompt
+    # Prefill side: keep the KV pool in shared memory, so a decode worker on this host
+    # copies blocks straight from it (the "shm" transport) instead of through a socket.
+    kv_shared_memory: bool = True
     # JetStream: a job unacked this long is redelivered; we send in-progress acks meanwhile.
     job_ack_wait_s: float = 3.0
     job_max_deliver: int = 5
