@@ -39,9 +39,10 @@ class GatewaySettings(BaseSettings):
     # Generous because a CPU worker may queue a request behind many others.
     idle_timeout_s: float = Field(default=120.0, gt=0)
     # No chunk for this long while the worker that owes the next one misses its heartbeats:
-    # fail. NOTE: longer than a prefill job's redelivery to another worker (ack wait, about
-    # 6 s, plus 3 missed heartbeats and a new prefill), which would still save the request.
-    dead_worker_grace_s: float = Field(default=20.0, gt=0)
+    # fail. NOTE: longer than a prefill job's redelivery to another worker after a kill -9
+    # (ack wait plus 3 missed heartbeats: 3-5 s in the benchmark, then a new prefill), which
+    # would still save the request; 20 s left clients hanging on truly lost requests.
+    dead_worker_grace_s: float = Field(default=10.0, gt=0)
     # Heartbeats older than this many intervals mark a worker dead (the router's rule).
     missed_heartbeats: int = Field(default=3, ge=1)
     retry_after_s: int = Field(default=1, ge=1)

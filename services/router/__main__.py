@@ -34,7 +34,7 @@ def facilities_source(tracker: RackStateTracker) -> FacilitiesSource:
 
     def snapshot() -> dict[str, FacilityState]:
         return {
-            worker: FacilityState(t.state, t.seq_cap, tracker.drain_retry_after_s)
+            worker: FacilityState(t.state, t.seq_cap, tracker.drain_retry_after_s, t.cost_penalty)
             for worker, t in tracker.by_worker().items()
         }
 

@@ -59,6 +59,9 @@ class FacilityState:
     state: Literal["normal", "derate", "drain"] = "normal"
     seq_cap: int = 0  # derate: at most this many concurrent sequences (0 = no cap)
     retry_after_s: int = 30
+    # Derate: subtracted from the score, so among equals the healthy rack's worker wins
+    # even before the derated one fills up (in units of a full worker, like busy).
+    cost_penalty: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,8 @@ def _best(
         cap = _cap(w, facilities.get(w.worker_id, NORMAL))
         if w.load >= cap + config.queue_per_worker:
             continue
-        scored.append((_score(w, cap, request, config), w.worker_id, w))
+        penalty = facilities.get(w.worker_id, NORMAL).cost_penalty
+        scored.append((_score(w, cap, request, config) - penalty, w.worker_id, w))
     if not scored:
         return None
     # Highest score wins; equal scores go to the smallest worker id, so ties are stable.

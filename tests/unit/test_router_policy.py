@@ -201,3 +201,38 @@ def test_ties_go_to_the_smallest_id():
     workers = table(worker("p2", "prefill"), worker("p1", "prefill"))
     out = choose(workers, req(10), NOW)
     assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p1"
+
+
+def test_derate_cost_penalty_sends_equal_work_to_the_healthy_rack():
+    # p1 sorts first on ties; its rack's derate penalty must tip the choice to p2.
+    workers = table(worker("p1", "prefill", running=1), worker("p2", "prefill", running=1))
+    derated = {"p1": FacilityState("derate", seq_cap=8, cost_penalty=0.5)}
+    out = choose(workers, req(10), NOW, facilities=derated)
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p2"
+    out = choose(workers, req(10), NOW)
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p1"
+
+
+def test_derated_worker_still_serves_when_it_is_the_better_one():
+    # The penalty is a cost, not a ban: a much busier healthy worker still loses.
+    workers = table(worker("p1", "prefill"), worker("p2", "prefill", running=8))
+    derated = {"p1": FacilityState("derate", seq_cap=8, cost_penalty=0.5)}
+    out = choose(workers, req(10), NOW, facilities=derated)
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p1"
+
+
+def test_drained_worker_gets_nothing_even_when_idle():
+    workers = table(
+        worker("p1", "prefill"),
+        worker("p2", "prefill", running=7),
+        worker("d1", "decode"),
+        worker("d2", "decode", running=7),
+    )
+    facilities = {
+        "p1": FacilityState("drain"),
+        "d1": FacilityState("drain"),
+        "p2": FacilityState("derate", seq_cap=8, cost_penalty=0.5),
+    }
+    out = choose(workers, req(), NOW, facilities=facilities)
+    assert isinstance(out, pb.Placement)
+    assert (out.prefill_worker_id, out.decode_worker_id) == ("p2", "d2")
