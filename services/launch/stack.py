@@ -65,6 +65,7 @@ class LocalStack:
         self.procs: list[ChildProcess] = []
         self.workers: list[ChildProcess] = []
         self._worker_count = 0
+        self.kvcache_endpoint = ""  # host:port once the KV-cache service is started
         self.model_id = ""  # known once the gateway is ready
 
     @property
@@ -82,6 +83,7 @@ class LocalStack:
                 "tokenyard.services.router",
                 {"TOKENYARD_ROUTER_NATS_URL": self.nats_url, **self.config.router_env},
             )
+            self._start_kvcache()  # before the workers: they are told where it is
             if self.config.aggregated:
                 self.add_worker("both")
             else:
@@ -132,6 +134,11 @@ class LocalStack:
             "TOKENYARD_WORKER_WORKER_ID": worker_id,
             **({"TOKENYARD_WORKER_ENGINE": self.config.engine} if self.config.engine else {}),
             **({"TOKENYARD_WORKER_MODEL": self.config.model} if self.config.model else {}),
+            **(
+                {"TOKENYARD_WORKER_KVCACHE_ENDPOINT": self.kvcache_endpoint}
+                if self.kvcache_endpoint
+                else {}
+            ),
             **self.config.worker_env,
             **(env or {}),
         }
@@ -155,13 +162,15 @@ class LocalStack:
         }
         self._spawn("gateway", "tokenyard.services.gateway", env)
 
-    def _start_optional(self) -> None:
+    def _start_kvcache(self) -> None:
         if self.config.kvcache and module_exists("tokenyard.services.kvcache.__main__"):
+            port = free_port()
             self._spawn(
-                "kvcache",
-                "tokenyard.services.kvcache",
-                {"TOKENYARD_KVCACHE_PORT": str(free_port())},
+                "kvcache", "tokenyard.services.kvcache", {"TOKENYARD_KVCACHE_PORT": str(port)}
             )
+            self.kvcache_endpoint = f"127.0.0.1:{port}"
+
+    def _start_optional(self) -> None:
         inventory = _example_inventory()
         if (
             self.config.facilities

@@ -103,3 +103,90 @@ class KVPort:
             await self.loop.call(self.loop.engine.release, request_id)
         except Exception:  # already aborted or released: nothing left to free
             log.debug("release of %s: nothing held", request_id, exc_info=True)
+
+
+class KVCachePort:
+    """The worker's use of the shared KV-cache service (``kvcache_endpoint``; "" = off).
+
+    Before a prompt is computed, :meth:`fetch` seeds the engine's prefix cache with the
+    longest prefix the service holds; after, :meth:`offload` writes the prompt's new full
+    blocks through. The cache only ever saves work: any failure is logged and the request
+    goes on as if it had missed.
+    """
+
+    def __init__(self, loop: EngineLoop, settings: WorkerSettings) -> None:
+        self.loop = loop
+        self.settings = settings
+        self._client: Any = None
+        self._puts: set[asyncio.Task[None]] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self._client is not None
+
+    async def start(self) -> None:
+        engine = self.loop.engine
+        if not self.settings.kvcache_endpoint or getattr(engine, "kv_cache", None) is None:
+            return
+        from tokenyard.kv.store import KVCacheClient
+
+        self._client = KVCacheClient(
+            self.settings.kvcache_endpoint, timeout_s=self.settings.kvcache_timeout_s
+        )
+        log.info("KV-cache service at %s", self.settings.kvcache_endpoint)
+
+    async def stop(self) -> None:
+        if self._puts:
+            await asyncio.gather(*self._puts, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def fetch(self, request_id: str, prompt: list[int]) -> int:
+        """Seed the engine with the cached prefix of ``prompt``; returns its tokens (0 = miss)."""
+        if self._client is None:
+            return 0
+        from tokenyard.kv.store.engine_bridge import fetch_prefix
+
+        try:
+            n = await fetch_prefix(self.loop.engine, self._client, prompt, call=self.loop.call)
+        except Exception as exc:  # no free blocks, the service gone: compute it all instead
+            log.warning("KV-cache fetch for %s failed (%s); computing", request_id, exc)
+            return 0
+        if n:
+            log.info("KV-cache hit for %s: %d prompt tokens fetched", request_id, n)
+        return n
+
+    async def offload(self, request_id: str, prompt: list[int], skip_tokens: int = 0) -> None:
+        """Write the prompt's full blocks past ``skip_tokens`` through to the service.
+
+        Call while the blocks are still in the engine's prefix cache (right after the
+        prompt was computed); only the copy-out runs on the engine thread, the upload runs
+        in the background."""
+        if self._client is None:
+            return
+        from tokenyard.kv.hashing import prefix_block_hashes
+        from tokenyard.kv.store.engine_bridge import snapshot_stored_blocks
+
+        engine = self.loop.engine
+        bs = engine.layout.block_size
+        hashes = prefix_block_hashes(prompt, bs)[skip_tokens // bs :]
+        if not hashes:
+            return
+        try:
+            found, snapshot = await self.loop.call(snapshot_stored_blocks, engine, hashes)
+        except Exception:
+            log.warning("KV-cache snapshot of %s failed", request_id, exc_info=True)
+            return
+        task = asyncio.get_running_loop().create_task(self._put(request_id, found, snapshot))
+        self._puts.add(task)
+        task.add_done_callback(self._puts.discard)
+
+    async def _put(self, request_id: str, hashes: list[int], snapshot: Any) -> None:
+        from tokenyard.kv.store.engine_bridge import offload_snapshot
+
+        try:
+            n = await offload_snapshot(self._client, self.loop.engine.layout, hashes, snapshot)
+            log.info("KV-cache offload of %s: %d blocks stored", request_id, n)
+        except Exception as exc:
+            log.warning("KV-cache offload of %s failed (%s)", request_id, exc)

@@ -23,6 +23,7 @@ from tokenyard.bus import subjects
 from tokenyard.bus.nats import BusError, parse
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.convert import error_chunk
+from tokenyard.services.worker.kv import KVCachePort
 from tokenyard.services.worker.stream import HANDED_BACK
 from tokenyard.v1 import serving_pb2 as pb
 
@@ -45,6 +46,7 @@ class PrefillHandler:
         self.bus = worker.bus
         self.slots = asyncio.Semaphore(self.settings.max_num_seqs)
         self.adopted: set[str] = set()
+        self.cache = KVCachePort(worker.loop, worker.settings)
         self._tg: asyncio.TaskGroup | None = None
         self._started = time.monotonic()
 
@@ -62,6 +64,7 @@ class PrefillHandler:
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         self._tg = tg
+        await self.cache.start()
         await self.bus.ensure_work_queue(
             subjects.PREFILL_STREAM, [subjects.PREFILL_JOBS, f"{subjects.PREFILL_JOBS}.>"]
         )
@@ -164,12 +167,15 @@ class PrefillHandler:
         if self.w.is_cancelled(rid):
             return True
         aggregated = job.decode_worker_id in ("", self.w.worker_id) or job.params.max_tokens == 1
-        stream = await self.w.generate(
-            rid, list(job.prompt_token_ids), job.params, prefill_only=not aggregated
-        )
+        prompt = list(job.prompt_token_ids)
+        fetched = await self.cache.fetch(rid, prompt)
+        stream = await self.w.generate(rid, prompt, job.params, prefill_only=not aggregated)
         reason = await stream.done
         if reason == HANDED_BACK:
             return False
+        if reason in ("prefilled", "stop", "length"):
+            # Its blocks are still in the prefix cache (held, or freed but not yet evicted).
+            await self.cache.offload(rid, prompt, skip_tokens=fetched)
         if reason != "prefilled":
             return True
         await self._hand_off(job, stream.cached_tokens or 0)

@@ -45,6 +45,10 @@ class WorkerSettings(BaseSettings):
     # Prefill side: keep the KV pool in shared memory, so a decode worker on this host
     # copies blocks straight from it (the "shm" transport) instead of through a socket.
     kv_shared_memory: bool = True
+    # The shared KV-cache service (host:port); empty = off. Prefill fetches a prompt's
+    # cached prefix from it and writes newly computed full blocks through to it.
+    kvcache_endpoint: str = ""
+    kvcache_timeout_s: float = 5.0
     # JetStream: a job unacked this long is redelivered; we send in-progress acks meanwhile.
     job_ack_wait_s: float = 3.0
     job_max_deliver: int = 5

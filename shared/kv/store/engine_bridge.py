@@ -16,6 +16,7 @@ engine (between two ``step()`` calls):
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -57,9 +58,22 @@ async def offload_snapshot(
     return await client.put_blocks(layout, hashes, snapshot, list(range(len(hashes))))
 
 
-async def fetch_prefix(engine: Any, client: KVCacheClient, token_ids: list[int]) -> int:
+async def _direct(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+async def fetch_prefix(
+    engine: Any,
+    client: KVCacheClient,
+    token_ids: list[int],
+    call: Callable[..., Awaitable[Any]] = _direct,
+) -> int:
     """Seed the engine's prefix cache from the service; returns the tokens now cached
-    (0 on a miss or any cache failure: the engine then simply computes them)."""
+    (0 on a miss or any cache failure: the engine then simply computes them).
+
+    ``call(fn, *args)`` runs an engine call where the engine lives (a worker passes its
+    engine thread's); the bytes land in blocks that belong to an uncommitted import, which
+    no engine step touches, so they are written from here while the engine runs on."""
     from tokenyard.engine.sampling_params import SamplingParams
 
     bs = engine.layout.block_size
@@ -78,14 +92,20 @@ async def fetch_prefix(engine: Any, client: KVCacheClient, token_ids: list[int])
     # leaves them there, unreferenced and findable, exactly like a finished request's.
     rid = f"kv-prefetch-{uuid.uuid4().hex[:12]}"
     prefix = token_ids[: n * bs]
-    dst = engine.import_sequence(rid, prefix, [token_ids[n * bs]], SamplingParams(max_tokens=1))
+    params = SamplingParams(max_tokens=1)
+    dst = await call(engine.import_sequence, rid, prefix, [token_ids[n * bs]], params)
     try:
         landed = await client.get_prefix(engine.layout, hashes[:n], engine.kv_cache, dst)
     except (KVCacheError, OSError):
         landed = 0
     if landed < n:  # evicted meanwhile: drop it all rather than register a partial prefix
-        engine.abort(rid)
+        await call(engine.abort, rid)
         return 0
+    await call(_commit_and_drop, engine, rid)
+    return n * bs
+
+
+def _commit_and_drop(engine: Any, rid: str) -> None:
+    # One engine-thread call: no step may run between the two and schedule the sequence.
     engine.commit_import(rid, kv_ok=True)
     engine.abort(rid)
-    return n * bs
