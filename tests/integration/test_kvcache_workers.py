@@ -1,0 +1,133 @@
+"""Prefill workers with the KV-cache service in the serving path: a prompt computed on
+worker A is written through to the service, and worker B, which never saw it, fetches
+the shared prefix from the service instead of computing it; greedy tokens are unchanged.
+
+Runs the workers' job path (PrefillHandler.run_job) over a real nats-server, a real
+KV-cache server and two real engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from tokenyard.bus import subjects
+from tokenyard.bus.embedded import EmbeddedNats
+from tokenyard.bus.nats import Bus
+from tokenyard.engine.config import EngineConfig
+from tokenyard.engine.llm_engine import LLMEngine
+from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.kv.hashing import prefix_block_hashes
+from tokenyard.kv.store import KVCacheClient
+from tokenyard.services.kvcache.server import serve
+from tokenyard.services.kvcache.settings import KVCacheSettings
+from tokenyard.services.worker.base import WorkerBase
+from tokenyard.services.worker.prefill import PrefillHandler
+from tokenyard.services.worker.settings import WorkerSettings
+from tokenyard.v1 import serving_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+PREFIX = [(i * 7919) % 30000 + 100 for i in range(BLOCK * 10)]  # 10 full blocks
+PROMPT_A = PREFIX + [501, 502, 503]
+PROMPT_B = PREFIX + [777, 778, 779, 780, 781]
+MAX_TOKENS = 6
+KV_BYTES = 64 << 20
+
+
+def greedy_reference(loaded, prompt: list[int]) -> list[int]:
+    eng = LLMEngine(
+        EngineConfig(kv_cache_bytes=KV_BYTES, enable_prefix_caching=False), loaded=loaded
+    )
+    eng.add_request("ref", prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    tokens: list[int] = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+@contextlib.asynccontextmanager
+async def worker(loaded, nats_url: str, worker_id: str, endpoint: str):
+    from tokenyard.engine.sampling_params import SamplingParams as Params
+
+    settings = WorkerSettings(
+        nats_url=nats_url, worker_id=worker_id, role="both", kvcache_endpoint=endpoint
+    )
+    engine = LLMEngine(EngineConfig(kv_cache_bytes=KV_BYTES), loaded=loaded)
+    bus = await Bus.connect(nats_url, name=worker_id)
+    w = WorkerBase(settings, bus, engine, Params)
+    handler = PrefillHandler(w)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            await w.start(tg)
+            await handler.cache.start()
+            try:
+                yield w, handler
+            finally:
+                w.stopping.set()
+                await handler.cache.stop()
+                await w.stop()
+    finally:
+        await bus.close()
+
+
+async def run(bus: Bus, handler: PrefillHandler, rid: str, prompt: list[int]) -> list[int]:
+    chunks: list[pb.TokenChunk] = []
+
+    async def on_chunk(chunk: pb.TokenChunk, _msg) -> None:
+        chunks.append(chunk)
+
+    sub = await bus.subscribe(subjects.tokens(rid), pb.TokenChunk, on_chunk)
+    job = pb.PrefillJob(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        params=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0),
+    )
+    assert await handler.run_job(job)
+    await bus.nc.flush()
+    await asyncio.sleep(0.2)
+    await sub.unsubscribe()
+    return [t for c in sorted(chunks, key=lambda c: c.index) for t in c.token_ids]
+
+
+async def test_worker_b_serves_the_shared_prefix_from_the_cache(loaded_model):
+    want_a = greedy_reference(loaded_model, PROMPT_A)
+    want_b = greedy_reference(loaded_model, PROMPT_B)
+    server = await serve(KVCacheSettings(port=0, shutdown_grace_s=0))
+    nats = EmbeddedNats().start()
+    try:
+        client = await Bus.connect(nats.url, name="test")
+        async with worker(loaded_model, nats.url, "a", server.endpoint) as (wa, a):
+            assert await run(client, a, "req-a", PROMPT_A) == want_a
+            hashes = prefix_block_hashes(PREFIX, BLOCK)
+            # The write-through runs in the background: wait for it.
+            async with KVCacheClient(server.endpoint) as cache:
+                for _ in range(100):
+                    if await cache.contains(wa.engine.layout, hashes) == len(hashes):
+                        break
+                    await asyncio.sleep(0.05)
+                assert await cache.contains(wa.engine.layout, hashes) == len(hashes)
+        async with worker(loaded_model, nats.url, "b", server.endpoint) as (wb, b):
+            before = wb.engine.stats().prefix_cache_hits
+            assert await run(client, b, "req-b", PROMPT_B) == want_b
+            # Every full block of the shared prefix came from the service: B never saw it.
+            assert wb.engine.stats().prefix_cache_hits - before >= len(PREFIX)
+        await client.close()
+    finally:
+        nats.stop()
+        await server.stop()
+
+
+async def test_an_unreachable_cache_never_fails_the_request(loaded_model):
+    want = greedy_reference(loaded_model, PROMPT_A)
+    nats = EmbeddedNats().start()
+    try:
+        client = await Bus.connect(nats.url, name="test")
+        async with worker(loaded_model, nats.url, "c", "127.0.0.1:1") as (_, c):
+            assert await run(client, c, "req-c", PROMPT_A) == want
+        await client.close()
+    finally:
+        nats.stop()
