@@ -10,19 +10,23 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
+from tokenyard.facilities.tracker import RackStateTracker
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
+from tokenyard.services.worker.admission import AdmissionGate
 from tokenyard.services.worker.convert import engine_params
 from tokenyard.services.worker.engine_loop import EngineLoop
 from tokenyard.services.worker.kv import KVPort
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.services.worker.stream import TokenStream
 from tokenyard.v1 import serving_pb2 as pb
+from tokenyard.v1.facilities_pb2 import RackState
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,12 @@ class WorkerBase:
         self.streams: dict[str, TokenStream] = {}
         self.cancelled: dict[str, float] = {}
         self.peers: dict[str, Peer] = {}
+        # The facilities service's word on our rack; it caps how many sequences we admit.
+        self.facilities = RackStateTracker()
+        self.gate = AdmissionGate(self.seq_cap)
+        # request id -> outcome of the job running here (True done, False handed back,
+        # None failed): a redelivered copy of it waits for that instead of running twice.
+        self.jobs: dict[str, asyncio.Future[bool | None]] = {}
         self.stopping = asyncio.Event()
         self._kv_seq = 0
         self._loop_task: asyncio.Task[None]
@@ -64,6 +74,7 @@ class WorkerBase:
         await self.kv.start()
         self._loop_task = tg.create_task(self.loop.run(), name="engine-loop")
         await self.bus.subscribe(subjects.CANCEL_ALL, pb.Cancel, self.on_cancel)
+        await self.bus.subscribe(subjects.FACILITIES_STATE_ALL, RackState, self.on_rack_state)
         await self.bus.subscribe(
             subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self.on_peer_heartbeat
         )
@@ -120,6 +131,8 @@ class WorkerBase:
     ) -> TokenStream:
         """Run a request (or just its prefill) here; returns its stream once it has ended."""
         stream = self.new_stream(request_id)
+        if not await self._admit(stream):
+            return stream  # cancelled or handed back while it waited
         try:
             await self.loop.add(
                 request_id,
@@ -135,11 +148,19 @@ class WorkerBase:
 
     async def commit(self, request_id: str, *, kv_ok: bool) -> None:
         """Start decoding an imported sequence (kv_ok=False: the engine recomputes the prompt)."""
+        stream = self.streams.get(request_id)
+        if stream is not None and not await self._admit(stream):
+            return  # cancelled or handed back while it waited; its abort freed the blocks
         await self.loop.call(self.engine.commit_import, request_id, kv_ok)
         self.loop.wake()
 
     async def decode_here(self, handoff: pb.DecodeHandoff) -> TokenStream:
         """Continue a handed-off sequence on this worker by recomputing its prompt."""
+        # Our own prefill may still hold the sequence: the KV server frees a refused
+        # hand-off's hold in a task of its own, which can run after this import, and the
+        # engine then says "request id ... is already in use". release() frees only a held
+        # (prefilled, unpulled) sequence, so a late second release is harmless.
+        await self.loop.call(self.engine.release, handoff.request_id)
         stream, _ = await self.import_handoff(handoff)
         await self.commit(handoff.request_id, kv_ok=False)
         await stream.done
@@ -162,6 +183,52 @@ class WorkerBase:
         stream.output_token_ids.extend(handoff.output_token_ids)
         self.loop.sinks[rid] = stream
         return stream, list(dst)
+
+    # --- admission: the facilities cap and redelivered jobs -----------------------------
+
+    def seq_cap(self) -> int:
+        """How many sequences may run here at once now; 0 = no cap beyond max_num_seqs."""
+        throttle = self.facilities.state_for_worker(self.worker_id)
+        if throttle.state == "drain":
+            # The router sends nothing new; what it already sent must still end, one by one.
+            return 1
+        if throttle.state == "derate":
+            return min(throttle.seq_cap or self.settings.max_num_seqs, self.settings.max_num_seqs)
+        return 0
+
+    async def on_rack_state(self, msg: RackState, _raw: Msg | None) -> None:
+        self.facilities.apply(msg)
+        self.gate.wake()
+
+    async def _admit(self, stream: TokenStream) -> bool:
+        """Wait for room under the cap; the place is held until the stream ends."""
+        await self.gate.acquire()
+        if stream.done.done():
+            self.gate.release()
+            return False
+        stream.done.add_done_callback(lambda _: self.gate.release())
+        return True
+
+    async def run_once(self, request_id: str, run: Callable[[], Awaitable[bool]]) -> bool:
+        """Run a job unless it already runs here (JetStream redelivered it to us, e.g. while
+        a slow hand-off kept it unacked): the copy then waits for the running one and gets
+        its outcome, so it is acked with it instead of being added to the engine again."""
+        running = self.jobs.get(request_id)
+        while running is not None:
+            log.info("job %s is already running here; waiting for it", request_id)
+            outcome = await asyncio.shield(running)
+            if outcome is not None:
+                return outcome
+            running = self.jobs.get(request_id)  # it failed: this delivery is the retry
+        outcome_f: asyncio.Future[bool | None] = asyncio.get_running_loop().create_future()
+        self.jobs[request_id] = outcome_f
+        outcome: bool | None = None
+        try:
+            outcome = await run()
+            return outcome
+        finally:
+            del self.jobs[request_id]
+            outcome_f.set_result(outcome)
 
     # --- cancel ------------------------------------------------------------------------
 
@@ -206,6 +273,7 @@ class WorkerBase:
             num_free_blocks=stats.num_free_blocks,
             num_blocks=stats.num_blocks,
             max_num_seqs=self.settings.max_num_seqs,
+            seq_cap=self.seq_cap(),
             tokens_per_s=(generated - before) / (now - then) if now > then else 0.0,
             kv_endpoint=self.kv.endpoint,
             host=self.settings.host,

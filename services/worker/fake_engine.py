@@ -103,6 +103,11 @@ class FakeEngine:
         self._free = list(range(num_blocks))
         self._seqs: dict[str, _Seq] = {}
 
+    def _check_new(self, request_id: str) -> None:
+        # As the real engine: one sequence per request id.
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
     def _allocate(self, n_tokens: int) -> list[int]:
         n = -(-n_tokens // self.block_size)
         if n > len(self._free):
@@ -113,6 +118,7 @@ class FakeEngine:
     def add_request(
         self, request_id: str, prompt: Any, params: Any, *, prefill_only: bool = False
     ) -> None:
+        self._check_new(request_id)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -186,6 +192,7 @@ class FakeEngine:
     def import_sequence(
         self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int], params: Any
     ) -> list[int]:
+        self._check_new(request_id)
         blocks = self._allocate(len(prompt_token_ids) + params.max_tokens)
         seq = _Seq(
             list(prompt_token_ids), params, False, blocks, list(output_token_ids), committed=False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from tokenyard.bus import subjects
@@ -11,6 +12,7 @@ from tokenyard.services.worker.convert import engine_params
 from tokenyard.services.worker.fake_engine import FakeEngine, FakeSamplingParams, next_token
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.v1 import serving_pb2 as pb
+from tokenyard.v1.facilities_pb2 import RackState, RackStateKind
 
 PROMPT = [5, 6, 7, 8]
 
@@ -125,3 +127,148 @@ def test_wire_zeros_mean_defaults():
 def test_worker_id_must_be_subject_safe():
     with pytest.raises(ValueError, match="worker_id"):
         WorkerSettings(worker_id="a.b")
+
+
+# --- the facilities cap, enforced by the worker ---------------------------------------
+
+
+def rack_state(state: int, cap: int = 0) -> RackState:
+    return RackState(
+        rack="rack-a",
+        state=state,
+        max_seqs_per_worker=cap,
+        worker_ids=["w1"],
+        sent_unix_s=time.time(),
+        heartbeat_s=5,
+    )
+
+
+async def run_many(worker, n: int, max_tokens: int) -> tuple[list, int]:
+    """Start n requests at once; returns their streams and the most that ran together."""
+    peak = 0
+    tasks = [
+        asyncio.create_task(
+            worker.generate(f"r{i}", PROMPT, pb.SamplingParams(max_tokens=max_tokens))
+        )
+        for i in range(n)
+    ]
+    while not all(t.done() for t in tasks):
+        peak = max(
+            peak, worker.gate.admitted, (await worker.loop.call(worker.engine.stats)).num_running
+        )
+        await asyncio.sleep(0.002)
+    return [t.result() for t in tasks], peak
+
+
+async def test_derated_rack_caps_concurrent_sequences_and_queues_the_rest(worker):
+    worker.engine.step_s = 0.002
+    await worker.on_rack_state(rack_state(RackStateKind.RACK_STATE_DERATE, cap=2), None)
+    assert (await worker.heartbeat()).seq_cap == 2
+    streams, peak = await asyncio.wait_for(run_many(worker, 6, 10), 10)
+    assert peak == 2  # never more, and the cap was used
+    assert [await s.done for s in streams] == ["length"] * 6  # none refused
+    assert worker.engine.stats().num_free_blocks == 64
+
+
+async def test_drained_rack_still_finishes_queued_work_one_at_a_time(worker):
+    worker.engine.step_s = 0.002
+    await worker.on_rack_state(rack_state(RackStateKind.RACK_STATE_DRAIN), None)
+    assert (await worker.heartbeat()).seq_cap == 1
+    streams, peak = await asyncio.wait_for(run_many(worker, 3, 5), 10)
+    assert peak == 1
+    assert [await s.done for s in streams] == ["length"] * 3
+
+
+async def test_cap_lifted_wakes_waiting_requests(worker):
+    worker.engine.step_s = 0.01
+    await worker.on_rack_state(rack_state(RackStateKind.RACK_STATE_DERATE, cap=1), None)
+    tasks = [
+        asyncio.create_task(worker.generate(f"r{i}", PROMPT, pb.SamplingParams(max_tokens=50)))
+        for i in range(3)
+    ]
+    await asyncio.sleep(0.05)
+    assert worker.gate.admitted == 1 and worker.gate.waiting == 2
+    await worker.on_rack_state(rack_state(RackStateKind.RACK_STATE_NORMAL), None)
+    await asyncio.sleep(0.05)
+    assert worker.gate.admitted == 3 and worker.gate.waiting == 0
+    assert (await worker.heartbeat()).seq_cap == 0
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+
+
+async def test_cancel_while_waiting_for_the_cap_never_reaches_the_engine(worker):
+    worker.engine.step_s = 0.01
+    await worker.on_rack_state(rack_state(RackStateKind.RACK_STATE_DERATE, cap=1), None)
+    first = asyncio.create_task(worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=30)))
+    queued = asyncio.create_task(worker.generate("r2", PROMPT, pb.SamplingParams(max_tokens=30)))
+    await asyncio.sleep(0.03)
+    await worker.on_cancel(pb.Cancel(request_id="r2"), None)
+    assert await (await asyncio.wait_for(queued, 5)).done == "abort"
+    assert await (await asyncio.wait_for(first, 5)).done == "length"
+    assert worker.gate.admitted == 0
+    assert worker.engine.stats().num_free_blocks == 64
+
+
+async def test_other_racks_state_does_not_cap_this_worker(worker):
+    other = rack_state(RackStateKind.RACK_STATE_DRAIN)
+    other.rack, other.worker_ids[:] = "rack-b", ["w2"]
+    await worker.on_rack_state(other, None)
+    assert worker.seq_cap() == 0
+
+
+# --- redelivered jobs and refused hand-offs -------------------------------------------
+
+
+async def test_decode_here_while_the_prefill_still_holds_the_sequence(worker):
+    # A refused hand-off: the KV server frees the hold in a task of its own, which may run
+    # after decode_here's import. That used to fail with "request id ... already in use".
+    await worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=5), prefill_only=True)
+    exported = await worker.loop.call(worker.engine.export_sequence, "r1")
+    handoff = pb.DecodeHandoff(
+        request_id="r1",
+        prompt_token_ids=exported.prompt_token_ids,
+        output_token_ids=exported.output_token_ids,
+        params=pb.SamplingParams(max_tokens=5),
+    )
+    stream = await asyncio.wait_for(worker.decode_here(handoff), 5)
+    assert await stream.done == "length"
+    assert not any(c.error.message for c in worker.bus.chunks("r1"))
+    assert worker.engine.stats().num_free_blocks == 64
+
+
+async def test_redelivered_job_waits_for_the_running_one_and_shares_its_outcome(worker):
+    runs = 0
+
+    async def job() -> bool:
+        nonlocal runs
+        runs += 1
+        stream = await worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=20))
+        return await stream.done == "length"
+
+    worker.engine.step_s = 0.005
+    first = asyncio.create_task(worker.run_once("r1", job))
+    await asyncio.sleep(0.02)
+    again = asyncio.create_task(worker.run_once("r1", job))  # the redelivery
+    assert await asyncio.wait_for(asyncio.gather(first, again), 5) == [True, True]
+    assert runs == 1
+    chunks = worker.bus.chunks("r1")
+    assert not any(c.error.message for c in chunks)
+    assert [c.index for c in chunks] == list(range(20))
+    assert worker.jobs == {}
+
+
+async def test_redelivery_of_a_failed_job_runs_it_again(worker):
+    calls = []
+
+    async def job() -> bool:
+        calls.append(len(calls))
+        await asyncio.sleep(0.02)
+        if len(calls) == 1:
+            raise RuntimeError("first attempt fails")
+        return True
+
+    first = asyncio.create_task(worker.run_once("r1", job))
+    await asyncio.sleep(0.005)
+    again = asyncio.create_task(worker.run_once("r1", job))
+    with pytest.raises(RuntimeError):
+        await first
+    assert await again is True and len(calls) == 2
