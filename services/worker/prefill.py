@@ -121,7 +121,8 @@ class PrefillHandler:
                     "job %s redelivered (delivery %d)", job.request_id, msg.metadata.num_delivered
                 )
             async with self._in_progress(msg):
-                done = await self.run_job(job)
+                # A redelivery of a job still running here waits for it, never re-adds it.
+                done = await self.w.run_once(job.request_id, lambda: self.run_job(job))
             await (msg.ack() if done else msg.nak())  # nak: handed back, a live worker takes it
         except Exception as exc:
             log.exception("prefill job %s failed", job.request_id)
