@@ -119,4 +119,11 @@ def _banner(stack: LocalStack) -> None:
         f'    -d \'{{"model": "{model}", '
         '"messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 32}' + "'"
     )
+    if stack.facilities_url:
+        fac, token = stack.facilities_url, stack.facilities_admin_token
+        print(f"Facilities (racks, faults): {fac}/v1/racks  admin token: {token}")
+        print(
+            f"  curl -XPOST {fac}/v1/admin/racks/rack-a/faults -H 'Authorization: Bearer {token}' \\\n"
+            "    -H 'Content-Type: application/json' -d '{\"kind\": \"pump_failure\"}'"
+        )
     print("Ctrl-C stops everything.", flush=True)

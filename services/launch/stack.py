@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -67,6 +68,9 @@ class LocalStack:
         self._worker_count = 0
         self.kvcache_endpoint = ""  # host:port once the KV-cache service is started
         self.model_id = ""  # known once the gateway is ready
+        # Where an operator injects faults (empty when the facilities service is not run).
+        self.facilities_url = ""
+        self.facilities_admin_token = ""
 
     @property
     def gateway_url(self) -> str:
@@ -179,13 +183,19 @@ class LocalStack:
         ):
             data = self._tmp / "facilities"
             data.mkdir()
+            port = free_port()
+            # The operator's own token if set, else a fresh one: the admin API is never open.
+            token = os.environ.get("TOKENYARD_FACILITIES_ADMIN_TOKEN") or secrets.token_urlsafe(16)
             env = {
                 "TOKENYARD_FACILITIES_NATS_URL": self.nats_url,
                 "TOKENYARD_FACILITIES_INVENTORY_PATH": str(inventory),
                 "TOKENYARD_FACILITIES_DATA_DIR": str(data),
-                "TOKENYARD_FACILITIES_PORT": str(free_port()),
+                "TOKENYARD_FACILITIES_PORT": str(port),
+                "TOKENYARD_FACILITIES_ADMIN_TOKEN": token,
             }
             self._spawn("facilities", "tokenyard.services.facilities", env)
+            self.facilities_url = f"http://127.0.0.1:{port}"
+            self.facilities_admin_token = token
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> ChildProcess:
         proc = ChildProcess.python_module(
