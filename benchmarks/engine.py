@@ -202,7 +202,7 @@ def spawn(kind: str, threads: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/engine.json")
-    parser.add_argument("--configs", default="ours:float32:,ours:bfloat16:,ours:float32:int8",
+    parser.add_argument("--configs", default="ours:float32:,ours:bfloat16:,ours:bfloat16:int8",
                         help="ours:<dtype>:<quantization> entries, comma-separated")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--worker", help=argparse.SUPPRESS)

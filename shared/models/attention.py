@@ -50,18 +50,19 @@ def paged_attention(
     if meta.num_decode:
         b = meta.num_decode
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        kv = kv_layer[meta.decode_block_tables]  # [B, max_blocks, 2, block_size, H_kv, D]
-        keys = kv[:, :, 0].reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, H_kv, ctx, D]
-        values = kv[:, :, 1].reshape(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        out[:b] = attend(q[:b].unsqueeze(2), keys, values, meta.decode_mask, scale).squeeze(2)
+        # Gather keys and values separately: each gather lands contiguous, so merging the
+        # (block, offset) axes into one context axis is a free view, not another copy.
+        keys = kv_layer[:, 0][meta.decode_block_tables].view(b, -1, num_kv_heads, head_dim)  # [B, ctx, H_kv, D]
+        values = kv_layer[:, 1][meta.decode_block_tables].view(b, -1, num_kv_heads, head_dim)
+        out[:b] = attend(q[:b].unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                         meta.decode_mask, scale).squeeze(2)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         if span.context_len == span.num_tokens:  # nothing before this chunk: no gather needed
             keys, values = k[rows], v[rows]
         else:
-            kv = kv_layer[span.block_ids]  # [n_blocks, 2, block_size, H_kv, D]
-            keys = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[: span.context_len]
-            values = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[: span.context_len]
+            keys = kv_layer[:, 0][span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
+            values = kv_layer[:, 1][span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
         mask = _chunk_causal_mask(span.num_tokens, span.context_len, q.device)
         o = attend(q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                    mask[None, None], scale)  # [1, H, n, D]
