@@ -13,6 +13,8 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Protocol
 
 from nats.aio.msg import Msg
@@ -25,13 +27,17 @@ from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes
 from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.responses import ChunkOrderer
 from tokenyard.services.gateway.settings import GatewaySettings
-from tokenyard.services.gateway.workers import WorkerTable
+from tokenyard.services.gateway.workers import CAN_DECODE, WorkerTable
 from tokenyard.v1 import serving_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 ROUTE_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
 PREFILL_SUBJECTS = [subjects.PREFILL_JOBS, f"{subjects.PREFILL_JOBS}.>"]
+RESUME_TIMEOUT_S = 5.0  # a decode worker answers a hand-off at once; this only bounds a stuck one
+
+# resume(streamed tokens, the dead worker) -> the worker that took the request, or None
+Resume = Callable[[list[int], str], Awaitable[str | None]]
 
 
 class TokenStream(Protocol):
@@ -85,13 +91,16 @@ class NatsTokenStream:
         placement: pb.Placement,
         workers: WorkerTable,
         settings: GatewaySettings,
+        resume: Resume | None = None,
     ) -> None:
         self._sub, self._queue, self._placement = sub, queue, placement
         self._workers, self._settings = workers, settings
+        self._resume = resume
         self._orderer = ChunkOrderer()
         self._ready: deque[pb.TokenChunk] = deque()
         self._last_chunk = time.monotonic()
         self._worker = placement.prefill_worker_id
+        self._streamed: list[int] = []  # output tokens released in order so far
 
     def __aiter__(self) -> NatsTokenStream:
         return self
@@ -104,13 +113,16 @@ class NatsTokenStream:
             try:
                 chunk = await asyncio.wait_for(self._queue.get(), timeout=poll)
             except TimeoutError:
-                self._check_stall(time.monotonic())
+                await self._check_stall(time.monotonic())
                 continue
             if chunk.error.code:
                 raise chunk_error(chunk.error)
             self._last_chunk = time.monotonic()
             self._worker = self._owner(chunk)
-            self._ready.extend(self._orderer.push(chunk))
+            released = self._orderer.push(chunk)
+            for c in released:
+                self._streamed.extend(c.token_ids)
+            self._ready.extend(released)
         return self._ready.popleft()
 
     def has_chunk(self) -> bool:
@@ -124,19 +136,44 @@ class NatsTokenStream:
             return self._placement.decode_worker_id
         return chunk.worker_id or self._worker
 
-    def _check_stall(self, now: float) -> None:
+    async def _check_stall(self, now: float) -> None:
         silent = now - self._last_chunk
         if silent > self._settings.idle_timeout_s:
             raise OpenAIError(
                 504, f"no tokens for {silent:.0f} s: the request timed out", code="timeout"
             )
-        if silent > self._settings.dead_worker_grace_s and self._workers.is_dead(self._worker, now):
-            raise OpenAIError(
-                503,
-                f"worker {self._worker} stopped sending heartbeats; the request was lost",
-                code="worker_lost",
-                retry_after_s=self._settings.retry_after_s,
-            )
+        if not self._workers.is_dead(self._worker, now):
+            return
+        if self._streamed and self._resume is not None:
+            # Mid-decode: the prompt is done and its job acked, so nobody else will pick it
+            # up; continue it on a live decode worker from the tokens already streamed.
+            await self._resume_elsewhere()
+        elif silent > self._settings.dead_worker_grace_s:
+            raise self._lost("the request was lost")
+
+    async def _resume_elsewhere(self) -> None:
+        assert self._resume is not None
+        dead = self._worker
+        taker = await self._resume(list(self._streamed), dead)
+        if taker is None:
+            raise self._lost("no live decode worker could resume the request")
+        log.warning(
+            "worker %s died; resumed %s on %s after %d tokens",
+            dead,
+            self._sub.subject,
+            taker,
+            len(self._streamed),
+        )
+        self._worker = taker
+        self._last_chunk = time.monotonic()
+
+    def _lost(self, why: str) -> OpenAIError:
+        return OpenAIError(
+            503,
+            f"worker {self._worker} stopped sending heartbeats; {why}",
+            code="worker_lost",
+            retry_after_s=self._settings.retry_after_s,
+        )
 
     async def close(self) -> None:
         try:
@@ -206,7 +243,54 @@ class NatsBackend:
         except BaseException:
             await sub.unsubscribe()
             raise
-        return NatsTokenStream(sub, queue, placement, self.workers, self.settings)
+        resume = partial(self._resume, rid, model, prompt_ids, params)
+        return NatsTokenStream(sub, queue, placement, self.workers, self.settings, resume)
+
+    async def _resume(
+        self,
+        rid: str,
+        model: str,
+        prompt_ids: list[int],
+        params: pb.SamplingParams,
+        streamed: list[int],
+        dead: str,
+    ) -> str | None:
+        """Hand a request whose decode worker died to a live one, as a stopping decode worker
+        hands over its own: the tokens so far travel as output tokens (so sampling positions
+        and chunk indexes go on where they stopped) and, with no KV to pull, the new worker
+        recomputes them. Returns the worker that took it, or None."""
+        resume = pb.DecodeHandoff(
+            request_id=rid,
+            model=model,
+            prompt_token_ids=prompt_ids,
+            output_token_ids=streamed,
+            params=params,
+            arrival_unix_ns=time.time_ns(),
+        )
+        now = time.monotonic()
+        candidates = [
+            s.heartbeat
+            for s in self.workers.live(now)
+            if s.heartbeat.role in CAN_DECODE and s.heartbeat.worker_id != dead
+        ]
+        # The least busy first: it will start the recompute soonest.
+        candidates.sort(key=lambda hb: (hb.num_running + hb.num_waiting, -hb.num_free_blocks))
+        bus = self._bus()
+        for hb in candidates:
+            try:
+                ack = await bus.request(
+                    subjects.decode_jobs(hb.worker_id),
+                    resume,
+                    pb.HandoffAck,
+                    timeout=RESUME_TIMEOUT_S,
+                )
+            except Exception as exc:  # gone too, or busy: try the next one
+                log.info("resume of %s on %s failed: %s", rid, hb.worker_id, type(exc).__name__)
+                continue
+            if ack.accepted:
+                return hb.worker_id
+            log.info("decode worker %s refused to resume %s: %s", hb.worker_id, rid, ack.message)
+        return None
 
     async def _route(self, bus: Bus, rid: str, model: str, prompt_ids: list[int]) -> pb.Placement:
         request = pb.RouteRequest(
