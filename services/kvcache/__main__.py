@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 
 from pydantic import ValidationError
+from tokenyard.lifecycle import run_until_signalled
 from tokenyard.services.kvcache.server import serve
 from tokenyard.services.kvcache.settings import KVCacheSettings
 
 
-async def main(settings: KVCacheSettings) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+async def main(settings: KVCacheSettings, stop: asyncio.Event) -> None:
     server = await serve(settings)
     try:
         await stop.wait()
@@ -33,4 +29,4 @@ if __name__ == "__main__":
         settings = KVCacheSettings()
     except ValidationError as exc:
         sys.exit(f"kvcache: bad settings (TOKENYARD_KVCACHE_*):\n{exc}")
-    asyncio.run(main(settings))
+    run_until_signalled(lambda stop: main(settings, stop))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from contextlib import AsyncExitStack
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.facilities.tracker import RackStateTracker
+from tokenyard.lifecycle import run_until_signalled
 from tokenyard.services.router.handler import FacilitiesSource, RouterHandler
 from tokenyard.services.router.policy import FacilityState, PolicyConfig
 from tokenyard.services.router.settings import RouterSettings
@@ -66,14 +66,7 @@ def main() -> None:
     )
     setup_tracing("router")
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(settings, stop)
-
-    asyncio.run(run())
+    run_until_signalled(lambda stop: serve(settings, stop))
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 from typing import Any
 
 from tokenyard.bus.nats import Bus
+from tokenyard.lifecycle import run_until_signalled
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.decode import DecodeHandler
 from tokenyard.services.worker.prefill import PrefillHandler
@@ -34,11 +34,10 @@ def shared_pool(layout: Any, num_blocks: int) -> Any:
 def build_engine(settings: WorkerSettings) -> tuple[Any, Any]:
     """The engine and its SamplingParams class."""
     if settings.engine == "fake":
-        from tokenyard.services.worker.fake_engine import FakeEngine, FakeSamplingParams
+        from tokenyard.engine.sampling_params import SamplingParams as Params
+        from tokenyard.services.worker.fake_engine import FakeEngine
 
-        return FakeEngine(
-            max_num_seqs=settings.max_num_seqs, step_s=settings.fake_step_s
-        ), FakeSamplingParams
+        return FakeEngine(max_num_seqs=settings.max_num_seqs, step_s=settings.fake_step_s), Params
     from tokenyard.engine.config import EngineConfig
     from tokenyard.engine.llm_engine import LLMEngine
     from tokenyard.engine.sampling_params import SamplingParams
@@ -124,11 +123,4 @@ def main(default_role: Role) -> None:
     )
     setup_tracing(f"worker-{settings.role}")
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(settings, stop)
-
-    asyncio.run(run())
+    run_until_signalled(lambda stop: serve(settings, stop))

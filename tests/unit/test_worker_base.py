@@ -7,9 +7,10 @@ import time
 
 import pytest
 from tokenyard.bus import subjects
+from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.convert import engine_params
-from tokenyard.services.worker.fake_engine import FakeEngine, FakeSamplingParams, next_token
+from tokenyard.services.worker.fake_engine import FakeEngine, next_token
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.v1 import serving_pb2 as pb
 from tokenyard.v1.facilities_pb2 import RackState, RackStateKind
@@ -32,7 +33,7 @@ class RecordingBus:
 async def worker():
     settings = WorkerSettings(worker_id="w1", role="both", engine="fake", kv_transfer=False)
     engine = FakeEngine(num_blocks=64, step_s=0.0)
-    w = WorkerBase(settings, RecordingBus(), engine, FakeSamplingParams)
+    w = WorkerBase(settings, RecordingBus(), engine, SamplingParams)
     task = asyncio.create_task(w.loop.run())
     yield w
     task.cancel()
@@ -109,7 +110,7 @@ async def test_bad_prompt_is_an_error_chunk(worker):
 
 
 def test_wire_zeros_mean_defaults():
-    p = engine_params(pb.SamplingParams(), FakeSamplingParams)
+    p = engine_params(pb.SamplingParams(), SamplingParams)
     assert (p.max_tokens, p.top_p, p.top_k, p.repetition_penalty, p.seed, p.logprobs) == (
         16,
         1.0,
@@ -119,7 +120,7 @@ def test_wire_zeros_mean_defaults():
         None,
     )
     p = engine_params(
-        pb.SamplingParams(seed=0, logprobs=0, top_k=5, stop=["x"]), FakeSamplingParams
+        pb.SamplingParams(seed=0, logprobs=0, top_k=5, stop=["x"]), SamplingParams
     )
     assert (p.seed, p.logprobs, p.top_k, p.stop) == (0, 0, 5, ["x"])
 
