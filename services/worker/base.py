@@ -216,9 +216,9 @@ class WorkerBase:
         running = self.jobs.get(request_id)
         while running is not None:
             log.info("job %s is already running here; waiting for it", request_id)
-            outcome = await asyncio.shield(running)
-            if outcome is not None:
-                return outcome
+            earlier = await asyncio.shield(running)
+            if earlier is not None:
+                return earlier
             running = self.jobs.get(request_id)  # it failed: this delivery is the retry
         outcome_f: asyncio.Future[bool | None] = asyncio.get_running_loop().create_future()
         self.jobs[request_id] = outcome_f

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
-
     from tokenyard.kv.layout import KVLayout
 
 

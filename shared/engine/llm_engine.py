@@ -16,10 +16,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
-
 from tokenyard.engine.block_manager import BlockManager, NoFreeBlocks
 from tokenyard.engine.config import EngineConfig
-from tokenyard.engine.memory import MemoryReport, build_model_and_pool
+from tokenyard.engine.memory import build_model_and_pool
 from tokenyard.engine.model_runner import ModelRunner, StepLogits
 from tokenyard.engine.sampler import chosen_logprobs, sample
 from tokenyard.engine.sampling_params import SamplingParams
@@ -107,11 +106,12 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if all(isinstance(m, dict) for m in prompt):
             return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt), add_special_tokens=False)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
+        if len(ids) == len(prompt):
             vocab = self.model_config.vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
+            if any(not 0 <= t < vocab for t in ids):
                 raise ValueError(f"token ids must be in [0, {vocab})")
-            return list(prompt)
+            return ids
         raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages")
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,

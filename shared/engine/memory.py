@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from tokenyard.engine.config import EngineConfig
 from tokenyard.kv.layout import KVLayout
 from tokenyard.models.llama import LlamaForCausalLM

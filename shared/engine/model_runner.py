@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from tokenyard.engine.scheduler import ScheduledSeq
 from tokenyard.models.attention import AttnMetadata, PrefillSpan
+from tokenyard.models.llama import LlamaForCausalLM
 
 
 @dataclass
@@ -24,7 +24,7 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
         self.model = model
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, H_kv, D]
         self.block_size = block_size

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.engine.sequence import Sequence, TokenLogprob
 

@@ -8,13 +8,13 @@ each: fewer, larger matmuls cost less per step on a CPU.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from tokenyard.models.attention import AttnMetadata, paged_attention
 from tokenyard.models.config import ModelConfig
+from torch import nn
 
 
 class RMSNorm(nn.Module):
@@ -160,7 +160,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight.copy_(weights["lm_head.weight"])
         else:
             self.lm_head.weight = self.embed_tokens.weight  # tied: one tensor, read once
-        for i, layer in enumerate(self.layers):
+        for i in range(len(self.layers)):
+            layer = cast(DecoderLayer, self.layers[i])
             p = f"model.layers.{i}."
             layer.input_layernorm.weight.copy_(weights[p + "input_layernorm.weight"])
             layer.post_attention_layernorm.weight.copy_(weights[p + "post_attention_layernorm.weight"])

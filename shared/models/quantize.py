@@ -12,6 +12,9 @@ from torch import nn
 
 
 class Int8Linear(nn.Module):
+    weight: torch.Tensor  # [out, in] int8
+    scale: torch.Tensor  # [out]
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         w = linear.weight.detach().float()
@@ -42,6 +45,7 @@ def quantize(model: nn.Module, mode: str) -> nn.Module:
 def dequantized(layer: nn.Module) -> torch.Tensor:
     """The float weight a quantized layer stands for (tests compare against it)."""
     if isinstance(layer, Int8Linear):
+        assert isinstance(layer.weight, torch.Tensor) and isinstance(layer.scale, torch.Tensor)
         return layer.weight.float() * layer.scale.float()[:, None]
     assert isinstance(layer, nn.Linear)
     return F.linear(torch.eye(layer.in_features, dtype=layer.weight.dtype), layer.weight).T

@@ -4,7 +4,6 @@ bad input, and a block pool that never leaks."""
 from __future__ import annotations
 
 import pytest
-
 from tokenyard import LLM
 from tokenyard.engine.block_manager import NoFreeBlocks
 from tokenyard.engine.sampling_params import SamplingParams
@@ -190,3 +189,14 @@ def test_offline_llm_api(loaded_model):
         assert len(o.logprobs) == o.num_output_tokens
     with pytest.raises(ValueError):
         llm.generate([], SamplingParams())
+
+
+def test_engine_in_bf16_int8_still_answers(make_engine):
+    engine = make_engine(dtype="bfloat16", quantization="int8")
+    engine.add_request("q", [{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(max_tokens=12, temperature=0))
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(o.new_text for o in engine.step())
+    assert "Paris" in text
+    engine.block_manager.check_no_leaks()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tokenyard.engine.sampling_params import SamplingParams
 
 TOL = 1e-3

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tokenyard.engine.sampler import sample
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.engine.sequence import Sequence
