@@ -29,8 +29,9 @@ HF_BATCH = 8
 
 
 def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    words = ("serving large language models at scale needs batching paged memory careful scheduling "
-             "fast kernels and a router that knows where every cached block lives across the fleet").split()
+    words = ["serving", "large", "language", "models", "at", "scale", "needs", "batching", "paged",
+             "memory", "careful", "scheduling", "fast", "kernels", "and", "a", "router", "that",
+             "knows", "where", "every", "cached", "block", "lives", "across", "the", "fleet"]
     out = []
     for i in range(n):
         text = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(length * 2))
