@@ -116,9 +116,8 @@ def _drive(engine, reqs: dict[str, list[int]], params):
 
 def run_hf() -> dict:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
-
     from tokenyard.models.loader import load_model
+    from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
     loaded = load_model()
     c = loaded.config
