@@ -10,9 +10,12 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from tokenyard.api_errors import ErrorDetail, ErrorResponse  # noqa: F401  (part of this API's schemas)
 
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
 
 
 class _Body(BaseModel):
@@ -194,17 +197,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
 
 
 class Health(BaseModel):

@@ -123,6 +123,13 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def allocate_fresh(self, seq: Sequence, num_blocks: int) -> None:
+        """Give `seq` `num_blocks` new, uncached blocks (the destination of a KV import)."""
+        assert not seq.block_table
+        if num_blocks > self.num_free_blocks:
+            raise NoFreeBlocks(f"{num_blocks} blocks needed, {self.num_free_blocks} free")
+        seq.block_table = [self._take_fresh() for _ in range(num_blocks)]
+
     # --- growth during decode -------------------------------------------------------------
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:

@@ -279,11 +279,7 @@ class LLMEngine:
             raise ValueError("an imported sequence needs its prompt and at least its first token")
         self._check_length(len(prompt_token_ids))
         seq = Sequence(request_id, prompt_token_ids, params, arrival=next(self._arrivals))
-        bm = self.block_manager
-        n_blocks = bm.blocks_needed(len(prompt_token_ids))
-        if n_blocks > bm.num_free_blocks:
-            raise NoFreeBlocks(f"{n_blocks} blocks needed, {bm.num_free_blocks} free")
-        seq.block_table = [bm._take_fresh() for _ in range(n_blocks)]
+        self.block_manager.allocate_fresh(seq, self.block_manager.blocks_needed(len(prompt_token_ids)))
         seq.num_computed_tokens = len(prompt_token_ids)
         seq.status = Status.IMPORTING
         self._attach_output_state(seq)

@@ -6,7 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
-from tokenyard.services.facilities.api.schemas import ErrorDetail, ErrorResponse
+from tokenyard.api_errors import ErrorDetail, ErrorResponse
 
 ERROR_TYPES = {
     400: "invalid_request_error",

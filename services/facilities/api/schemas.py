@@ -11,6 +11,8 @@ StateName = Literal["normal", "derate", "drain"]
 FaultKind = Literal["pump_failure", "chiller_failure", "power_cap", "dead_sensor"]
 
 
+
+
 class ReadingOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
@@ -80,12 +82,3 @@ class Health(BaseModel):
     nats_connected: bool
 
 
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenyard.services.gateway.schemas import ErrorResponse
+from tokenyard.api_errors import ErrorResponse
 
 _ERRORS = {
     400: "Invalid request (bad value, empty or too long prompt, unsupported option)",
