@@ -22,4 +22,5 @@ def _packages() -> tuple[list[str], dict[str, str]]:
 
 
 packages, package_dir = _packages()
-setup(packages=packages, package_dir=package_dir)
+# The CPU kernels' C++ source travels with the package: it is compiled on first use.
+setup(packages=packages, package_dir=package_dir, package_data={"tokenyard.kernels.cpu": ["*.cpp"]})

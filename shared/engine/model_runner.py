@@ -75,13 +75,11 @@ class ModelRunner:
             slot_offsets=positions % bs,
             num_decode=len(decode_tables),
             prefills=prefills,
+            block_size=bs,
         )
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            table = torch.zeros(len(decode_tables), width, dtype=torch.long)
-            for i, t in enumerate(decode_tables):
-                table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            lens = torch.tensor(decode_lens, dtype=torch.long)
-            meta.decode_block_tables = table
-            meta.decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+                                                    dtype=torch.long)
+            meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
         return torch.tensor(ids, dtype=torch.long), positions, meta, last_rows

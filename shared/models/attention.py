@@ -9,13 +9,19 @@ A step's tokens are flattened into one batch of T rows, decode rows first:
 Every row's key and value are written into the pool at its slot; then decoding rows attend
 over their block tables in one batched call, and each prefill chunk attends causally over
 its context (cached prefix + earlier chunks + itself).
+
+On a CPU the cache write and the decode rows run in C++ kernels (`tokenyard.kernels.cpu`)
+that walk the block tables in place; the torch code here is their twin, used where the
+kernels cannot be built and compared against them in the tests.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
+from tokenyard.kernels import cpu as cpu_kernels
 
 
 @dataclass
@@ -32,8 +38,16 @@ class AttnMetadata:
     slot_offsets: torch.Tensor  # [T] offset inside that block
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool: attend
+    decode_context_lens: torch.Tensor | None = None  # [B] tokens each decode row attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
+    block_size: int = 16
+
+    @cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[B, 1, 1, max_blocks * block_size] bool (True = attend), for the torch path."""
+        assert self.decode_block_tables is not None and self.decode_context_lens is not None
+        width = self.decode_block_tables.shape[1] * self.block_size
+        return (torch.arange(width)[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
 
 
 def paged_attention(
@@ -44,12 +58,20 @@ def paged_attention(
     meta: AttnMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    kv_layer[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
+    kernels = cpu_kernels.ops() if q.device.type == "cpu" else None
+    if kernels is not None:
+        kernels.write_kv(k.contiguous(), v.contiguous(), kv_layer, meta.slot_blocks, meta.slot_offsets)
+    else:
+        kv_layer[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    if meta.num_decode:
+    if meta.num_decode and kernels is not None:
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        out[: meta.num_decode] = kernels.decode_attention(
+            q[: meta.num_decode].contiguous(), kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale)
+    elif meta.num_decode:
         b = meta.num_decode
-        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        assert meta.decode_block_tables is not None
         # Gather keys and values separately: each gather lands contiguous, so merging the
         # (block, offset) axes into one context axis is a free view, not another copy.
         keys = kv_layer[:, 0][meta.decode_block_tables].view(b, -1, num_kv_heads, head_dim)  # [B, ctx, H_kv, D]

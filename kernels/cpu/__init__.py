@@ -1,0 +1,52 @@
+"""CPU kernels in C++, built on first use with torch's extension loader and cached on disk.
+
+`ops()` returns the built module, or None where it cannot be built (no compiler, no ninja)
+or where TOKENYARD_CPU_KERNELS=0; callers then take the pure-torch twin, which the tests
+compare these kernels against. The first build takes about a minute on two cores; later
+processes load the cached object in well under a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_lock = threading.Lock()
+_state: dict[str, ModuleType | None] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("TOKENYARD_CPU_KERNELS", "1") not in ("0", "false", "no", "")
+
+
+def ops() -> ModuleType | None:
+    """The kernels' module (write_kv, decode_attention), or None: use the torch path."""
+    if not enabled():
+        return None
+    with _lock:
+        if "ops" not in _state:
+            _state["ops"] = _build()
+        return _state["ops"]
+
+
+def _build() -> ModuleType | None:
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline(
+            name="tokenyard_cpu_kernels",
+            cpp_sources=[_SOURCE.read_text()],
+            functions=["write_kv", "decode_attention"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a sandbox without a writable cache
+        log.warning("CPU kernels unavailable, using the torch path: %s", str(exc).splitlines()[0] if str(exc) else exc)
+        return None

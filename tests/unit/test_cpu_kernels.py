@@ -1,0 +1,105 @@
+"""The C++ CPU kernels against their torch twins in tokenyard.models.attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenyard.kernels import cpu as cpu_kernels
+from tokenyard.models import attention
+from tokenyard.models.attention import AttnMetadata, PrefillSpan, attend, paged_attention
+
+NUM_BLOCKS, NUM_LAYERS, BLOCK, H_KV, D = 40, 3, 16, 3, 64
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = cpu_kernels.ops()
+    if built is None:
+        pytest.skip("the CPU kernels could not be built here (no compiler or TOKENYARD_CPU_KERNELS=0)")
+    return built
+
+
+def _pool(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK, H_KV, D, generator=g).to(dtype)
+
+
+def _reference(q, kv_layer, tables, lens, scale):
+    """The torch twin, in fp32 whatever the pool's dtype."""
+    b = q.shape[0]
+    keys = kv_layer[:, 0].float()[tables].view(b, -1, H_KV, D)
+    values = kv_layer[:, 1].float()[tables].view(b, -1, H_KV, D)
+    mask = (torch.arange(tables.shape[1] * BLOCK)[None] < lens[:, None])[:, None, None, :]
+    return attend(q.float().unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale).squeeze(2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads", [3, 9])  # no grouping, and 3 query heads per KV head
+def test_decode_attention_matches_torch(ops, dtype, tol, heads):
+    pool = _pool(dtype)
+    kv_layer = pool[:, 1]  # a strided view, as the engine passes it
+    lens = torch.tensor([1, 15, 16, 17, 100, 160])  # one token, block edges, many blocks
+    width = int(-(-lens.max() // BLOCK))
+    g = torch.Generator().manual_seed(1)
+    tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=g)[:width] for _ in lens])
+    q = torch.randn(len(lens), heads, D, generator=g).to(dtype)
+    out = ops.decode_attention(q, kv_layer, tables, lens, D**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert (out.float() - _reference(q, kv_layer, tables, lens, D**-0.5)).abs().max().item() < tol
+
+
+def test_decode_attention_ignores_padding_past_the_context(ops):
+    pool = _pool(torch.float32)
+    tables = torch.tensor([[5, 6, 7]])
+    lens = torch.tensor([20])
+    q = torch.randn(1, 3, D)
+    before = ops.decode_attention(q, pool[:, 0], tables, lens, 0.1)
+    pool[7] = 1e4  # a block past the context, and the unused tail of block 6
+    pool[6, :, :, 4:] = -1e4
+    assert torch.equal(before, ops.decode_attention(q, pool[:, 0], tables, lens, 0.1))
+
+
+def test_write_kv_matches_index_put(ops):
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = _pool(dtype)
+        k, v = torch.randn(5, H_KV, D).to(dtype), torch.randn(5, H_KV, D).to(dtype)
+        blocks, offsets = torch.tensor([3, 3, 9, 10, 0]), torch.tensor([0, 1, 15, 2, 7])
+        expected = pool.clone()
+        expected[:, 2][blocks, :, offsets] = torch.stack((k, v), dim=1)
+        ops.write_kv(k, v, pool[:, 2], blocks, offsets)
+        assert torch.equal(pool, expected)
+
+
+def test_kernels_refuse_out_of_range_input(ops):
+    pool = _pool(torch.float32)
+    q = torch.randn(1, 3, D)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.decode_attention(q, pool[:, 0], torch.tensor([[NUM_BLOCKS]]), torch.tensor([3]), 0.1)
+    with pytest.raises(RuntimeError, match="context length"):
+        ops.decode_attention(q, pool[:, 0], torch.tensor([[1]]), torch.tensor([BLOCK + 1]), 0.1)
+    with pytest.raises(RuntimeError, match="slot outside the pool"):
+        k = torch.randn(1, H_KV, D)
+        ops.write_kv(k, k, pool[:, 0], torch.tensor([0]), torch.tensor([BLOCK]))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.decode_attention(q.bfloat16(), pool[:, 0], torch.tensor([[1]]), torch.tensor([3]), 0.1)
+
+
+def test_paged_attention_is_the_same_with_and_without_kernels(ops, monkeypatch):
+    """A mixed step (two decode rows and a prefill chunk over a cached prefix), both paths."""
+    g = torch.Generator().manual_seed(3)
+    t, heads = 2 + 5, 9
+    q, k, v = (torch.randn(t, h, D, generator=g) for h in (heads, H_KV, H_KV))
+    meta_args = dict(
+        slot_blocks=torch.tensor([1, 4, 8, 8, 8, 8, 8]), slot_offsets=torch.tensor([3, 0, 3, 4, 5, 6, 7]),
+        num_decode=2, decode_block_tables=torch.tensor([[0, 1], [2, 4]]), decode_context_lens=torch.tensor([20, 17]),
+        prefills=[PrefillSpan(start=2, num_tokens=5, context_len=24, block_ids=torch.tensor([7, 8]))],
+        block_size=BLOCK)
+    outs, pools = [], []
+    for use_kernels in (True, False):
+        pool = _pool(torch.float32, seed=4)
+        if not use_kernels:
+            monkeypatch.setattr(attention.cpu_kernels, "ops", lambda: None)
+        outs.append(paged_attention(q, k, v, pool[:, 0], AttnMetadata(**meta_args), D**-0.5))
+        pools.append(pool)
+    assert torch.equal(pools[0], pools[1])
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-5
