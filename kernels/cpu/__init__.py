@@ -26,7 +26,7 @@ def enabled() -> bool:
 
 
 def ops() -> ModuleType | None:
-    """The kernels' module (write_kv, decode_attention), or None: use the torch path."""
+    """The kernels' module, or None: use the torch twins."""
     if not enabled():
         return None
     with _lock:
@@ -42,7 +42,7 @@ def _build() -> ModuleType | None:
         return load_inline(
             name="tokenyard_cpu_kernels",
             cpp_sources=[_SOURCE.read_text()],
-            functions=["write_kv", "decode_attention"],
+            functions=["write_kv", "decode_attention", "add_rms_norm", "rotary", "silu_and_mul"],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -10,7 +10,7 @@ from tokenyard.engine.config import EngineConfig
 from tokenyard.kv.layout import KVLayout
 from tokenyard.models.llama import LlamaForCausalLM
 from tokenyard.models.loader import LoadedModel
-from tokenyard.models.quantize import quantize
+from tokenyard.models.quantize import QuantizedLinear, quantize
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -23,6 +23,10 @@ class MemoryReport:
     buffers_bytes: int  # RoPE tables + an estimate of the largest step's activations
     num_blocks: int
     block_nbytes: int
+    # Weight bytes one batch-1 decode step reads: every projection (its quantized copy where
+    # there is one), the norms, and one embedding row. Memory bandwidth over this is the
+    # ceiling on single-sequence decode speed.
+    decode_read_bytes: int = 0
 
     def describe(self) -> str:
         mib = 1024**2
@@ -68,6 +72,7 @@ def build_model_and_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[
         buffers_bytes=_buffers_bytes(model, config, dtype),
         num_blocks=num_blocks,
         block_nbytes=layout.block_nbytes,
+        decode_read_bytes=_decode_read_bytes(model),
     )
     return model, kv_cache, layout, report
 
@@ -79,6 +84,20 @@ def _weights_bytes(model: torch.nn.Module) -> int:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
+    return total
+
+
+def _decode_read_bytes(model: LlamaForCausalLM) -> int:
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            total += module.quantized_bytes()
+        elif isinstance(module, torch.nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+        elif isinstance(module, torch.nn.Embedding):
+            total += module.weight.shape[1] * module.weight.element_size()
+        elif not list(module.children()):  # norms
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
     return total
 
 

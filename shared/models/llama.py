@@ -11,9 +11,9 @@ import math
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from tokenyard.models.attention import AttnMetadata, paged_attention
 from tokenyard.models.config import ModelConfig
+from tokenyard.models.fused import add_rms_norm, rotary_, silu_and_mul
 from torch import nn
 
 
@@ -23,11 +23,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add rides along with the norm."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -47,18 +45,9 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().float()  # [max_pos, head_dim]
         self.sin = emb.sin().float()
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for a step's positions: [T, 1, head_dim], looked up once for all layers."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    def apply_(self, qkv: torch.Tensor, positions: torch.Tensor, num_heads: int) -> None:
+        """Rotate the first `num_heads` heads of each row of a fused q/k/v output, in place."""
+        rotary_(qkv, positions, self.cos, self.sin, num_heads, self.cos.shape[1])
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
@@ -88,14 +77,15 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 meta: AttnMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        qkv = self.qkv_proj(x)
+        rope.apply_(qkv, positions, self.num_heads + self.num_kv_heads)  # q and k heads lie side by side
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # kv_cache: [num_blocks, num_layers, 2, block_size, H_kv, D]; this layer's view.
         o = paged_attention(q, k, v, kv_cache[:, self.layer_idx], meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
@@ -108,8 +98,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -120,10 +109,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttnMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope: RotaryEmbedding, meta: AttnMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (None: x is it)."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rope, meta, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -143,10 +135,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         assert self.rope is not None, "load_weights() first"
-        rope = self.rope.tables(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, meta, kv_cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rope, meta, kv_cache)
+        return self.norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
