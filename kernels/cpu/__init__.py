@@ -26,12 +26,14 @@ def enabled() -> bool:
 
 
 def ops() -> ModuleType | None:
-    """The kernels' module, or None: use the torch twins."""
-    if not enabled():
-        return None
+    """The kernels' module, or None: use the torch twins. Decided once per process."""
+    try:
+        return _state["ops"]  # the hot path: called several times per layer per step
+    except KeyError:
+        pass
     with _lock:
         if "ops" not in _state:
-            _state["ops"] = _build()
+            _state["ops"] = _build() if enabled() else None
         return _state["ops"]
 
 
@@ -42,8 +44,9 @@ def _build() -> ModuleType | None:
         return load_inline(
             name="tokenyard_cpu_kernels",
             cpp_sources=[_SOURCE.read_text()],
-            functions=["write_kv", "decode_attention", "add_rms_norm", "rotary", "silu_and_mul"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            functions=["write_kv", "decode_attention", "add_rms_norm", "rotary", "silu_and_mul",
+                       "int8_linear"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -4,6 +4,9 @@
 // - write_kv, decode_attention: twins in tokenyard.models.attention. A decode row walks its
 //   block table in the pool and never gathers its context into a temporary tensor, which is
 //   what made the torch path's decode attention cost a quarter of a 32-sequence step.
+// - int8_linear: weight-only int8 GEMM for steps of a few rows, where decoding is bound by
+//   the bytes of weights read (twin: tokenyard.models.quantize.QuantizedLinear). For int4,
+//   torch's own CPU kernel was faster than ours and is used instead.
 // - add_rms_norm, rotary, silu_and_mul: twins in tokenyard.models.fused. Each replaces five
 //   to eight small torch ops per layer; at batch 1 those ops' dispatch cost more than the
 //   arithmetic, a third of a decode step on a 30-layer model.
@@ -14,6 +17,9 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -27,6 +33,33 @@ void check_pool(const at::Tensor& kv_layer) {
               "kv_layer must be [num_blocks, 2, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(kv_layer.stride(4) == 1, "kv_layer's head_dim axis must be contiguous");
 }
+
+// dst[0:n] = float(src[0:n]); vectorized for bf16 and fp16, which compilers leave scalar.
+template <typename scalar_t>
+inline void to_float(const scalar_t* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+#if defined(__AVX512F__)
+template <>
+inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d)));
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+template <>
+inline void to_float<at::Half>(const at::Half* src, float* dst, int64_t n) {
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
+  }
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+#endif
 
 template <typename scalar_t>
 void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_layer,
@@ -45,11 +78,14 @@ void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_laye
   }
 }
 
-template <typename scalar_t>
+// kDim: head_dim known at compile time (0 = read it at run time), so the per-token loops
+// over head_dim unroll into a few vector instructions.
+template <typename scalar_t, int64_t kDim>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_tables,
                            const at::Tensor& context_lens, double scale, at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = kDim ? kDim : q.size(2);
   const int64_t block_size = kv_layer.size(2), num_kv_heads = kv_layer.size(3);
+  TORCH_CHECK((block_size & (block_size - 1)) == 0, "block_size must be a power of two");
   const int64_t group = num_heads / num_kv_heads;  // query heads [h*group, (h+1)*group) read KV head h
   const int64_t s_block = kv_layer.stride(0), s_kv = kv_layer.stride(1), s_tok = kv_layer.stride(2),
                 s_head = kv_layer.stride(3);
@@ -62,12 +98,17 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, cons
   const float fscale = static_cast<float>(scale);
 
   // One work item = one (sequence, KV head): its `group` query heads share every K/V row read.
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Small steps run on the calling thread: waking the thread pool costs more than they do.
+  int64_t max_len = 1;
+  for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max(max_len, lens[b]);
+  const int64_t grain = std::max<int64_t>(1, 512 / max_len);
+  at::parallel_for(0, num_seqs * num_kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t ctx = lens[b];
       const int64_t* table = tables + b * s_table;
+      const scalar_t* block = nullptr;  // the current block's rows for KV head h
       scores.resize(group * ctx);
       for (int64_t i = 0; i < group; ++i) {
         const scalar_t* src = qp + (b * num_heads + h * group + i) * head_dim;
@@ -75,8 +116,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, cons
       }
       // Pass 1: scores = q . k for every context position, in fp32.
       for (int64_t t = 0; t < ctx; ++t) {
-        const scalar_t* kr = pool + table[t / block_size] * s_block + (t % block_size) * s_tok + h * s_head;
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(kr[d]);
+        if (t % block_size == 0) block = pool + table[t / block_size] * s_block + h * s_head;
+        to_float(block + (t % block_size) * s_tok, row.data(), head_dim);
         for (int64_t i = 0; i < group; ++i) {
           const float* qi = qf.data() + i * head_dim;
           float s = 0.f;
@@ -91,6 +132,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, cons
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, si[t]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < ctx; ++t) {
           si[t] = std::exp(si[t] - mx);
           sum += si[t];
@@ -101,8 +143,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, cons
       // Pass 2: out = probs . v.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < ctx; ++t) {
-        const scalar_t* vr = pool + table[t / block_size] * s_block + s_kv + (t % block_size) * s_tok + h * s_head;
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(vr[d]);
+        if (t % block_size == 0) block = pool + table[t / block_size] * s_block + s_kv + h * s_head;
+        to_float(block + (t % block_size) * s_tok, row.data(), head_dim);
         for (int64_t i = 0; i < group; ++i) {
           const float p = scores[i * ctx + t];
           float* ai = acc.data() + i * head_dim;
@@ -191,7 +233,94 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
+constexpr int64_t kMaxRows = 16;  // the GEMV kernels' row limit: larger steps take the dense path
+
+// x: [M, K] in any float dtype -> fp32 copy, so the inner loops read one format.
+std::vector<float> rows_as_float(const at::Tensor& x) {
+  auto xf = x.to(at::kFloat).contiguous();
+  return std::vector<float>(xf.data_ptr<float>(), xf.data_ptr<float>() + xf.numel());
+}
+
+// The GEMV kernel takes the rows in chunks of at most kChunk, with each row's accumulators
+// held in registers (MB is a template argument, so the row loops unroll) and split in two
+// so that consecutive FMAs do not wait on each other. A chunk re-reads the weights; steps
+// big enough for that to matter take the dense path instead.
+constexpr int64_t kChunk = 4;
+
+// out[m, n] = scale[n] * sum_k x[m, k] * q[n, k]; q int8 [N, K], scale fp32 [N].
+template <int MB>
+void int8_gemv_chunk(const float* x, int64_t K, const int8_t* q, const float* scale, float* out, int64_t N,
+                     int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const int8_t* row = q + n * K;
+    float acc[MB] = {};
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    __m512 a0[MB], a1[MB];
+    for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (; k + 32 <= K; k += 32) {
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))));
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16))));
+      for (int m = 0; m < MB; ++m) {
+        a0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), a0[m]);
+        a1[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * K + k + 16), a1[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+#endif
+    for (; k < K; ++k) {
+      for (int m = 0; m < MB; ++m) acc[m] += static_cast<float>(row[k]) * x[m * K + k];
+    }
+    for (int m = 0; m < MB; ++m) out[m * N + n] = acc[m] * scale[n];
+  }
+}
+
+// Runs kernel<MB> over every chunk of rows, output rows in parallel.
+template <template <int> class Kernel, typename W, typename S>
+void gemv(const float* x, int64_t M, int64_t K, const W* q, const S* s, float* out, int64_t N) {
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
+      const float* xc = x + m0 * K;
+      float* oc = out + m0 * N;
+      switch (std::min(kChunk, M - m0)) {
+        case 1: Kernel<1>::run(xc, K, q, s, oc, N, begin, end); break;
+        case 2: Kernel<2>::run(xc, K, q, s, oc, N, begin, end); break;
+        case 3: Kernel<3>::run(xc, K, q, s, oc, N, begin, end); break;
+        default: Kernel<4>::run(xc, K, q, s, oc, N, begin, end); break;
+      }
+    }
+  });
+}
+
+template <int MB>
+struct Int8Kernel {
+  static void run(const float* x, int64_t K, const int8_t* q, const float* s, float* out, int64_t N, int64_t b,
+                  int64_t e) {
+    int8_gemv_chunk<MB>(x, K, q, s, out, N, b, e);
+  }
+};
+
+void check_rows(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
+  TORCH_CHECK(x.size(0) <= kMaxRows, "at most ", kMaxRows, " rows per call, got ", x.size(0));
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point");
+}
+
 }  // namespace
+
+// Weight-only int8: x [M, K] (M <= 16) @ (qweight int8 [N, K] * scale fp32 [N])^T -> [M, N] in x's dtype.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale) {
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
+              "qweight must be contiguous int8 [N, K]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == qweight.size(0),
+              "scale must be fp32 [N]");
+  check_rows(x, qweight.size(1));
+  const int64_t M = x.size(0), N = qweight.size(0), K = qweight.size(1);
+  auto xf = rows_as_float(x);
+  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  gemv<Int8Kernel>(xf.data(), M, K, qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), out.data_ptr<float>(), N);
+  return out.to(x.scalar_type());
+}
 
 // out = rms_norm(x + residual) * weight, and residual <- x + residual (in place); with no
 // residual, out = rms_norm(x) * weight. x, residual: [T, dim] contiguous; weight: [dim].
@@ -288,7 +417,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, con
   }
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(q, kv_layer, block_tables, context_lens, scale, out);
+    switch (q.size(2)) {
+      case 64: decode_attention_impl<scalar_t, 64>(q, kv_layer, block_tables, context_lens, scale, out); break;
+      case 128: decode_attention_impl<scalar_t, 128>(q, kv_layer, block_tables, context_lens, scale, out); break;
+      default: decode_attention_impl<scalar_t, 0>(q, kv_layer, block_tables, context_lens, scale, out);
+    }
   });
   return out;
 }

@@ -13,7 +13,7 @@ projection with a quantized copy:
 Decoding is bound by the bytes of weights read per step, and torch's weight-only kernels
 read fewer bytes, but on a CPU they are slower than a dense bf16 matmul once a step carries
 more than a handful of rows. A quantized layer therefore keeps its dense weight too
-(`keep_dense`, the default) and uses it for steps of more than `DENSE_ABOVE_ROWS` rows:
+(`keep_dense`, the default) and uses it for steps of more rows than `DENSE_ABOVE_ROWS`:
 decode of a few sequences gets the bandwidth, prefill and big batches get the FLOPs. That
 costs memory: the report counts both copies, and the tied lm_head reuses the embeddings.
 """
@@ -22,18 +22,22 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from tokenyard.kernels import cpu as cpu_kernels
 from torch import nn
 
 GROUP_SIZE = 32
-DENSE_ABOVE_ROWS = 12  # measured crossover on AVX-512 CPUs: int4 is faster below ~12 rows
+# Rows per step above which the dense bf16 matmul beats the weight-only kernel, measured on
+# a 2-core AVX-512 machine over a 30-layer model's projections (weights cold in cache).
+DENSE_ABOVE_ROWS = {8: 8, 4: 12}
 MODES = ("int8", "int4")
 
 
 class QuantizedLinear(nn.Module):
     """A Linear whose weight is kept int8 (per channel) or int4 (per group of 32).
 
-    torch's CPU weight-only kernels are fast only with bf16 activations, so rows are cast
-    to bf16 for the matmul and the result back to the input's dtype.
+    int8 runs our C++ GEMV (tokenyard.kernels.cpu) for up to 16 rows; int4, and int8 where
+    the kernels are unavailable, run torch's CPU weight-only kernels, which are fast only
+    with bf16 activations: rows are cast to bf16 and the result back to the input's dtype.
     """
 
     def __init__(self, linear: nn.Linear, bits: int, keep_dense: bool = True) -> None:
@@ -46,10 +50,11 @@ class QuantizedLinear(nn.Module):
         if bits == 8:
             scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
             self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))  # [out, in]
-            self.register_buffer("scales", scale.to(torch.bfloat16))
+            self.register_buffer("scales", scale)  # fp32
         elif bits == 4:
-            if self.in_features % GROUP_SIZE:
-                raise ValueError(f"int4 needs in_features divisible by {GROUP_SIZE}, got {self.in_features}")
+            if not int4_fits(linear):
+                raise ValueError(f"int4 needs in_features divisible by {GROUP_SIZE} and out_features by 16, "
+                                 f"got {self.in_features} -> {self.out_features}")
             groups = w.view(self.out_features, -1, GROUP_SIZE)
             lo, hi = groups.amin(-1), groups.amax(-1)
             scale = ((hi - lo) / 15).clamp(min=1e-8)
@@ -64,30 +69,42 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
-        if self.dense is not None and rows.shape[0] > DENSE_ABOVE_ROWS:
+        if self.dense is not None and rows.shape[0] > DENSE_ABOVE_ROWS[self.bits]:
             return F.linear(x, self.dense, self.bias)
-        y = self._quantized_mm(rows.to(torch.bfloat16).contiguous()).to(x.dtype)
-        y = y.reshape(*shape[:-1], self.out_features)
+        y = self._quantized_mm(rows).reshape(*shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 
     def _quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] -> [M, out] in x's dtype, through the weight-only kernel."""
         if self.bits == 8:
-            return torch._weight_int8pack_mm(x, self.qweight, self.scales)
-        return torch._weight_int4pack_mm_for_cpu(x, self.qweight, GROUP_SIZE, self.scales)
+            kernels = cpu_kernels.ops() if x.device.type == "cpu" else None
+            if kernels is not None and x.shape[0] <= 16:
+                return kernels.int8_linear(x.contiguous(), self.qweight, self.scales)
+            xb = x.to(torch.bfloat16).contiguous()
+            return torch._weight_int8pack_mm(xb, self.qweight, self.scales.to(torch.bfloat16)).to(x.dtype)
+        xb = x.to(torch.bfloat16).contiguous()
+        return torch._weight_int4pack_mm_for_cpu(xb, self.qweight, GROUP_SIZE, self.scales).to(x.dtype)
 
     def quantized_bytes(self) -> int:
         """What one small-batch step reads of this layer's weights."""
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
 
 
+def int4_fits(linear: nn.Linear) -> bool:
+    """torch's int4 packing wants whole groups along in_features and 16-row tiles along out."""
+    return linear.in_features % GROUP_SIZE == 0 and linear.out_features % 16 == 0
+
+
 def quantize(model: nn.Module, mode: str, keep_dense: bool = True) -> nn.Module:
-    """Swap every Linear for a QuantizedLinear; the output projection is int8 in either mode."""
+    """Swap every Linear for a QuantizedLinear. The output projection, and in int4 mode any
+    layer whose shape int4 packing cannot take, become int8."""
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}: expected one of {MODES}")
     bits = 8 if mode == "int8" else 4
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, QuantizedLinear(child, 8 if name == "lm_head" else bits, keep_dense))
+            layer_bits = 8 if name == "lm_head" or (bits == 4 and not int4_fits(child)) else bits
+            setattr(model, name, QuantizedLinear(child, layer_bits, keep_dense))
         else:
             quantize(child, mode, keep_dense)
     return model

@@ -1,29 +1,80 @@
-"""Weight-only int8: the swapped layer computes what its float weights would, within int8's error."""
+"""Weight-only quantization: each path of a quantized layer computes what its weights say."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tokenyard.models.quantize import Int8Linear, dequantized, quantize
+from tokenyard.kernels import cpu as cpu_kernels
+from tokenyard.models import quantize as q
+from tokenyard.models.quantize import QuantizedLinear, dequantized, quantize
 from torch import nn
 
 
-def test_int8_linear_matches_float_within_quantization_error():
-    torch.manual_seed(0)
-    linear = nn.Linear(64, 48, bias=True)
-    q = Int8Linear(linear)
-    assert q.weight.dtype == torch.int8
+def _linear(out_features=48, in_features=64, bias=True, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+@pytest.mark.parametrize("bits, max_rel", [(8, 0.01), (4, 0.1)])
+def test_quantized_linear_matches_float_within_quantization_error(bits, max_rel):
+    linear = _linear()
+    layer = QuantizedLinear(linear, bits)
     x = torch.randn(5, 64)
     exact = linear(x)
-    rel = (q(x) - exact).norm() / exact.norm()
-    assert rel < 0.01
-    # the layer is exactly its dequantized weight times x
-    assert torch.allclose(q(x), x @ dequantized(q).T + linear.bias, atol=1e-4)
+    small = layer(x)  # 5 rows: the weight-only kernel
+    assert small.dtype == x.dtype
+    assert (small - exact).norm() / exact.norm() < max_rel
+    # the kernel computes exactly its dequantized weight times x (up to bf16 activations)
+    assert torch.allclose(small, x @ dequantized(layer).T + linear.bias, atol=2e-2)
+    # a step of many rows takes the dense weight: the float result, bit for bit
+    big = torch.randn(q.DENSE_ABOVE_ROWS[bits] + 1, 64)
+    assert torch.equal(layer(big), linear(big))
 
 
-def test_quantize_swaps_every_linear_in_place():
-    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 4)))
-    quantize(model, "int8")
-    assert isinstance(model[0], Int8Linear) and isinstance(model[1][1], Int8Linear)
-    with pytest.raises(ValueError):
+def test_int4_reproduces_weights_already_on_its_grid():
+    """A Q4_1-style weight (scale * q + offset per 32) comes back exactly."""
+    torch.manual_seed(1)
+    levels = torch.randint(0, 16, (16, 64)).float()
+    levels[:, ::32] = 0  # every group spans the full 0..15 range
+    levels[:, 1::32] = 15
+    scale = torch.rand(16, 2, 1) * 0.01 + 0.001
+    offset = -torch.rand(16, 2, 1) * 0.05
+    w = (levels.view(16, 2, 32) * scale + offset).view(16, 64)
+    linear = nn.Linear(64, 16, bias=False)
+    linear.weight.data = w.to(torch.bfloat16).float()  # what bf16 scales can represent
+    on_grid = (dequantized(QuantizedLinear(linear, 4)) - w).abs().max()
+    assert on_grid < 0.01 * w.abs().max()  # bf16 rounding of scale, offset and output only
+    linear.weight.data = linear.weight.data + torch.rand(16, 64) * 0.004  # off the grid
+    off_grid = (dequantized(QuantizedLinear(linear, 4)) - linear.weight).abs().max()
+    assert off_grid > 2 * on_grid
+
+
+def test_int8_kernel_and_torch_fallback_agree(monkeypatch):
+    if cpu_kernels.ops() is None:
+        pytest.skip("CPU kernels not built here")
+    layer = QuantizedLinear(_linear(bias=False), 8)
+    x = torch.randn(3, 64)
+    with_kernel = layer(x)
+    monkeypatch.setattr(q.cpu_kernels, "ops", lambda: None)
+    assert (layer(x) - with_kernel).abs().max() < 2e-2  # torch's kernel takes bf16 activations
+
+
+def test_without_dense_copy_big_steps_stay_quantized():
+    linear = _linear(bias=False)
+    layer = QuantizedLinear(linear, 8, keep_dense=False)
+    assert layer.dense is None
+    x = torch.randn(40, 64)
+    assert torch.allclose(layer(x), x @ dequantized(layer).T, atol=2e-2)
+
+
+def test_quantize_swaps_every_linear_and_keeps_lm_head_int8():
+    model = nn.Sequential(nn.Linear(32, 32), nn.Sequential(nn.ReLU(), nn.Linear(32, 40)))
+    model.lm_head = nn.Linear(32, 64, bias=False)
+    quantize(model, "int4")
+    assert isinstance(model[0], QuantizedLinear) and model[0].bits == 4
+    assert isinstance(model[1][1], QuantizedLinear) and model[1][1].bits == 8  # 40 rows: not int4-packable
+    assert model.lm_head.bits == 8
+    with pytest.raises(ValueError, match="unknown quantization"):
         quantize(model, "int3")
+    with pytest.raises(ValueError, match="divisible"):
+        QuantizedLinear(nn.Linear(48, 8), 4)
