@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from tokenyard.kernels import cpu as cpu_kernels
+from tokenyard.models.module import LeanModule
 from torch import nn
 
 GROUP_SIZE = 32
@@ -32,7 +33,7 @@ DENSE_ABOVE_ROWS = {8: 8, 4: 12}
 MODES = ("int8", "int4")
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(LeanModule):
     """A Linear whose weight is kept int8 (per channel) or int4 (per group of 32).
 
     int8 runs our C++ GEMV (tokenyard.kernels.cpu) for up to 16 rows; int4, and int8 where
