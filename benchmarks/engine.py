@@ -91,7 +91,7 @@ def run_ours(dtype: str, quantization: str | None) -> dict:
                          "peak_used_fraction": peak_blocks / engine.block_manager.num_blocks,
                          "bytes_per_block": engine.layout.block_nbytes}
     result["memory_report"] = engine.memory.__dict__
-    result["weights_bytes_per_decode_step"] = engine.memory.weights_bytes
+    result["weights_bytes_per_decode_step"] = engine.memory.decode_read_bytes
     return result
 
 
@@ -202,7 +202,7 @@ def spawn(kind: str, threads: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/engine.json")
-    parser.add_argument("--configs", default="ours:float32:,ours:bfloat16:,ours:bfloat16:int8",
+    parser.add_argument("--configs", default="ours:float32:,ours:bfloat16:,ours:bfloat16:int8,ours:bfloat16:int4",
                         help="ours:<dtype>:<quantization> entries, comma-separated")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--worker", help=argparse.SUPPRESS)

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -78,26 +79,201 @@ void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_laye
   }
 }
 
-// kDim: head_dim known at compile time (0 = read it at run time), so the per-token loops
-// over head_dim unroll into a few vector instructions.
-template <typename scalar_t, int64_t kDim>
+// Where one (sequence, KV head) pair's inputs and outputs live; see decode_attention_impl.
+template <typename scalar_t>
+struct DecodeItem {
+  const float* q;  // [group, head_dim], already multiplied by the softmax scale
+  const scalar_t* pool;  // this layer's pool view, offset to KV head h
+  const int64_t* table;  // the sequence's block table
+  int64_t ctx, group, head_dim, block_size, s_block, s_kv, s_tok;
+  float* scores;  // scratch [group, ctx]
+  float* out;  // [group, head_dim]
+};
+
+// Softmax over each query head's scores, in place.
+void softmax_rows(float* scores, int64_t rows, int64_t ctx);
+
+// The portable path: any head_dim, any group size.
+template <typename scalar_t>
+void attend_item(const DecodeItem<scalar_t>& it, float* row) {
+  const scalar_t* block = nullptr;
+  for (int64_t t = 0; t < it.ctx; ++t) {  // pass 1: scores = q . k
+    if ((t & (it.block_size - 1)) == 0) block = it.pool + it.table[t / it.block_size] * it.s_block;
+    to_float(block + (t & (it.block_size - 1)) * it.s_tok, row, it.head_dim);
+    for (int64_t i = 0; i < it.group; ++i) {
+      const float* qi = it.q + i * it.head_dim;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < it.head_dim; ++d) s += qi[d] * row[d];
+      it.scores[i * it.ctx + t] = s;
+    }
+  }
+  softmax_rows(it.scores, it.group, it.ctx);
+  std::fill(it.out, it.out + it.group * it.head_dim, 0.f);
+  for (int64_t t = 0; t < it.ctx; ++t) {  // pass 2: out = probs . v
+    if ((t & (it.block_size - 1)) == 0) block = it.pool + it.table[t / it.block_size] * it.s_block + it.s_kv;
+    to_float(block + (t & (it.block_size - 1)) * it.s_tok, row, it.head_dim);
+    for (int64_t i = 0; i < it.group; ++i) {
+      const float p = it.scores[i * it.ctx + t];
+      float* oi = it.out + i * it.head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < it.head_dim; ++d) oi[d] += p * row[d];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+template <typename scalar_t>
+inline __m512 load16(const scalar_t* p);
+template <>
+inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+template <>
+inline __m512 load16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// e^x for 16 floats: Cephes' expf (range reduction by ln 2, degree-6 polynomial), within
+// about 2 ulp of std::exp over the range softmax and SiLU use.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Stores 16 floats as T, rounding to nearest even as c10's conversions do.
+template <typename T>
+inline void store16(T* p, __m512 v) {
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int j = 0; j < 16; ++j) p[j] = static_cast<T>(tmp[j]);
+}
+template <>
+inline void store16<float>(float* p, __m512 v) {
+  _mm512_storeu_ps(p, v);
+}
+#if defined(__AVX512BF16__)
+template <>
+inline void store16<at::BFloat16>(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+#endif
+template <>
+inline void store16<at::Half>(at::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// v rounded to T's precision and back: where the torch twin would store an intermediate.
+template <typename T>
+inline __m512 round_as(__m512 v) {
+  alignas(64) T tmp[16];
+  store16(tmp, v);
+  return load16(tmp);
+}
+template <>
+inline __m512 round_as<float>(__m512 v) {
+  return v;
+}
+
+constexpr int64_t kMaxGroup = 8;  // query heads per KV head that the vector path holds in registers
+
+// NV = head_dim / 16 vectors per row. Pass 1 reads each key row once for all the group's
+// query heads; pass 2 keeps every head's output accumulators in registers.
+template <typename scalar_t, int NV>
+void attend_item_avx512(const DecodeItem<scalar_t>& it) {
+  const scalar_t* block = nullptr;
+  for (int64_t t = 0; t < it.ctx; ++t) {
+    if ((t & (it.block_size - 1)) == 0) block = it.pool + it.table[t / it.block_size] * it.s_block;
+    const scalar_t* kr = block + (t & (it.block_size - 1)) * it.s_tok;
+    __m512 k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = load16(kr + 16 * v);
+    for (int64_t i = 0; i < it.group; ++i) {
+      const float* qi = it.q + i * NV * 16;
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qi), k[0]);
+      for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * v), k[v], a);
+      it.scores[i * it.ctx + t] = _mm512_reduce_add_ps(a);
+    }
+  }
+  softmax_rows(it.scores, it.group, it.ctx);
+  __m512 acc[kMaxGroup][NV];
+  for (int64_t i = 0; i < it.group; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < it.ctx; ++t) {
+    if ((t & (it.block_size - 1)) == 0) block = it.pool + it.table[t / it.block_size] * it.s_block + it.s_kv;
+    const scalar_t* vr = block + (t & (it.block_size - 1)) * it.s_tok;
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = load16(vr + 16 * v);
+    for (int64_t i = 0; i < it.group; ++i) {
+      const __m512 p = _mm512_set1_ps(it.scores[i * it.ctx + t]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(p, vv[v], acc[i][v]);
+    }
+  }
+  for (int64_t i = 0; i < it.group; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(it.out + (i * NV + v) * 16, acc[i][v]);
+}
+#endif
+
+void softmax_rows(float* scores, int64_t rows, int64_t ctx) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* si = scores + i * ctx;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, si[t]);
+    float sum = 0.f;
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    __m512 vsum = _mm512_setzero_ps();
+    const __m512 vmx = _mm512_set1_ps(mx);
+    for (; t + 16 <= ctx; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(si + t), vmx));
+      _mm512_storeu_ps(si + t, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (; t < ctx; ++t) {
+      si[t] = std::exp(si[t] - mx);
+      sum += si[t];
+    }
+    const float inv = 1.f / sum;
+    for (t = 0; t < ctx; ++t) si[t] *= inv;
+  }
+}
+
+// q: [B, num_heads, head_dim]; one work item = one (sequence, KV head), whose `group` query
+// heads share every K/V row read. The pool is read in place through the block tables.
+template <typename scalar_t>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_tables,
                            const at::Tensor& context_lens, double scale, at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = kDim ? kDim : q.size(2);
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = kv_layer.size(2), num_kv_heads = kv_layer.size(3);
   TORCH_CHECK((block_size & (block_size - 1)) == 0, "block_size must be a power of two");
   const int64_t group = num_heads / num_kv_heads;  // query heads [h*group, (h+1)*group) read KV head h
-  const int64_t s_block = kv_layer.stride(0), s_kv = kv_layer.stride(1), s_tok = kv_layer.stride(2),
-                s_head = kv_layer.stride(3);
-  const int64_t s_table = block_tables.stride(0);
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* pool = kv_layer.data_ptr<scalar_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
+#if defined(__AVX512F__)
+  const bool vector_path = group <= kMaxGroup && (head_dim == 64 || head_dim == 128);
+#endif
 
-  // One work item = one (sequence, KV head): its `group` query heads share every K/V row read.
   // Small steps run on the calling thread: waking the thread pool costs more than they do.
   int64_t max_len = 1;
   for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max(max_len, lens[b]);
@@ -106,52 +282,29 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, cons
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t ctx = lens[b];
-      const int64_t* table = tables + b * s_table;
-      const scalar_t* block = nullptr;  // the current block's rows for KV head h
-      scores.resize(group * ctx);
+      scores.resize(group * lens[b]);
       for (int64_t i = 0; i < group; ++i) {
         const scalar_t* src = qp + (b * num_heads + h * group + i) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) qf[i * head_dim + d] = static_cast<float>(src[d]) * fscale;
       }
-      // Pass 1: scores = q . k for every context position, in fp32.
-      for (int64_t t = 0; t < ctx; ++t) {
-        if (t % block_size == 0) block = pool + table[t / block_size] * s_block + h * s_head;
-        to_float(block + (t % block_size) * s_tok, row.data(), head_dim);
-        for (int64_t i = 0; i < group; ++i) {
-          const float* qi = qf.data() + i * head_dim;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_dim; ++d) s += qi[d] * row[d];
-          scores[i * ctx + t] = s;
+      const DecodeItem<scalar_t> it{qf.data(), pool + h * kv_layer.stride(3), tables + b * block_tables.stride(0),
+                                    lens[b], group, head_dim, block_size, kv_layer.stride(0), kv_layer.stride(1),
+                                    kv_layer.stride(2), scores.data(), acc.data()};
+#if defined(__AVX512F__)
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        if (vector_path && head_dim == 64) {
+          attend_item_avx512<scalar_t, 4>(it);
+        } else if (vector_path) {
+          attend_item_avx512<scalar_t, 8>(it);
+        } else {
+          attend_item(it, row.data());
         }
+      } else {
+        attend_item(it, row.data());
       }
-      // Softmax per query head.
-      for (int64_t i = 0; i < group; ++i) {
-        float* si = scores.data() + i * ctx;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, si[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < ctx; ++t) {
-          si[t] = std::exp(si[t] - mx);
-          sum += si[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < ctx; ++t) si[t] *= inv;
-      }
-      // Pass 2: out = probs . v.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {
-        if (t % block_size == 0) block = pool + table[t / block_size] * s_block + s_kv + h * s_head;
-        to_float(block + (t % block_size) * s_tok, row.data(), head_dim);
-        for (int64_t i = 0; i < group; ++i) {
-          const float p = scores[i * ctx + t];
-          float* ai = acc.data() + i * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ai[d] += p * row[d];
-        }
-      }
+#else
+      attend_item(it, row.data());
+#endif
       for (int64_t i = 0; i < group; ++i) {
         scalar_t* dst = op + (b * num_heads + h * group + i) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[i * head_dim + d]);
@@ -223,7 +376,18 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* gate = xp + r * 2 * width;
       const scalar_t* up = gate + width;
-      for (int64_t d = 0; d < width; ++d) {
+      int64_t d = 0;
+#if defined(__AVX512F__)
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        for (; d + 16 <= width; d += 16) {
+          const __m512 g = load16(gate + d);
+          const __m512 act = round_as<scalar_t>(
+              _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+          store16(op + r * width + d, _mm512_mul_ps(act, load16(up + d)));
+        }
+      }
+#endif
+      for (; d < width; ++d) {
         const float g = static_cast<float>(gate[d]);
         // Rounded where the twin's F.silu(gate) * up rounds: after silu, then after the product.
         const scalar_t act = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
@@ -417,11 +581,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, con
   }
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    switch (q.size(2)) {
-      case 64: decode_attention_impl<scalar_t, 64>(q, kv_layer, block_tables, context_lens, scale, out); break;
-      case 128: decode_attention_impl<scalar_t, 128>(q, kv_layer, block_tables, context_lens, scale, out); break;
-      default: decode_attention_impl<scalar_t, 0>(q, kv_layer, block_tables, context_lens, scale, out);
-    }
+    decode_attention_impl<scalar_t>(q, kv_layer, block_tables, context_lens, scale, out);
   });
   return out;
 }

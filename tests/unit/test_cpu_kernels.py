@@ -103,3 +103,32 @@ def test_paged_attention_is_the_same_with_and_without_kernels(ops, monkeypatch):
         pools.append(pool)
     assert torch.equal(pools[0], pools[1])
     assert (outs[0] - outs[1]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_fused_steps_match_their_torch_twins(ops, dtype, tol, monkeypatch):
+    from tokenyard.models import fused
+
+    g = torch.Generator().manual_seed(5)
+    rows, dim, width = 7, 40, 35  # widths that leave a tail past the 16-wide vector loops
+    x = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+    residual = torch.randn(rows, dim, generator=g).to(dtype)
+    weight = torch.rand(dim, generator=g).to(dtype)
+    gate_up = (torch.randn(rows, 2 * width, generator=g) * 4).to(dtype)
+    positions = torch.tensor([0, 1, 5, 17, 100, 2047, 3])
+    angles = torch.arange(2048)[:, None] * torch.rand(1, 8, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # head_dim 16
+    qkv = torch.randn(rows, 5 * 16, generator=g).to(dtype)
+
+    def run():
+        normed, summed = fused.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+        rotated = qkv.clone()
+        fused.rotary_(rotated, positions, cos, sin, num_heads=4, head_dim=16)  # the 5th head stays
+        return normed, summed, rotated, fused.silu_and_mul(gate_up)
+
+    with_kernels = run()
+    monkeypatch.setattr(fused.cpu_kernels, "ops", lambda: None)
+    for got, want in zip(with_kernels, run(), strict=True):
+        assert got.dtype == dtype
+        assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+    assert torch.equal(with_kernels[2][:, 64:], qkv[:, 64:])
