@@ -195,11 +195,31 @@ constexpr int64_t kMaxGroup = 8;  // query heads per KV head that the vector pat
 
 // NV = head_dim / 16 vectors per row. Pass 1 reads each key row once for all the group's
 // query heads; pass 2 keeps every head's output accumulators in registers.
+// Asks for the next block's rows of this KV head while the current block is being read: the
+// rows are strided (the other KV heads lie between them), which hardware prefetchers miss.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* rows, int64_t n, int64_t stride, int64_t row_bytes) {
+  for (int64_t r = 0; r < n; ++r) {
+    const char* p = reinterpret_cast<const char*>(rows + r * stride);
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  }
+}
+
 template <typename scalar_t, int NV>
 void attend_item_avx512(const DecodeItem<scalar_t>& it) {
   const scalar_t* block = nullptr;
+  const int64_t num_blocks = (it.ctx + it.block_size - 1) / it.block_size;
+  const int64_t row_bytes = NV * 16 * sizeof(scalar_t);
   for (int64_t t = 0; t < it.ctx; ++t) {
-    if ((t & (it.block_size - 1)) == 0) block = it.pool + it.table[t / it.block_size] * it.s_block;
+    if ((t & (it.block_size - 1)) == 0) {
+      const int64_t j = t / it.block_size;
+      block = it.pool + it.table[j] * it.s_block;
+      if (j + 1 < num_blocks) {
+        prefetch_rows(it.pool + it.table[j + 1] * it.s_block, it.block_size, it.s_tok, row_bytes);
+      } else {  // the last key block: start on the values
+        prefetch_rows(it.pool + it.table[0] * it.s_block + it.s_kv, it.block_size, it.s_tok, row_bytes);
+      }
+    }
     const scalar_t* kr = block + (t & (it.block_size - 1)) * it.s_tok;
     __m512 k[NV];
     for (int v = 0; v < NV; ++v) k[v] = load16(kr + 16 * v);
@@ -215,7 +235,11 @@ void attend_item_avx512(const DecodeItem<scalar_t>& it) {
   for (int64_t i = 0; i < it.group; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
   for (int64_t t = 0; t < it.ctx; ++t) {
-    if ((t & (it.block_size - 1)) == 0) block = it.pool + it.table[t / it.block_size] * it.s_block + it.s_kv;
+    if ((t & (it.block_size - 1)) == 0) {
+      const int64_t j = t / it.block_size;
+      block = it.pool + it.table[j] * it.s_block + it.s_kv;
+      if (j + 1 < num_blocks) prefetch_rows(it.pool + it.table[j + 1] * it.s_block + it.s_kv, it.block_size, it.s_tok, row_bytes);
+    }
     const scalar_t* vr = block + (t & (it.block_size - 1)) * it.s_tok;
     __m512 vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = load16(vr + 16 * v);
