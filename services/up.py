@@ -37,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="worker weights and activations (default bfloat16: 1.7x fp32's throughput on a CPU)",
     )
     parser.add_argument(
+        "--quantization",
+        default="int4",
+        choices=["int4", "int8", "none"],
+        help="weight-only quantization for small decode batches (default int4: the default "
+        "model's own Q4_1 weights, 2.5x bf16's single-stream decode speed on a CPU)",
+    )
+    parser.add_argument(
         "--nats-url", help="use this NATS (with JetStream) instead of an embedded one"
     )
     parser.add_argument(
@@ -67,7 +74,8 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         kvcache=not args.no_kvcache,
         facilities=not args.no_facilities,
         log_dir=args.log_dir,
-        worker_env={"TOKENYARD_WORKER_DTYPE": args.dtype},
+        worker_env={"TOKENYARD_WORKER_DTYPE": args.dtype,
+                    **({} if args.quantization == "none" else {"TOKENYARD_WORKER_QUANTIZATION": args.quantization})},
     )
 
 

@@ -8,8 +8,10 @@ processes load the cached object in well under a second.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -37,12 +39,22 @@ def ops() -> ModuleType | None:
         return _state["ops"]
 
 
+def _cpu_tag() -> str:
+    """A short hash of the CPU's feature flags: the kernels are built with -march=native, so a
+    cache shared between machines (a container image) must not hand one CPU another's build."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.machine()
+    return hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
+
+
 def _build() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name="tokenyard_cpu_kernels",
+            name=f"tokenyard_cpu_kernels_{_cpu_tag()}",
             cpp_sources=[_SOURCE.read_text()],
             functions=["write_kv", "decode_attention", "add_rms_norm", "rotary", "silu_and_mul",
                        "int8_linear"],

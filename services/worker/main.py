@@ -44,6 +44,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Any, Any]:
 
     optional = {
         "dtype": settings.dtype,
+        "quantization": settings.quantization,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
         "kv_cache_bytes": settings.kv_cache_bytes,
         "max_model_len": settings.max_model_len,

@@ -13,6 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="weight-only quantization (int4 is the default model's own Q4_1 precision)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     from tokenyard.engine.llm_engine import LLMEngine
     from tokenyard.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     print(f"{engine.model_id}: {engine.memory.describe()}", file=sys.stderr)
     if args.prompt:
