@@ -232,7 +232,35 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     _print_table(results)
+    _plot(results, Path(args.out).with_name(Path(args.out).stem + "_plots") / "engine.png")
     return 0
+
+
+def _plot(results: dict, path: Path) -> None:
+    """Two bar charts, batch-1 decode and 32-request throughput, each engine against HF."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["hf"] + [k for k in results if k.startswith("ours")]
+    labels = ["HF fp32" if n == "hf" else n.removeprefix("ours:").rstrip(":").replace(":", "+") for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (scenario, field, title, target) in zip(axes, [
+            ("single", "decode_tok_s", "one request: decode tok/s", 3),
+            ("concurrent", "output_tok_s", "32 requests: output tok/s", 4)], strict=True):
+        values = [results[n][scenario][field] for n in names]
+        ax.bar(labels, values, color=["grey"] + ["tab:blue"] * (len(names) - 1))
+        ax.axhline(target * values[0], color="tab:red", linestyle="--", label=f"{target}x HF")
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.0f}\n{v / values[0]:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, max(max(values), target * values[0]) * 1.2)
+        ax.set_title(title)
+        ax.legend(loc="upper left")
+        ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def _print_table(results: dict) -> None:

@@ -1,1 +1,1 @@
-"""Triton kernels, each with a pure-torch twin (the CPU path and the tests use the twin)."""
+"""Kernels with pure-torch twins: C++ for CPUs (`tokenyard.kernels.cpu`), Triton for GPUs (none yet)."""

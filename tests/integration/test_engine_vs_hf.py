@@ -94,6 +94,16 @@ def test_batch_of_different_lengths(engine, hf_model):
     engine.block_manager.check_no_leaks()
 
 
+def test_torch_twins_without_cpu_kernels(engine, hf_model, monkeypatch):
+    """The same batch on the pure-torch path: the fallback is held to HF too."""
+    from tokenyard.kernels import cpu as cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "ops", lambda: None)
+    for r in run(engine, PROMPTS, greedy(10)):
+        assert_output_matches(hf_model, r)
+    engine.block_manager.check_no_leaks()
+
+
 @pytest.mark.parametrize("budget", [7, 13])
 def test_chunked_prefill_at_odd_places(make_engine, hf_model, budget):
     engine = make_engine(max_num_batched_tokens=budget)
