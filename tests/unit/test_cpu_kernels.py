@@ -132,3 +132,17 @@ def test_fused_steps_match_their_torch_twins(ops, dtype, tol, monkeypatch):
         assert got.dtype == dtype
         assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
     assert torch.equal(with_kernels[2][:, 64:], qkv[:, 64:])
+
+
+def test_kernels_can_be_switched_off(ops):
+    """TOKENYARD_CPU_KERNELS=0 leaves every caller on the torch twins; otherwise the cached
+    object loads without a build."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "from tokenyard.kernels import cpu; print(cpu.ops() is not None)"
+    for value, expected in (("0", "False"), ("1", "True")):
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "TOKENYARD_CPU_KERNELS": value}, check=True)
+        assert out.stdout.strip() == expected
