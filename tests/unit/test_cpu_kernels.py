@@ -146,3 +146,29 @@ def test_kernels_can_be_switched_off(ops):
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                              env={**os.environ, "TOKENYARD_CPU_KERNELS": value}, check=True)
         assert out.stdout.strip() == expected
+
+
+@pytest.mark.parametrize("head_dim", [48, 128])  # 48: the portable loop and vector tails; 128: the other vector width
+def test_decode_attention_other_head_dims(ops, head_dim):
+    g = torch.Generator().manual_seed(6)
+    pool = torch.randn(12, 1, 2, BLOCK, 2, head_dim, generator=g)
+    kv_layer = pool[:, 0]
+    tables, lens = torch.tensor([[3, 7, 1], [0, 2, 0]]), torch.tensor([40, 20])
+    q = torch.randn(2, 4, head_dim, generator=g)
+    keys = kv_layer[:, 0][tables].view(2, -1, 2, head_dim)
+    values = kv_layer[:, 1][tables].view(2, -1, 2, head_dim)
+    mask = (torch.arange(3 * BLOCK)[None] < lens[:, None])[:, None, None, :]
+    ref = attend(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), mask, 0.2).squeeze(2)
+    assert (ops.decode_attention(q, kv_layer, tables, lens, 0.2) - ref).abs().max().item() < 1e-5
+
+
+def test_int8_linear_with_a_ragged_inner_dimension(ops):
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randint(-127, 128, (24, 40), generator=g, dtype=torch.int8)  # 40: not a multiple of 32
+    scale = torch.rand(24, generator=g)
+    for rows in (1, 3, 6):  # 6 rows: a chunk of 4 and a chunk of 2
+        x = torch.randn(rows, 40, generator=g)
+        want = x @ (weight.float() * scale[:, None]).T
+        assert torch.allclose(ops.int8_linear(x, weight, scale), want, rtol=1e-5, atol=1e-3)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        ops.int8_linear(torch.randn(17, 40), weight, scale)
