@@ -18,6 +18,10 @@ import platform
 import threading
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,11 @@ def ops() -> ModuleType | None:
 
 _FUNCTIONS = ["write_kv", "decode_attention", "add_rms_norm", "rotary", "silu_and_mul", "int8_linear"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+
+
+def ops_for(t: torch.Tensor) -> ModuleType | None:
+    """The kernels for a tensor's device: the module on a CPU, None elsewhere."""
+    return ops() if t.device.type == "cpu" else None
 
 
 def _cpu_tag() -> str:

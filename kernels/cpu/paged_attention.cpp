@@ -35,93 +35,6 @@ void check_pool(const at::Tensor& kv_layer) {
   TORCH_CHECK(kv_layer.stride(4) == 1, "kv_layer's head_dim axis must be contiguous");
 }
 
-// dst[0:n] = float(src[0:n]); vectorized for bf16 and fp16, which compilers leave scalar.
-template <typename scalar_t>
-inline void to_float(const scalar_t* src, float* dst, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
-#if defined(__AVX512F__)
-template <>
-inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d)));
-    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
-  }
-  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
-template <>
-inline void to_float<at::Half>(const at::Half* src, float* dst, int64_t n) {
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
-  }
-  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
-}
-#endif
-
-template <typename scalar_t>
-void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_layer,
-                   const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
-  const int64_t rows = k.size(0), row_len = k.size(1) * k.size(2);
-  const int64_t s_block = kv_layer.stride(0), s_kv = kv_layer.stride(1), s_tok = kv_layer.stride(2);
-  const scalar_t* kp = k.data_ptr<scalar_t>();
-  const scalar_t* vp = v.data_ptr<scalar_t>();
-  scalar_t* pool = kv_layer.data_ptr<scalar_t>();
-  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
-  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    scalar_t* dst = pool + blocks[r] * s_block + offsets[r] * s_tok;
-    std::copy_n(kp + r * row_len, row_len, dst);
-    std::copy_n(vp + r * row_len, row_len, dst + s_kv);
-  }
-}
-
-// Where one (sequence, KV head) pair's inputs and outputs live; see decode_attention_impl.
-template <typename scalar_t>
-struct DecodeItem {
-  const float* q;  // [group, head_dim], already multiplied by the softmax scale
-  const scalar_t* pool;  // this layer's pool view, offset to KV head h
-  const int64_t* table;  // the sequence's block table
-  int64_t ctx, group, head_dim, block_size, s_block, s_kv, s_tok;
-  float* scores;  // scratch [group, ctx]
-  float* out;  // [group, head_dim]
-};
-
-// Softmax over each query head's scores, in place.
-void softmax_rows(float* scores, int64_t rows, int64_t ctx);
-
-// The portable path: any head_dim, any group size.
-template <typename scalar_t>
-void attend_item(const DecodeItem<scalar_t>& it, float* row) {
-  const scalar_t* block = nullptr;
-  for (int64_t t = 0; t < it.ctx; ++t) {  // pass 1: scores = q . k
-    if ((t & (it.block_size - 1)) == 0) block = it.pool + it.table[t / it.block_size] * it.s_block;
-    to_float(block + (t & (it.block_size - 1)) * it.s_tok, row, it.head_dim);
-    for (int64_t i = 0; i < it.group; ++i) {
-      const float* qi = it.q + i * it.head_dim;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < it.head_dim; ++d) s += qi[d] * row[d];
-      it.scores[i * it.ctx + t] = s;
-    }
-  }
-  softmax_rows(it.scores, it.group, it.ctx);
-  std::fill(it.out, it.out + it.group * it.head_dim, 0.f);
-  for (int64_t t = 0; t < it.ctx; ++t) {  // pass 2: out = probs . v
-    if ((t & (it.block_size - 1)) == 0) block = it.pool + it.table[t / it.block_size] * it.s_block + it.s_kv;
-    to_float(block + (t & (it.block_size - 1)) * it.s_tok, row, it.head_dim);
-    for (int64_t i = 0; i < it.group; ++i) {
-      const float p = it.scores[i * it.ctx + t];
-      float* oi = it.out + i * it.head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < it.head_dim; ++d) oi[d] += p * row[d];
-    }
-  }
-}
-
 #if defined(__AVX512F__)
 template <typename scalar_t>
 inline __m512 load16(const scalar_t* p);
@@ -190,7 +103,106 @@ template <>
 inline __m512 round_as<float>(__m512 v) {
   return v;
 }
+#endif
 
+// dst[0:n] = float(src[0:n]); vectorized where AVX-512 is, for bf16 and fp16 above all,
+// which compilers leave scalar.
+template <typename scalar_t>
+inline void to_float(const scalar_t* src, float* dst, int64_t n) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<scalar_t, double>) {
+    for (; d + 16 <= n; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
+  }
+#endif
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+template <typename scalar_t>
+void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_layer,
+                   const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
+  const int64_t rows = k.size(0), row_len = k.size(1) * k.size(2);
+  const int64_t s_block = kv_layer.stride(0), s_kv = kv_layer.stride(1), s_tok = kv_layer.stride(2);
+  const scalar_t* kp = k.data_ptr<scalar_t>();
+  const scalar_t* vp = v.data_ptr<scalar_t>();
+  scalar_t* pool = kv_layer.data_ptr<scalar_t>();
+  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
+  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    scalar_t* dst = pool + blocks[r] * s_block + offsets[r] * s_tok;
+    std::copy_n(kp + r * row_len, row_len, dst);
+    std::copy_n(vp + r * row_len, row_len, dst + s_kv);
+  }
+}
+
+// Where one (sequence, KV head) pair's inputs and outputs live; see decode_attention_impl.
+template <typename scalar_t>
+struct DecodeItem {
+  const float* q;  // [group, head_dim], already multiplied by the softmax scale
+  const scalar_t* pool;  // this layer's pool view, offset to KV head h
+  const int64_t* table;  // the sequence's block table
+  int64_t ctx, group, head_dim, block_size, s_block, s_kv, s_tok;
+  float* scores;  // scratch [group, ctx]
+  float* out;  // [group, head_dim]
+};
+
+// Softmax over each query head's scores, in place.
+void softmax_rows(float* scores, int64_t rows, int64_t ctx) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* si = scores + i * ctx;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, si[t]);
+    float sum = 0.f;
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    __m512 vsum = _mm512_setzero_ps();
+    const __m512 vmx = _mm512_set1_ps(mx);
+    for (; t + 16 <= ctx; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(si + t), vmx));
+      _mm512_storeu_ps(si + t, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (; t < ctx; ++t) {
+      si[t] = std::exp(si[t] - mx);
+      sum += si[t];
+    }
+    const float inv = 1.f / sum;
+    for (t = 0; t < ctx; ++t) si[t] *= inv;
+  }
+}
+
+// The portable path: any head_dim, any group size.
+template <typename scalar_t>
+void attend_item(const DecodeItem<scalar_t>& it, float* row) {
+  const scalar_t* block = nullptr;
+  for (int64_t t = 0; t < it.ctx; ++t) {  // pass 1: scores = q . k
+    if ((t & (it.block_size - 1)) == 0) block = it.pool + it.table[t / it.block_size] * it.s_block;
+    to_float(block + (t & (it.block_size - 1)) * it.s_tok, row, it.head_dim);
+    for (int64_t i = 0; i < it.group; ++i) {
+      const float* qi = it.q + i * it.head_dim;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < it.head_dim; ++d) s += qi[d] * row[d];
+      it.scores[i * it.ctx + t] = s;
+    }
+  }
+  softmax_rows(it.scores, it.group, it.ctx);
+  std::fill(it.out, it.out + it.group * it.head_dim, 0.f);
+  for (int64_t t = 0; t < it.ctx; ++t) {  // pass 2: out = probs . v
+    if ((t & (it.block_size - 1)) == 0) block = it.pool + it.table[t / it.block_size] * it.s_block + it.s_kv;
+    to_float(block + (t & (it.block_size - 1)) * it.s_tok, row, it.head_dim);
+    for (int64_t i = 0; i < it.group; ++i) {
+      const float p = it.scores[i * it.ctx + t];
+      float* oi = it.out + i * it.head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < it.head_dim; ++d) oi[d] += p * row[d];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
 constexpr int64_t kMaxGroup = 8;  // query heads per KV head that the vector path holds in registers
 
 // NV = head_dim / 16 vectors per row. Pass 1 reads each key row once for all the group's
@@ -252,32 +264,6 @@ void attend_item_avx512(const DecodeItem<scalar_t>& it) {
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(it.out + (i * NV + v) * 16, acc[i][v]);
 }
 #endif
-
-void softmax_rows(float* scores, int64_t rows, int64_t ctx) {
-  for (int64_t i = 0; i < rows; ++i) {
-    float* si = scores + i * ctx;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, si[t]);
-    float sum = 0.f;
-    int64_t t = 0;
-#if defined(__AVX512F__)
-    __m512 vsum = _mm512_setzero_ps();
-    const __m512 vmx = _mm512_set1_ps(mx);
-    for (; t + 16 <= ctx; t += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(si + t), vmx));
-      _mm512_storeu_ps(si + t, e);
-      vsum = _mm512_add_ps(vsum, e);
-    }
-    sum = _mm512_reduce_add_ps(vsum);
-#endif
-    for (; t < ctx; ++t) {
-      si[t] = std::exp(si[t] - mx);
-      sum += si[t];
-    }
-    const float inv = 1.f / sum;
-    for (t = 0; t < ctx; ++t) si[t] *= inv;
-  }
-}
 
 // q: [B, num_heads, head_dim]; one work item = one (sequence, KV head), whose `group` query
 // heads share every K/V row read. The pool is read in place through the block tables.
@@ -421,13 +407,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
-constexpr int64_t kMaxRows = 16;  // the GEMV kernels' row limit: larger steps take the dense path
-
-// x: [M, K] in any float dtype -> fp32 copy, so the inner loops read one format.
-std::vector<float> rows_as_float(const at::Tensor& x) {
-  auto xf = x.to(at::kFloat).contiguous();
-  return std::vector<float>(xf.data_ptr<float>(), xf.data_ptr<float>() + xf.numel());
-}
+constexpr int64_t kMaxRows = 16;  // the GEMV kernel's row limit: larger steps take the dense path
 
 // The GEMV kernel takes the rows in chunks of at most kChunk, with each row's accumulators
 // held in registers (MB is a template argument, so the row loops unroll) and split in two
@@ -463,30 +443,21 @@ void int8_gemv_chunk(const float* x, int64_t K, const int8_t* q, const float* sc
   }
 }
 
-// Runs kernel<MB> over every chunk of rows, output rows in parallel.
-template <template <int> class Kernel, typename W, typename S>
-void gemv(const float* x, int64_t M, int64_t K, const W* q, const S* s, float* out, int64_t N) {
+// out = x @ (q * scale)^T for every chunk of rows, output rows in parallel.
+void int8_gemv(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, float* out, int64_t N) {
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
       const float* xc = x + m0 * K;
       float* oc = out + m0 * N;
       switch (std::min(kChunk, M - m0)) {
-        case 1: Kernel<1>::run(xc, K, q, s, oc, N, begin, end); break;
-        case 2: Kernel<2>::run(xc, K, q, s, oc, N, begin, end); break;
-        case 3: Kernel<3>::run(xc, K, q, s, oc, N, begin, end); break;
-        default: Kernel<4>::run(xc, K, q, s, oc, N, begin, end); break;
+        case 1: int8_gemv_chunk<1>(xc, K, q, scale, oc, N, begin, end); break;
+        case 2: int8_gemv_chunk<2>(xc, K, q, scale, oc, N, begin, end); break;
+        case 3: int8_gemv_chunk<3>(xc, K, q, scale, oc, N, begin, end); break;
+        default: int8_gemv_chunk<4>(xc, K, q, scale, oc, N, begin, end); break;
       }
     }
   });
 }
-
-template <int MB>
-struct Int8Kernel {
-  static void run(const float* x, int64_t K, const int8_t* q, const float* s, float* out, int64_t N, int64_t b,
-                  int64_t e) {
-    int8_gemv_chunk<MB>(x, K, q, s, out, N, b, e);
-  }
-};
 
 void check_rows(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
@@ -504,9 +475,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
               "scale must be fp32 [N]");
   check_rows(x, qweight.size(1));
   const int64_t M = x.size(0), N = qweight.size(0), K = qweight.size(1);
-  auto xf = rows_as_float(x);
+  const auto xf = x.to(at::kFloat).contiguous();  // the inner loops read one format
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  gemv<Int8Kernel>(xf.data(), M, K, qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), out.data_ptr<float>(), N);
+  int8_gemv(xf.data_ptr<float>(), M, K, qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), out.data_ptr<float>(), N);
   return out.to(x.scalar_type());
 }
 
@@ -570,9 +541,10 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_layer, con
                   slot_blocks.is_contiguous() && slot_offsets.is_contiguous(),
               "slots must be contiguous int64");
   TORCH_CHECK(slot_blocks.numel() == k.size(0) && slot_offsets.numel() == k.size(0), "one slot per row");
+  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
+  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
   for (int64_t r = 0; r < k.size(0); ++r) {
-    TORCH_CHECK(slot_blocks.data_ptr<int64_t>()[r] >= 0 && slot_blocks.data_ptr<int64_t>()[r] < kv_layer.size(0) &&
-                    slot_offsets.data_ptr<int64_t>()[r] >= 0 && slot_offsets.data_ptr<int64_t>()[r] < kv_layer.size(2),
+    TORCH_CHECK(blocks[r] >= 0 && blocks[r] < kv_layer.size(0) && offsets[r] >= 0 && offsets[r] < kv_layer.size(2),
                 "slot outside the pool");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv",

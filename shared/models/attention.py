@@ -58,7 +58,7 @@ def paged_attention(
     meta: AttnMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    kernels = cpu_kernels.ops() if q.device.type == "cpu" else None
+    kernels = cpu_kernels.ops_for(q)
     if kernels is not None:
         kernels.write_kv(k.contiguous(), v.contiguous(), kv_layer, meta.slot_blocks, meta.slot_offsets)
     else:

@@ -12,17 +12,13 @@ import torch.nn.functional as F
 from tokenyard.kernels import cpu as cpu_kernels
 
 
-def _kernels(x: torch.Tensor):  # the built module, or None
-    return cpu_kernels.ops() if x.device.type == "cpu" else None
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual); with no residual, x is the residual.
 
     x, residual: [T, dim]. The sum may be written into `residual` in place.
     """
-    kernels = _kernels(x)
+    kernels = cpu_kernels.ops_for(x)
     if kernels is not None and x.is_contiguous():
         if residual is None:
             return kernels.add_rms_norm(x, None, weight, eps), x
@@ -44,7 +40,7 @@ def rotary_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
 
     cos, sin: fp32 [max_positions, head_dim] tables in rotate-half layout.
     """
-    kernels = _kernels(qkv)
+    kernels = cpu_kernels.ops_for(qkv)
     if kernels is not None and qkv.stride(1) == 1:
         kernels.rotary(qkv, positions, cos, sin, num_heads, head_dim)
         return
@@ -56,7 +52,7 @@ def rotary_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[:, :I]) * x[:, I:] for x: [T, 2I]."""
-    kernels = _kernels(x)
+    kernels = cpu_kernels.ops_for(x)
     if kernels is not None and x.is_contiguous():
         return kernels.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)

@@ -78,7 +78,7 @@ class QuantizedLinear(LeanModule):
     def _quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] -> [M, out] in x's dtype, through the weight-only kernel."""
         if self.bits == 8:
-            kernels = cpu_kernels.ops() if x.device.type == "cpu" else None
+            kernels = cpu_kernels.ops_for(x)
             if kernels is not None and x.shape[0] <= 16:
                 return kernels.int8_linear(x.contiguous(), self.qweight, self.scales)
             xb = x.to(torch.bfloat16).contiguous()
