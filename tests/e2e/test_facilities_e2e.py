@@ -91,10 +91,9 @@ async def drive(url: str, stop: asyncio.Event, statuses: list[int], concurrency:
             tg.create_task(one_client(client))
 
 
-async def test_pump_failure_moves_new_requests_to_the_other_rack(
-    stack: object, tmp_path: Path
-) -> None:
-    settings = FacilitiesSettings(
+def facilities_settings(stack: object, tmp_path: Path) -> FacilitiesSettings:
+    """The facilities service on the stack's NATS, fast ticks, the example inventory."""
+    return FacilitiesSettings(
         nats_url=stack.nats_url,  # type: ignore[attr-defined]
         data_dir=tmp_path,
         inventory_path=EXAMPLE,
@@ -105,6 +104,12 @@ async def test_pump_failure_moves_new_requests_to_the_other_rack(
         state_heartbeat_s=HEARTBEAT_S,
         sim_time_constant_s=0.0,
     )
+
+
+async def test_pump_failure_moves_new_requests_to_the_other_rack(
+    stack: object, tmp_path: Path
+) -> None:
+    settings = facilities_settings(stack, tmp_path)
     obs = Observer()
     bus = await Bus.connect(stack.nats_url, name="facilities-e2e")  # type: ignore[attr-defined]
     stop_service, stop_load = asyncio.Event(), asyncio.Event()
@@ -177,17 +182,7 @@ async def test_pump_failure_moves_new_requests_to_the_other_rack(
 async def test_every_rack_drained_answers_503_with_retry_after(
     stack: object, tmp_path: Path
 ) -> None:
-    settings = FacilitiesSettings(
-        nats_url=stack.nats_url,  # type: ignore[attr-defined]
-        data_dir=tmp_path,
-        inventory_path=EXAMPLE,
-        admin_token=TOKEN,
-        port=free_port(),
-        tick_s=0.25,
-        dwell_s=DWELL_S,
-        state_heartbeat_s=HEARTBEAT_S,
-        sim_time_constant_s=0.0,
-    )
+    settings = facilities_settings(stack, tmp_path)
     stop = asyncio.Event()
     service = asyncio.create_task(serve(settings, stop))
     headers = {"Authorization": f"Bearer {TOKEN}"}

@@ -190,6 +190,11 @@ def blocks_free(url: str) -> bool:
     )
 
 
+def long_stream(model: str) -> dict:
+    """A streamed chat request that runs long enough to be cut off mid-generation."""
+    return {"model": model, "messages": HELLO, "max_tokens": 4000, "stream": True, "ignore_eos": True}
+
+
 def wait_blocks_free(url: str, timeout: float = 15) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -210,13 +215,7 @@ def busy(url: str, timeout: float = 10) -> bool:
 
 def test_stream_disconnect_frees_blocks(url, model):
     wait_blocks_free(url)
-    body = {
-        "model": model,
-        "messages": HELLO,
-        "max_tokens": 4000,
-        "stream": True,
-        "ignore_eos": True,
-    }
+    body = long_stream(model)
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         for _ in range(4):
@@ -313,13 +312,7 @@ def test_sigterm_mid_stream_stops_the_gateway_and_frees_blocks(request, model):
         pytest.skip("needs the stack's NATS URL")
     stack = request.getfixturevalue("stack")
     wait_blocks_free(stack.gateway_url)
-    body = {
-        "model": model,
-        "messages": HELLO,
-        "max_tokens": 4000,
-        "stream": True,
-        "ignore_eos": True,
-    }
+    body = long_stream(model)
     with (
         gateway_process(stack.nats_url, shutdown_grace_s="1") as gateway,
         httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as r,
