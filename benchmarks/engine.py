@@ -29,9 +29,35 @@ HF_BATCH = 8
 
 
 def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    words = ["serving", "large", "language", "models", "at", "scale", "needs", "batching", "paged",
-             "memory", "careful", "scheduling", "fast", "kernels", "and", "a", "router", "that",
-             "knows", "where", "every", "cached", "block", "lives", "across", "the", "fleet"]
+    words = [
+        "serving",
+        "large",
+        "language",
+        "models",
+        "at",
+        "scale",
+        "needs",
+        "batching",
+        "paged",
+        "memory",
+        "careful",
+        "scheduling",
+        "fast",
+        "kernels",
+        "and",
+        "a",
+        "router",
+        "that",
+        "knows",
+        "where",
+        "every",
+        "cached",
+        "block",
+        "lives",
+        "across",
+        "the",
+        "fleet",
+    ]
     out = []
     for i in range(n):
         text = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(length * 2))
@@ -48,7 +74,9 @@ def pct(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def summarize(first: dict[int, float], times: dict[int, list[float]], start: float, end: float) -> dict:
+def summarize(
+    first: dict[int, float], times: dict[int, list[float]], start: float, end: float
+) -> dict:
     ttft = [first[r] - start for r in first]
     itl = [b - a for ts in times.values() for a, b in zip(ts, ts[1:], strict=False)]
     n_out = sum(len(ts) for ts in times.values())
@@ -65,31 +93,47 @@ def summarize(first: dict[int, float], times: dict[int, list[float]], start: flo
 
 def single_summary(times: list[float], start: float) -> dict:
     decode = times[-1] - times[0]
-    return {"ttft_ms": 1e3 * (times[0] - start), "decode_tok_s": (len(times) - 1) / decode,
-            "output_tokens": len(times)}
+    return {
+        "ttft_ms": 1e3 * (times[0] - start),
+        "decode_tok_s": (len(times) - 1) / decode,
+        "output_tokens": len(times),
+    }
 
 
 # --- our engine -----------------------------------------------------------------------------
+
 
 def run_ours(dtype: str, quantization: str | None) -> dict:
     from tokenyard.engine.config import EngineConfig
     from tokenyard.engine.llm_engine import LLMEngine
     from tokenyard.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, max_num_seqs=64,
-                                    max_num_batched_tokens=1024, kv_cache_bytes=1024**3,
-                                    enable_prefix_caching=False))
+    engine = LLMEngine(
+        EngineConfig(
+            dtype=dtype,
+            quantization=quantization,
+            max_num_seqs=64,
+            max_num_batched_tokens=1024,
+            kv_cache_bytes=1024**3,
+            enable_prefix_caching=False,
+        )
+    )
     params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
     batch = prompts(engine.tokenizer, NUM_CONCURRENT, PROMPT_LEN)
-    _drive(engine, {"warm": batch[0]}, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    _drive(
+        engine, {"warm": batch[0]}, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    )
     first, times, start, end, _ = _drive(engine, {"one": batch[0]}, params)
     single = single_summary(times["one"], start)
     reqs = {f"r{i}": p for i, p in enumerate(batch)}
     first, times, start, end, peak_blocks = _drive(engine, reqs, params)
     result = {"single": single, "concurrent": summarize(first, times, start, end)}
-    result["kv_pool"] = {"num_blocks": engine.block_manager.num_blocks, "peak_used_blocks": peak_blocks,
-                         "peak_used_fraction": peak_blocks / engine.block_manager.num_blocks,
-                         "bytes_per_block": engine.layout.block_nbytes}
+    result["kv_pool"] = {
+        "num_blocks": engine.block_manager.num_blocks,
+        "peak_used_blocks": peak_blocks,
+        "peak_used_fraction": peak_blocks / engine.block_manager.num_blocks,
+        "bytes_per_block": engine.layout.block_nbytes,
+    }
     result["memory_report"] = engine.memory.__dict__
     result["weights_bytes_per_decode_step"] = engine.memory.decode_read_bytes
     return result
@@ -114,19 +158,31 @@ def _drive(engine, reqs: dict[str, list[int]], params):
 
 # --- HF transformers --------------------------------------------------------------------------
 
+
 def run_hf() -> dict:
     import torch
-    from tokenyard.models.loader import load_model
     from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    from tokenyard.models.loader import load_model
 
     loaded = load_model()
     c = loaded.config
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=True, pad_token_id=2)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            rope_theta=c.rope_theta,
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=True,
+            pad_token_id=2,
+        )
+    ).eval()
     model.load_state_dict(loaded.weights, strict=False)
     model.tie_weights()
     tokenizer = loaded.tokenizer
@@ -144,8 +200,14 @@ def run_hf() -> dict:
         clock = Clock()
         ids = torch.tensor(batch)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=OUTPUT_LEN,
-                           min_new_tokens=OUTPUT_LEN, do_sample=False, logits_processor=LogitsProcessorList([clock]))
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=OUTPUT_LEN,
+                min_new_tokens=OUTPUT_LEN,
+                do_sample=False,
+                logits_processor=LogitsProcessorList([clock]),
+            )
         return clock.times
 
     batch = prompts(tokenizer, NUM_CONCURRENT, PROMPT_LEN)
@@ -163,6 +225,7 @@ def run_hf() -> dict:
 
 
 # --- the machine ------------------------------------------------------------------------------
+
 
 def memory_bandwidth_gbs() -> float:
     import torch
@@ -195,15 +258,18 @@ def spawn(kind: str, threads: int) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     raise RuntimeError(f"{kind} failed:\n{proc.stderr[-3000:]}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/engine.json")
-    parser.add_argument("--configs", default="ours:float32:,ours:bfloat16:,ours:bfloat16:int8,ours:bfloat16:int4",
-                        help="ours:<dtype>:<quantization> entries, comma-separated")
+    parser.add_argument(
+        "--configs",
+        default="ours:float32:,ours:bfloat16:,ours:bfloat16:int8,ours:bfloat16:int4",
+        help="ours:<dtype>:<quantization> entries, comma-separated",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -213,10 +279,21 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    results: dict = {"machine": {"cpus": os.cpu_count(), "threads": args.threads, "platform": platform.platform(),
-                                 "torch": torch.__version__, "memory_read_gbs": memory_bandwidth_gbs()},
-                     "workload": {"prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
-                                  "concurrent": NUM_CONCURRENT, "hf_static_batch": HF_BATCH}}
+    results: dict = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "threads": args.threads,
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "memory_read_gbs": memory_bandwidth_gbs(),
+        },
+        "workload": {
+            "prompt_len": PROMPT_LEN,
+            "output_len": OUTPUT_LEN,
+            "concurrent": NUM_CONCURRENT,
+            "hf_static_batch": HF_BATCH,
+        },
+    }
     results["hf"] = hf = spawn("hf", args.threads)
     for kind in args.configs.split(","):
         r = spawn(kind, args.threads)
@@ -226,7 +303,8 @@ def main() -> int:
         r["vs_hf"] = {
             "batch1_decode_speedup": r["single"]["decode_tok_s"] / hf["single"]["decode_tok_s"],
             "batch1_ttft_ratio": r["single"]["ttft_ms"] / hf["single"]["ttft_ms"],
-            "concurrent_throughput_speedup": r["concurrent"]["output_tok_s"] / hf["concurrent"]["output_tok_s"],
+            "concurrent_throughput_speedup": r["concurrent"]["output_tok_s"]
+            / hf["concurrent"]["output_tok_s"],
         }
         results[kind] = r
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -244,11 +322,19 @@ def _plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = ["hf"] + [k for k in results if k.startswith("ours")]
-    labels = ["HF fp32" if n == "hf" else n.removeprefix("ours:").rstrip(":").replace(":", "+") for n in names]
+    labels = [
+        "HF fp32" if n == "hf" else n.removeprefix("ours:").rstrip(":").replace(":", "+")
+        for n in names
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, (scenario, field, title, target) in zip(axes, [
+    for ax, (scenario, field, title, target) in zip(
+        axes,
+        [
             ("single", "decode_tok_s", "one request: decode tok/s", 3),
-            ("concurrent", "output_tok_s", "32 requests: output tok/s", 4)], strict=True):
+            ("concurrent", "output_tok_s", "32 requests: output tok/s", 4),
+        ],
+        strict=True,
+    ):
         values = [results[n][scenario][field] for n in names]
         ax.bar(labels, values, color=["grey"] + ["tab:blue"] * (len(names) - 1))
         ax.axhline(target * values[0], color="tab:red", linestyle="--", label=f"{target}x HF")
@@ -266,16 +352,22 @@ def _plot(results: dict, path: Path) -> None:
 def _print_table(results: dict) -> None:
     hf = results["hf"]
     print(f"memory read bandwidth: {results['machine']['memory_read_gbs']:.1f} GB/s")
-    print(f"{'engine':28} {'b1 tok/s':>9} {'b1 TTFT ms':>10} {'32x tok/s':>10} {'TTFT p50':>9} {'ITL p50':>8} {'x HF b1':>8} {'x HF 32':>8}")
-    print(f"{'hf transformers fp32':28} {hf['single']['decode_tok_s']:9.1f} {hf['single']['ttft_ms']:10.1f} "
-          f"{hf['concurrent']['output_tok_s']:10.1f} {hf['concurrent']['ttft_ms_p50']:9.0f} {hf['concurrent']['itl_ms_p50']:8.1f}")
+    print(
+        f"{'engine':28} {'b1 tok/s':>9} {'b1 TTFT ms':>10} {'32x tok/s':>10} {'TTFT p50':>9} {'ITL p50':>8} {'x HF b1':>8} {'x HF 32':>8}"
+    )
+    print(
+        f"{'hf transformers fp32':28} {hf['single']['decode_tok_s']:9.1f} {hf['single']['ttft_ms']:10.1f} "
+        f"{hf['concurrent']['output_tok_s']:10.1f} {hf['concurrent']['ttft_ms_p50']:9.0f} {hf['concurrent']['itl_ms_p50']:8.1f}"
+    )
     for kind, r in results.items():
         if not kind.startswith("ours"):
             continue
-        print(f"{kind:28} {r['single']['decode_tok_s']:9.1f} {r['single']['ttft_ms']:10.1f} "
-              f"{r['concurrent']['output_tok_s']:10.1f} {r['concurrent']['ttft_ms_p50']:9.0f} "
-              f"{r['concurrent']['itl_ms_p50']:8.1f} {r['vs_hf']['batch1_decode_speedup']:8.2f} "
-              f"{r['vs_hf']['concurrent_throughput_speedup']:8.2f}")
+        print(
+            f"{kind:28} {r['single']['decode_tok_s']:9.1f} {r['single']['ttft_ms']:10.1f} "
+            f"{r['concurrent']['output_tok_s']:10.1f} {r['concurrent']['ttft_ms_p50']:9.0f} "
+            f"{r['concurrent']['itl_ms_p50']:8.1f} {r['vs_hf']['batch1_decode_speedup']:8.2f} "
+            f"{r['vs_hf']['concurrent_throughput_speedup']:8.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import (
     KVTransferClient,

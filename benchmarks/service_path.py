@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+
 from tokenyard.bench.text import text_of_tokens
 from tokenyard.bus.embedded import free_port
 from tokenyard.services.launch.stack import LocalStack, StackConfig

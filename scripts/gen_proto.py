@@ -20,9 +20,18 @@ TARGET = ROOT / "shared" / "v1"
 def generate(target: Path) -> list[Path]:
     from grpc_tools import protoc  # test/dev dependency only
 
-    sources = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.glob("tokenyard/v1/*.proto"))
+    sources = sorted(
+        str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.glob("tokenyard/v1/*.proto")
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_ROOT}", f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", *sources]
+        args = [
+            "protoc",
+            f"-I{PROTO_ROOT}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *sources,
+        ]
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
         # protoc writes tmp/tokenyard/v1/*.py with `from tokenyard.v1 import ...` imports, which is
@@ -34,7 +43,9 @@ def generate(target: Path) -> list[Path]:
             written.append(target / f.name)
     init = target / "__init__.py"
     if not init.exists():
-        init.write_text('"""Generated protobuf and gRPC modules (scripts/gen_proto.py). Do not edit."""\n')
+        init.write_text(
+            '"""Generated protobuf and gRPC modules (scripts/gen_proto.py). Do not edit."""\n'
+        )
     return written
 
 

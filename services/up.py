@@ -74,8 +74,14 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         kvcache=not args.no_kvcache,
         facilities=not args.no_facilities,
         log_dir=args.log_dir,
-        worker_env={"TOKENYARD_WORKER_DTYPE": args.dtype,
-                    **({} if args.quantization == "none" else {"TOKENYARD_WORKER_QUANTIZATION": args.quantization})},
+        worker_env={
+            "TOKENYARD_WORKER_DTYPE": args.dtype,
+            **(
+                {}
+                if args.quantization == "none"
+                else {"TOKENYARD_WORKER_QUANTIZATION": args.quantization}
+            ),
+        },
     )
 
 

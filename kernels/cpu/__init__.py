@@ -46,7 +46,14 @@ def ops() -> ModuleType | None:
         return _state["ops"]
 
 
-_FUNCTIONS = ["write_kv", "decode_attention", "add_rms_norm", "rotary", "silu_and_mul", "int8_linear"]
+_FUNCTIONS = [
+    "write_kv",
+    "decode_attention",
+    "add_rms_norm",
+    "rotary",
+    "silu_and_mul",
+    "int8_linear",
+]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 
@@ -59,7 +66,11 @@ def _cpu_tag() -> str:
     """A short hash of the CPU's feature flags: the kernels are built with -march=native, so a
     cache shared between machines (a container image) must not hand one CPU another's build."""
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        flags = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
     except (OSError, StopIteration):
         flags = platform.machine()
     return hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
@@ -74,7 +85,9 @@ def _name(source: str) -> str:
 
 
 def _cache_dir(name: str) -> Path:
-    root = os.environ.get("TOKENYARD_KERNELS_DIR") or Path.home() / ".cache" / "tokenyard" / "kernels"
+    root = (
+        os.environ.get("TOKENYARD_KERNELS_DIR") or Path.home() / ".cache" / "tokenyard" / "kernels"
+    )
     return Path(root) / name
 
 
@@ -99,8 +112,18 @@ def _build() -> ModuleType | None:
 
         build_dir.mkdir(parents=True, exist_ok=True)
         log.info("building the CPU kernels in %s (about 30 s, once)", build_dir)
-        return load_inline(name=name, cpp_sources=[source], functions=_FUNCTIONS, extra_cflags=_CFLAGS,
-                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        return load_inline(
+            name=name,
+            cpp_sources=[source],
+            functions=_FUNCTIONS,
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
     except Exception as exc:  # no compiler, no ninja, a sandbox without a writable cache
-        log.warning("CPU kernels unavailable, using the torch path: %s", str(exc).splitlines()[0] if str(exc) else exc)
+        log.warning(
+            "CPU kernels unavailable, using the torch path: %s",
+            str(exc).splitlines()[0] if str(exc) else exc,
+        )
         return None

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pydantic import ValidationError
+
 from tokenyard.lifecycle import run_until_signalled
 from tokenyard.services.facilities.service import serve
 from tokenyard.services.facilities.settings import FacilitiesSettings

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from nats.aio.msg import Msg
+
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.facilities import policy

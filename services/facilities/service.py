@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import AsyncExitStack
 
 import uvicorn
+
 from tokenyard.bus.nats import Bus
 from tokenyard.db import default_url, make_engine, make_sessionmaker, migrate
 from tokenyard.facilities.inventory import load_inventory

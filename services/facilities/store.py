@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
+
 from tokenyard.db.facilities import CoolantLoop, Node, Rack, Reading, Site, StateEvent, Worker
 from tokenyard.facilities import policy
 from tokenyard.facilities.inventory import Inventory, RackSpec

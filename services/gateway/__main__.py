@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import uvicorn
+
 from tokenyard.services.gateway.app import create_app
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.tracing import setup_tracing

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from tokenyard.services.gateway.backend import NatsBackend
 from tokenyard.services.gateway.errors import install_error_handlers
 from tokenyard.services.gateway.openapi import install_openapi

@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes
@@ -190,7 +191,9 @@ class NatsBackend:
 
     async def start(self) -> None:
         bus = await Bus.connect(
-            self.settings.nats_url, name="gateway", first_connect_timeout=self.settings.connect_timeout_s
+            self.settings.nats_url,
+            name="gateway",
+            first_connect_timeout=self.settings.connect_timeout_s,
         )
         self.bus = bus
         await bus.ensure_work_queue(subjects.PREFILL_STREAM, PREFILL_SUBJECTS)

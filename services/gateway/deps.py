@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
 from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.ratelimit import retry_after
 from tokenyard.services.gateway.state import GatewayState

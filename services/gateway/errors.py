@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from tokenyard.api_errors import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+
 from tokenyard.services.gateway.schemas import ChatCompletionChunk, CompletionResponse
 
 _REF = "#/components/schemas/{model}"

@@ -10,12 +10,11 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from tokenyard.api_errors import ErrorDetail, ErrorResponse  # noqa: F401  (part of this API's schemas)
 
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-
-
 
 
 class _Body(BaseModel):

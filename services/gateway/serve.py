@@ -16,6 +16,7 @@ from typing import TypeVar
 import anyio
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+
 from tokenyard.services.gateway.backend import TokenStream
 from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.responses import Accumulator, ResponseFormat

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from pydantic import ValidationError
+
 from tokenyard.lifecycle import run_until_signalled
 from tokenyard.services.kvcache.server import serve
 from tokenyard.services.kvcache.settings import KVCacheSettings

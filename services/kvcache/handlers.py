@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
 from tokenyard.kv.layout import KVLayout

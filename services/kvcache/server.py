@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+
 from tokenyard.kv.store.tiered import TieredStore
 from tokenyard.kv.store.tiers import DiskTier, RamTier, RedisTier, Tier
 from tokenyard.kv.transfer.server import GRPC_OPTIONS

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from nats.aio.msg import Msg
+
 from tokenyard.bus.nats import Bus
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
 from tokenyard.services.router.policy import FacilityState, PolicyConfig, RouteInput, choose

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
+
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.facilities.tracker import RackStateTracker

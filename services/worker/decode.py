@@ -12,6 +12,7 @@ import asyncio
 import logging
 
 from nats.aio.msg import Msg
+
 from tokenyard.bus import subjects
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.v1 import serving_pb2 as pb

@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import BadRequestError, NotFoundError
+
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import BusError, parse
 from tokenyard.services.worker.base import WorkerBase

@@ -33,7 +33,9 @@ class WorkerSettings(BaseSettings):
     engine: Literal["real", "fake"] = "real"  # fake: a tiny test double, no model (tests only)
     fake_step_s: float = 0.005  # the fake engine's time per step
     dtype: str | None = None
-    quantization: str | None = None  # None | "int8" | "int4": weight-only (tokenyard.models.quantize)
+    quantization: str | None = (
+        None  # None | "int8" | "int4": weight-only (tokenyard.models.quantize)
+    )
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None
     kv_cache_bytes: int | None = None

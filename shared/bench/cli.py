@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from tokenyard.bench import metrics, plots, report, results, workloads
 from tokenyard.bench.client import Target
 from tokenyard.bench.records import RequestRecord, TokenCounter

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
 from tokenyard.bench.sse import DONE, SSEEvent, SSEParser
 from tokenyard.bench.workloads import Message, render_prompt
 

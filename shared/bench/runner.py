@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+
 from tokenyard.bench import metrics
 from tokenyard.bench.arrivals import poisson_arrivals
 from tokenyard.bench.client import Target, stream_request

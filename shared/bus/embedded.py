@@ -38,7 +38,16 @@ class EmbeddedNats:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
-        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self._dir]
+        cmd = [
+            nats_server_binary(),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-js",
+            "-sd",
+            self._dir,
+        ]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

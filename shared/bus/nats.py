@@ -23,6 +23,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StreamConfig
 from nats.js.errors import BadRequestError
+
 from tokenyard.tracing import extract_context, inject_headers
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,14 @@ class Bus:
         self.js: JetStreamContext = nc.jetstream()
 
     @classmethod
-    async def connect(cls, url: str, *, name: str, connect_timeout: float = 5.0,
-                      first_connect_timeout: float = 15.0) -> Bus:
+    async def connect(
+        cls,
+        url: str,
+        *,
+        name: str,
+        connect_timeout: float = 5.0,
+        first_connect_timeout: float = 15.0,
+    ) -> Bus:
         """Connect, reconnecting forever once up; a first connect that cannot succeed within
         `first_connect_timeout` raises BusError (nats-py would otherwise retry it forever and a
         service pointed at a wrong URL would hang at start)."""
@@ -58,7 +65,9 @@ class Bus:
                 first_connect_timeout,
             )
         except TimeoutError:
-            raise BusError(f"cannot connect to NATS at {url} within {first_connect_timeout:.0f} s") from None
+            raise BusError(
+                f"cannot connect to NATS at {url} within {first_connect_timeout:.0f} s"
+            ) from None
         except Exception as exc:  # nats raises several unrelated types here
             raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
         return cls(nc)
@@ -67,18 +76,26 @@ class Bus:
         if not self.nc.is_closed:
             await self.nc.drain()
 
-    async def publish(self, subject: str, message: Message, headers: dict[str, str] | None = None) -> None:
+    async def publish(
+        self, subject: str, message: Message, headers: dict[str, str] | None = None
+    ) -> None:
         await self.nc.publish(subject, message.SerializeToString(), headers=inject_headers(headers))
 
-    async def request(self, subject: str, message: Message, reply_type: type[M], *, timeout: float) -> M:
-        msg = await self.nc.request(subject, message.SerializeToString(), timeout=timeout, headers=inject_headers())
+    async def request(
+        self, subject: str, message: Message, reply_type: type[M], *, timeout: float
+    ) -> M:
+        msg = await self.nc.request(
+            subject, message.SerializeToString(), timeout=timeout, headers=inject_headers()
+        )
         return parse(reply_type, msg.data)
 
     async def reply(self, msg: Msg, message: Message) -> None:
         if msg.reply:
             await self.nc.publish(msg.reply, message.SerializeToString(), headers=inject_headers())
 
-    async def subscribe(self, subject: str, message_type: type[M], handler: Handler[M], *, queue: str = "") -> Subscription:
+    async def subscribe(
+        self, subject: str, message_type: type[M], handler: Handler[M], *, queue: str = ""
+    ) -> Subscription:
         async def on_msg(msg: Msg) -> None:
             try:
                 message = parse(message_type, msg.data)
@@ -101,7 +118,9 @@ class Bus:
 
     # --- JetStream: work that must not be lost ---------------------------------------------
 
-    async def ensure_work_queue(self, stream: str, subjects: list[str], *, max_age_s: float = 600) -> None:
+    async def ensure_work_queue(
+        self, stream: str, subjects: list[str], *, max_age_s: float = 600
+    ) -> None:
         """Create (or update) a work-queue stream: each message is delivered to one consumer."""
         config = StreamConfig(
             name=stream,
@@ -114,7 +133,9 @@ class Bus:
         except BadRequestError:
             await self.js.update_stream(config)
 
-    async def js_publish(self, subject: str, message: Message, *, msg_id: str | None = None) -> None:
+    async def js_publish(
+        self, subject: str, message: Message, *, msg_id: str | None = None
+    ) -> None:
         headers = inject_headers({"Nats-Msg-Id": msg_id} if msg_id else None)
         await self.js.publish(subject, message.SerializeToString(), headers=headers)
 

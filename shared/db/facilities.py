@@ -11,6 +11,7 @@ from datetime import datetime
 
 from sqlalchemy import ForeignKey, Index, String, Text
 from sqlalchemy.orm import Mapped, mapped_column, relationship
+
 from tokenyard.db.base import Base, UTCDateTime
 
 

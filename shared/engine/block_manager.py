@@ -185,5 +185,6 @@ class BlockManager:
     def check_no_leaks(self) -> None:
         """Every block free and unreferenced: the state after all sequences are gone."""
         assert self.num_free_blocks == self.num_blocks, (
-            f"{self.num_blocks - self.num_free_blocks} blocks still held")
+            f"{self.num_blocks - self.num_free_blocks} blocks still held"
+        )
         assert all(b.ref_count == 0 for b in self.blocks)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
     from tokenyard.kv.layout import KVLayout
 
 
@@ -15,7 +16,9 @@ if TYPE_CHECKING:
 class EngineConfig:
     model: str | None = None  # a .gguf file or an HF folder; None = the default model
     dtype: str = "float32"  # weights and activations: float32 | bfloat16
-    quantization: str | None = None  # None | "int8" | "int4" (weight-only; tokenyard.models.quantize)
+    quantization: str | None = (
+        None  # None | "int8" | "int4" (weight-only; tokenyard.models.quantize)
+    )
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # the per-step token budget (chunked prefill)
@@ -32,7 +35,9 @@ class EngineConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:

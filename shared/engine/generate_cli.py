@@ -8,13 +8,21 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="*", help="a user message; none = interactive chat")
-    parser.add_argument("--model", default=None, help="a .gguf file or an HF folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or an HF folder (default: SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                        help="weight-only quantization (int4 is the default model's own Q4_1 precision)")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4"],
+        help="weight-only quantization (int4 is the default model's own Q4_1 precision)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,8 +30,12 @@ def run(args: argparse.Namespace) -> int:
     from tokenyard.engine.llm_engine import LLMEngine
     from tokenyard.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    engine = LLMEngine(
+        EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization)
+    )
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
     print(f"{engine.model_id}: {engine.memory.describe()}", file=sys.stderr)
     if args.prompt:
         _reply(engine, [{"role": "user", "content": " ".join(args.prompt)}], params)

@@ -1,9 +1,9 @@
 """The offline API, in the shape vLLM's users know.
 
-    from tokenyard import LLM, SamplingParams
-    llm = LLM()
-    for out in llm.generate(["Hello, my name is"], SamplingParams(max_tokens=16)):
-        print(out.text)
+from tokenyard import LLM, SamplingParams
+llm = LLM()
+for out in llm.generate(["Hello, my name is"], SamplingParams(max_tokens=16)):
+    print(out.text)
 """
 
 from __future__ import annotations
@@ -44,8 +44,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
         """Run every prompt to completion with continuous batching; results in input order."""
         prompts = _as_prompt_list(prompts)
         params = params or SamplingParams()
@@ -63,8 +66,11 @@ class LLM:
             self.engine.step()
         return [_result(seqs[rid]) for rid in ids]
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             ) -> list[GenerationResult]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | None = None,
+    ) -> list[GenerationResult]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate(list(conversations), params)
 

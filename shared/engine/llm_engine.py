@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
 from tokenyard.engine.block_manager import BlockManager, NoFreeBlocks
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.memory import build_model_and_pool
@@ -32,7 +33,14 @@ log = logging.getLogger(__name__)
 
 Prompt = str | list[int] | list[dict]
 
-__all__ = ["EngineStats", "ExportedSequence", "LLMEngine", "NoFreeBlocks", "RequestOutput", "TokenLogprob"]
+__all__ = [
+    "EngineStats",
+    "ExportedSequence",
+    "LLMEngine",
+    "NoFreeBlocks",
+    "RequestOutput",
+    "TokenLogprob",
+]
 
 
 @dataclass
@@ -70,7 +78,9 @@ class ExportedSequence:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None
+    ) -> None:
         """`loaded` reuses weights already read from disk (tests build several engines)."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
@@ -82,9 +92,12 @@ class LLMEngine:
         model, self.kv_cache, self.layout, self.memory = build_model_and_pool(loaded, config)
         num_blocks = self.kv_cache.shape[0]
         self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings, num_blocks * config.block_size
+            config.max_model_len or self.model_config.max_position_embeddings,
+            num_blocks * config.block_size,
         )
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -105,7 +118,9 @@ class LLMEngine:
         if not isinstance(prompt, list) or not prompt:
             raise ValueError("the prompt is empty")
         if all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt), add_special_tokens=False)
+            return self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(prompt), add_special_tokens=False
+            )
         ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
         if len(ids) == len(prompt):
             vocab = self.model_config.vocab_size
@@ -114,13 +129,16 @@ class LLMEngine:
             return ids
         raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages")
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
-                    prefill_only: bool = False) -> None:
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, *, prefill_only: bool = False
+    ) -> None:
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self.encode_prompt(prompt)
         self._check_length(len(prompt_ids))
-        seq = Sequence(request_id, prompt_ids, params, arrival=next(self._arrivals), prefill_only=prefill_only)
+        seq = Sequence(
+            request_id, prompt_ids, params, arrival=next(self._arrivals), prefill_only=prefill_only
+        )
         self._attach_output_state(seq)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -187,9 +205,14 @@ class LLMEngine:
             return []
         seqs = [s.seq for s in result.completing]
         tokens, logprobs = sample(result.logits, seqs)
-        return [self._append_token(seq, t, lp) for seq, t, lp in zip(seqs, tokens, logprobs, strict=True)]
+        return [
+            self._append_token(seq, t, lp)
+            for seq, t, lp in zip(seqs, tokens, logprobs, strict=True)
+        ]
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
+    def _append_token(
+        self, seq: Sequence, token_id: int, logprob: TokenLogprob | None
+    ) -> RequestOutput:
         seq.token_ids.append(token_id)
         if logprob is not None:
             seq.logprobs.append(logprob)
@@ -243,7 +266,9 @@ class LLMEngine:
             # Row r predicts the token at position first + r + 1.
             n = min(len(logits), seq.num_prompt_tokens - 1 - first)
             targets = seq.token_ids[first + 1 : first + 1 + n]
-            seq.prompt_logprobs.extend(chosen_logprobs(logits[:n], targets, [seq.params.prompt_logprobs] * n))
+            seq.prompt_logprobs.extend(
+                chosen_logprobs(logits[:n], targets, [seq.params.prompt_logprobs] * n)
+            )
 
     # --- disaggregation ------------------------------------------------------------------
 
@@ -270,8 +295,13 @@ class LLMEngine:
         self.block_manager.free_sequence(seq)
         seq.status = Status.FINISHED
 
-    def import_sequence(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                        params: SamplingParams) -> list[int]:
+    def import_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+    ) -> list[int]:
         """Blocks for a handed-off prompt's KV; the sequence waits for commit_import()."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -279,7 +309,9 @@ class LLMEngine:
             raise ValueError("an imported sequence needs its prompt and at least its first token")
         self._check_length(len(prompt_token_ids))
         seq = Sequence(request_id, prompt_token_ids, params, arrival=next(self._arrivals))
-        self.block_manager.allocate_fresh(seq, self.block_manager.blocks_needed(len(prompt_token_ids)))
+        self.block_manager.allocate_fresh(
+            seq, self.block_manager.blocks_needed(len(prompt_token_ids))
+        )
         seq.num_computed_tokens = len(prompt_token_ids)
         seq.status = Status.IMPORTING
         self._attach_output_state(seq)

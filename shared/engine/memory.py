@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from tokenyard.engine.config import EngineConfig
 from tokenyard.kv.layout import KVLayout
 from tokenyard.models.llama import LlamaForCausalLM
@@ -30,18 +31,23 @@ class MemoryReport:
 
     def describe(self) -> str:
         mib = 1024**2
-        return (f"weights {self.weights_bytes / mib:.1f} MiB, KV cache {self.kv_cache_bytes / mib:.1f} MiB "
-                f"({self.num_blocks} blocks x {self.block_nbytes / 1024:.0f} KiB), "
-                f"buffers {self.buffers_bytes / mib:.1f} MiB")
+        return (
+            f"weights {self.weights_bytes / mib:.1f} MiB, KV cache {self.kv_cache_bytes / mib:.1f} MiB "
+            f"({self.num_blocks} blocks x {self.block_nbytes / 1024:.0f} KiB), "
+            f"buffers {self.buffers_bytes / mib:.1f} MiB"
+        )
 
 
-def build_model_and_pool(loaded: LoadedModel, config: EngineConfig) -> tuple[
-        LlamaForCausalLM, torch.Tensor, KVLayout, MemoryReport]:
+def build_model_and_pool(
+    loaded: LoadedModel, config: EngineConfig
+) -> tuple[LlamaForCausalLM, torch.Tensor, KVLayout, MemoryReport]:
     mc = loaded.config
     if mc.architecture not in SUPPORTED_ARCHITECTURES or mc.num_local_experts:
         raise ValueError(f"unsupported model architecture {mc.architecture!r}")
     dtype = _DTYPES[config.dtype]
-    max_positions = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    max_positions = min(
+        config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+    )
     with torch.device("meta"):  # no time spent initialising weights we overwrite anyway
         model = LlamaForCausalLM(mc, max_positions)
     model.to_empty(device="cpu")
@@ -107,7 +113,11 @@ def _buffers_bytes(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.d
     mc = model.config
     t = config.max_num_batched_tokens
     # per row: residual + normed + qkv + attention out + gate_up + activation, and fp32 logits
-    per_row = (3 * mc.hidden_size + (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
-               + mc.num_attention_heads * mc.head_dim + 3 * mc.intermediate_size)
+    per_row = (
+        3 * mc.hidden_size
+        + (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
+        + mc.num_attention_heads * mc.head_dim
+        + 3 * mc.intermediate_size
+    )
     activations = t * per_row * dtype.itemsize + config.max_num_seqs * mc.vocab_size * 4
     return rope + activations

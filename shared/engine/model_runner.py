@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from tokenyard.engine.scheduler import ScheduledSeq
 from tokenyard.models.attention import AttnMetadata, PrefillSpan
 from tokenyard.models.llama import LlamaForCausalLM
@@ -40,12 +41,23 @@ class ModelRunner:
         logits = self.model.logits(hidden[rows]) if completing else hidden.new_empty(0, 0)
         prompt_rows = []
         for s in batch:
-            if s.seq.params.prompt_logprobs is not None and s.seq.num_computed_tokens < s.seq.num_prompt_tokens:
+            if (
+                s.seq.params.prompt_logprobs is not None
+                and s.seq.num_computed_tokens < s.seq.num_prompt_tokens
+            ):
                 end = last_rows[id(s)] + 1
-                prompt_rows.append((s, s.seq.num_computed_tokens, self.model.logits(hidden[end - s.num_tokens : end])))
+                prompt_rows.append(
+                    (
+                        s,
+                        s.seq.num_computed_tokens,
+                        self.model.logits(hidden[end - s.num_tokens : end]),
+                    )
+                )
         return StepLogits(logits, completing, prompt_rows)
 
-    def _prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, dict[int, int]]:
+    def _prepare(
+        self, batch: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, dict[int, int]]:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -79,7 +91,8 @@ class ModelRunner:
         )
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
-                                                    dtype=torch.long)
+            meta.decode_block_tables = torch.tensor(
+                [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long
+            )
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
         return torch.tensor(ids, dtype=torch.long), positions, meta, last_rows

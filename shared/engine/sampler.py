@@ -13,13 +13,16 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.engine.sequence import Sequence, TokenLogprob
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # the golden-ratio constant: spreads nearby seeds apart
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence]
+) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [B, vocab] fp32, one row per sequence -> (token ids, logprobs or None)."""
     params = [s.params for s in seqs]
     raw = logits
@@ -37,7 +40,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     return token_list, chosen_logprobs(raw, token_list, [p.logprobs for p in params])
 
 
-def chosen_logprobs(logits: torch.Tensor, token_ids: list[int], wants: list[int | None]) -> list[TokenLogprob | None]:
+def chosen_logprobs(
+    logits: torch.Tensor, token_ids: list[int], wants: list[int | None]
+) -> list[TokenLogprob | None]:
     out: list[TokenLogprob | None] = [None] * len(token_ids)
     rows = [i for i, n in enumerate(wants) if n is not None]
     if not rows:
@@ -63,7 +68,9 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
         if p.repetition_penalty != 1.0:  # over prompt and output, as in HF and vLLM
             seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
             row = logits[i, seen]
-            logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[i, seen] = torch.where(
+                row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+            )
         if p.presence_penalty or p.frequency_penalty:  # over the output only, as in OpenAI
             counts = Counter(seq.output_token_ids)
             if counts:

@@ -58,4 +58,6 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )

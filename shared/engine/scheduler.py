@@ -29,7 +29,9 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -72,7 +74,9 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         # waiting: none admitted in a step that had to preempt, or it would thrash
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs
+        ):
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break

@@ -35,8 +35,15 @@ class TokenLogprob:
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 *, arrival: int, prefill_only: bool = False) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        arrival: int,
+        prefill_only: bool = False,
+    ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -80,5 +87,7 @@ class Sequence:
         return self.status == Status.FINISHED
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, {self.status.value})")
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.value})"
+        )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nats.aio.msg import Msg
+
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.facilities.messages import PROTO_TO_STATE

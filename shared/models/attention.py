@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+
 from tokenyard.kernels import cpu as cpu_kernels
 
 
@@ -60,39 +61,66 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     kernels = cpu_kernels.ops_for(q)
     if kernels is not None:
-        kernels.write_kv(k.contiguous(), v.contiguous(), kv_layer, meta.slot_blocks, meta.slot_offsets)
+        kernels.write_kv(
+            k.contiguous(), v.contiguous(), kv_layer, meta.slot_blocks, meta.slot_offsets
+        )
     else:
-        kv_layer[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
+        kv_layer[meta.slot_blocks, :, meta.slot_offsets] = torch.stack(
+            (k, v), dim=1
+        )  # [T, 2, H_kv, D]
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     if meta.num_decode and kernels is not None:
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
         out[: meta.num_decode] = kernels.decode_attention(
-            q[: meta.num_decode].contiguous(), kv_layer, meta.decode_block_tables, meta.decode_context_lens, scale)
+            q[: meta.num_decode].contiguous(),
+            kv_layer,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+        )
     elif meta.num_decode:
         b = meta.num_decode
         assert meta.decode_block_tables is not None
         # Gather keys and values separately: each gather lands contiguous, so merging the
         # (block, offset) axes into one context axis is a free view, not another copy.
-        keys = kv_layer[:, 0][meta.decode_block_tables].view(b, -1, num_kv_heads, head_dim)  # [B, ctx, H_kv, D]
+        keys = kv_layer[:, 0][meta.decode_block_tables].view(
+            b, -1, num_kv_heads, head_dim
+        )  # [B, ctx, H_kv, D]
         values = kv_layer[:, 1][meta.decode_block_tables].view(b, -1, num_kv_heads, head_dim)
-        out[:b] = attend(q[:b].unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                         meta.decode_mask, scale).squeeze(2)
+        out[:b] = attend(
+            q[:b].unsqueeze(2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            meta.decode_mask,
+            scale,
+        ).squeeze(2)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         if span.context_len == span.num_tokens:  # nothing before this chunk: no gather needed
             keys, values = k[rows], v[rows]
         else:
-            keys = kv_layer[:, 0][span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
-            values = kv_layer[:, 1][span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
+            keys = kv_layer[:, 0][span.block_ids].view(-1, num_kv_heads, head_dim)[
+                : span.context_len
+            ]
+            values = kv_layer[:, 1][span.block_ids].view(-1, num_kv_heads, head_dim)[
+                : span.context_len
+            ]
         mask = _chunk_causal_mask(span.num_tokens, span.context_len, q.device)
-        o = attend(q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                   mask[None, None], scale)  # [1, H, n, D]
+        o = attend(
+            q[rows].transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            mask[None, None],
+            scale,
+        )  # [1, H, n, D]
         out[rows] = o[0].transpose(0, 1)
     return out
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Grouped-query attention with the softmax in fp32.
 
     q: [B, H, n, D]; k, v: [B, H_kv, ctx, D]; mask: [B or 1, 1, n, ctx] bool (True = attend).

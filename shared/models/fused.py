@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from tokenyard.kernels import cpu as cpu_kernels
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual); with no residual, x is the residual.
 
     x, residual: [T, dim]. The sum may be written into `residual` in place.
@@ -34,8 +36,14 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * h.to(dtype)
 
 
-def rotary_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            num_heads: int, head_dim: int) -> None:
+def rotary_(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    head_dim: int,
+) -> None:
     """Rotate, in place, the first `num_heads` heads of each row of qkv ([T, width]).
 
     cos, sin: fp32 [max_positions, head_dim] tables in rotate-half layout.

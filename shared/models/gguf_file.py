@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
 from tokenyard.models.errors import ModelLoadError
 
 _MAGIC = b"GGUF"

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
+
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.errors import ModelLoadError
 from tokenyard.models.gguf_file import GGUFFile, TensorInfo

@@ -13,6 +13,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
+
 from tokenyard.models.errors import ModelLoadError
 
 _CONTROL, _USER_DEFINED = 3, 4

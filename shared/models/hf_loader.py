@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.errors import ModelLoadError
 

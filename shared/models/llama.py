@@ -11,11 +11,12 @@ import math
 from typing import cast
 
 import torch
+from torch import nn
+
 from tokenyard.models.attention import AttnMetadata, paged_attention
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.fused import add_rms_norm, rotary_, silu_and_mul
 from tokenyard.models.module import LeanModule
-from torch import nn
 
 
 class RMSNorm(LeanModule):
@@ -24,7 +25,9 @@ class RMSNorm(LeanModule):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add rides along with the norm."""
         return add_rms_norm(x, residual, self.weight, self.eps)
 
@@ -38,7 +41,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         inv_freq = _scale_inv_freq(inv_freq, config.rope_scaling)
         t = torch.arange(max_positions, dtype=torch.float64)
-        if config.rope_scaling and config.rope_scaling.get("rope_type", config.rope_scaling.get("type")) == "linear":
+        if (
+            config.rope_scaling
+            and config.rope_scaling.get("rope_type", config.rope_scaling.get("type")) == "linear"
+        ):
             t = t / float(config.rope_scaling["factor"])
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -56,7 +62,10 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
     if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":
         return inv_freq
     factor = float(scaling["factor"])
-    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    low, high = (
+        float(scaling.get("low_freq_factor", 1.0)),
+        float(scaling.get("high_freq_factor", 4.0)),
+    )
     old_len = float(scaling.get("original_max_position_embeddings", 8192))
     wavelen = 2 * math.pi / inv_freq
     smooth = (old_len / wavelen - low) / (high - low)
@@ -73,16 +82,26 @@ class Attention(LeanModule):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias
+        )
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.split = (q_size, kv_size, kv_size)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                meta: AttnMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        meta: AttnMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        rope.apply_(qkv, positions, self.num_heads + self.num_kv_heads)  # q and k heads lie side by side
+        rope.apply_(
+            qkv, positions, self.num_heads + self.num_kv_heads
+        )  # q and k heads lie side by side
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -110,8 +129,15 @@ class DecoderLayer(LeanModule):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                rope: RotaryEmbedding, meta: AttnMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        meta: AttnMetadata,
+        kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (None: x is it)."""
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, rope, meta, kv_cache)
@@ -124,15 +150,22 @@ class LlamaForCausalLM(LeanModule):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.max_positions = max_positions
         self.rope: RotaryEmbedding | None = None  # built by load_weights (never on "meta")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttnMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         assert self.rope is not None, "load_weights() first"
@@ -157,12 +190,19 @@ class LlamaForCausalLM(LeanModule):
             layer = cast(DecoderLayer, self.layers[i])
             p = f"model.layers.{i}."
             layer.input_layernorm.weight.copy_(weights[p + "input_layernorm.weight"])
-            layer.post_attention_layernorm.weight.copy_(weights[p + "post_attention_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(
+                weights[p + "post_attention_layernorm.weight"]
+            )
             attn = layer.self_attn
-            attn.qkv_proj.weight.copy_(torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+            attn.qkv_proj.weight.copy_(
+                torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            )
             if attn.qkv_proj.bias is not None:
-                attn.qkv_proj.bias.copy_(torch.cat([weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
+                attn.qkv_proj.bias.copy_(
+                    torch.cat([weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+                )
             attn.o_proj.weight.copy_(weights[p + "self_attn.o_proj.weight"])
             layer.mlp.gate_up_proj.weight.copy_(
-                torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]))
+                torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
+            )
             layer.mlp.down_proj.weight.copy_(weights[p + "mlp.down_proj.weight"])

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from tokenyard.models import gguf_loader, hf_loader
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.errors import ModelLoadError

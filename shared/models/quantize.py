@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from tokenyard.kernels import cpu as cpu_kernels
 from tokenyard.models.module import LeanModule
-from torch import nn
 
 GROUP_SIZE = 32
 # Rows per step above which the dense bf16 matmul beats the weight-only kernel, measured on
@@ -50,20 +51,33 @@ class QuantizedLinear(LeanModule):
         self.dense = linear.weight if keep_dense else None
         if bits == 8:
             scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
-            self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))  # [out, in]
+            self.register_buffer(
+                "qweight", torch.round(w / scale[:, None]).to(torch.int8)
+            )  # [out, in]
             self.register_buffer("scales", scale)  # fp32
         elif bits == 4:
             if not int4_fits(linear):
-                raise ValueError(f"int4 needs in_features divisible by {GROUP_SIZE} and out_features by 16, "
-                                 f"got {self.in_features} -> {self.out_features}")
+                raise ValueError(
+                    f"int4 needs in_features divisible by {GROUP_SIZE} and out_features by 16, "
+                    f"got {self.in_features} -> {self.out_features}"
+                )
             groups = w.view(self.out_features, -1, GROUP_SIZE)
             lo, hi = groups.amin(-1), groups.amax(-1)
             scale = ((hi - lo) / 15).clamp(min=1e-8)
-            q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+            q = (
+                torch.round((groups - lo[..., None]) / scale[..., None])
+                .clamp(0, 15)
+                .to(torch.int32)
+            )
             # torch's layout: w = (q - 8) * scale + zero, scales_and_zeros [in / group, out, 2]
             zero = lo + 8 * scale
-            self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q.view_as(w), 2))
-            self.register_buffer("scales", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
+            self.register_buffer(
+                "qweight", torch._convert_weight_to_int4pack_for_cpu(q.view_as(w), 2)
+            )
+            self.register_buffer(
+                "scales",
+                torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16),
+            )
         else:
             raise ValueError(f"bits must be 8 or 4, got {bits}")
 
@@ -82,9 +96,13 @@ class QuantizedLinear(LeanModule):
             if kernels is not None and x.shape[0] <= 16:
                 return kernels.int8_linear(x.contiguous(), self.qweight, self.scales)
             xb = x.to(torch.bfloat16).contiguous()
-            return torch._weight_int8pack_mm(xb, self.qweight, self.scales.to(torch.bfloat16)).to(x.dtype)
+            return torch._weight_int8pack_mm(xb, self.qweight, self.scales.to(torch.bfloat16)).to(
+                x.dtype
+            )
         xb = x.to(torch.bfloat16).contiguous()
-        return torch._weight_int4pack_mm_for_cpu(xb, self.qweight, GROUP_SIZE, self.scales).to(x.dtype)
+        return torch._weight_int4pack_mm_for_cpu(xb, self.qweight, GROUP_SIZE, self.scales).to(
+            x.dtype
+        )
 
     def quantized_bytes(self) -> int:
         """What one small-batch step reads of this layer's weights."""

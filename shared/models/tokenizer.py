@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as Backend
+
 from tokenyard.models.chat_template import render_chat_template
 from tokenyard.models.errors import ModelLoadError
 from tokenyard.models.gguf_tokenizer import build_backend, special_tokens_processor

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
 from tokenyard.bus.embedded import free_port
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 

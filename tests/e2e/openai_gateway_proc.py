@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+
 from tokenyard.bus.embedded import free_port
 
 

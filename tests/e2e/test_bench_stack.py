@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+
 from tokenyard.bench import metrics
 from tokenyard.bench.client import Target
 from tokenyard.bench.runner import Load, run_load

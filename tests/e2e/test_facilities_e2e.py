@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from tokenyard.bus import subjects
 from tokenyard.bus.embedded import free_port
 from tokenyard.bus.nats import Bus

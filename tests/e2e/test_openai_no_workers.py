@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 from openai_gateway_proc import gateway_process
+
 from tokenyard.bus.embedded import EmbeddedNats
 
 

@@ -16,6 +16,7 @@ import time
 import httpx
 import openai
 import pytest
+
 from tokenyard.services.gateway import schemas
 
 pytestmark = pytest.mark.slow
@@ -192,7 +193,13 @@ def blocks_free(url: str) -> bool:
 
 def long_stream(model: str) -> dict:
     """A streamed chat request that runs long enough to be cut off mid-generation."""
-    return {"model": model, "messages": HELLO, "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    return {
+        "model": model,
+        "messages": HELLO,
+        "max_tokens": 4000,
+        "stream": True,
+        "ignore_eos": True,
+    }
 
 
 def wait_blocks_free(url: str, timeout: float = 15) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import time
 
 import pytest
+
 from tokenyard.bus.embedded import free_port
 from tokenyard.services.gateway.backend import NatsBackend
 from tokenyard.services.gateway.settings import GatewaySettings

@@ -6,6 +6,7 @@ import time
 
 import httpx
 import pytest
+
 from tokenyard.bus.embedded import free_port
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 

@@ -4,6 +4,7 @@ bad input, and a block pool that never leaks."""
 from __future__ import annotations
 
 import pytest
+
 from tokenyard import LLM
 from tokenyard.engine.block_manager import NoFreeBlocks
 from tokenyard.engine.sampling_params import SamplingParams
@@ -53,7 +54,11 @@ def test_seed_gives_same_text_whatever_the_batch(engine):
 
 
 def test_stop_string_not_emitted_and_text_streams(engine):
-    engine.add_request("st", "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9,", SamplingParams(max_tokens=30, temperature=0, stop=[" 12"]))
+    engine.add_request(
+        "st",
+        "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9,",
+        SamplingParams(max_tokens=30, temperature=0, stop=[" 12"]),
+    )
     outs = finish_all(engine)["st"]
     text = "".join(o.new_text for o in outs)
     assert outs[-1].finish_reason == "stop" and outs[-1].finished
@@ -66,7 +71,9 @@ def test_stop_token_ids_and_max_tokens(engine):
     outs = finish_all(engine)["len"]
     assert len(outs) == 3 and outs[-1].finish_reason == "length"
     first = outs[0].new_token_ids[0]
-    engine.add_request("sti", "Hello", SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[first]))
+    engine.add_request(
+        "sti", "Hello", SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[first])
+    )
     outs = finish_all(engine)["sti"]
     assert len(outs) == 1 and outs[0].finish_reason == "stop"
 
@@ -92,7 +99,9 @@ def test_unicode_detokenization_across_tokens(engine):
     engine.add_request("u", "x", SamplingParams(max_tokens=1, temperature=0))
     finish_all(engine)
     # Feed the ids as a forced output through the importer path, which detokenizes them.
-    engine.import_sequence("u2", engine.tokenizer.encode("Say:"), ids, SamplingParams(max_tokens=len(ids) + 1))
+    engine.import_sequence(
+        "u2", engine.tokenizer.encode("Say:"), ids, SamplingParams(max_tokens=len(ids) + 1)
+    )
     assert engine.seqs["u2"].text == text
     engine.abort("u2")
     engine.block_manager.check_no_leaks()
@@ -117,8 +126,12 @@ def test_prefill_only_handoff_equals_aggregated(make_engine):
     # the failed-transfer fallback recomputes and must give the same tokens
     dst = decode.import_sequence("r", exported.prompt_token_ids, exported.output_token_ids, params)
     decode.commit_import("r", kv_ok=False)
-    recomputed = exported.output_token_ids + [t for o in finish_all(decode)["r"] for t in o.new_token_ids]
-    aggregated = generate(decode, ["Explain paged attention in one sentence." * 3], params, "agg")[0]
+    recomputed = exported.output_token_ids + [
+        t for o in finish_all(decode)["r"] for t in o.new_token_ids
+    ]
+    aggregated = generate(decode, ["Explain paged attention in one sentence." * 3], params, "agg")[
+        0
+    ]
     assert handed == aggregated == recomputed
     assert len(handed) == 12
     decode.block_manager.check_no_leaks()
@@ -181,8 +194,10 @@ def test_offline_llm_api(loaded_model):
 
     llm.engine = LLMEngine(EngineConfig(kv_cache_bytes=32 * 1024**2), loaded=loaded_model)
     llm.tokenizer, llm._next_id = llm.engine.tokenizer, 0
-    outs = llm.generate(["The sky is", [1, 2, 3], [{"role": "user", "content": "Hi"}]],
-                        SamplingParams(max_tokens=5, temperature=0, logprobs=1))
+    outs = llm.generate(
+        ["The sky is", [1, 2, 3], [{"role": "user", "content": "Hi"}]],
+        SamplingParams(max_tokens=5, temperature=0, logprobs=1),
+    )
     assert [o.request_id for o in outs] == ["offline-0", "offline-1", "offline-2"]
     for o in outs:
         assert o.num_output_tokens <= 5 and o.finish_reason in ("stop", "length")
@@ -193,8 +208,11 @@ def test_offline_llm_api(loaded_model):
 
 def test_engine_in_bf16_int8_still_answers(make_engine):
     engine = make_engine(dtype="bfloat16", quantization="int8")
-    engine.add_request("q", [{"role": "user", "content": "What is the capital of France?"}],
-                       SamplingParams(max_tokens=12, temperature=0))
+    engine.add_request(
+        "q",
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=12, temperature=0),
+    )
     text = ""
     while engine.has_unfinished():
         text += "".join(o.new_text for o in engine.step())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tokenyard.engine.sampling_params import SamplingParams
 
 TOL = 1e-3
@@ -26,10 +27,16 @@ def hf_model(loaded_model):
 
     c = loaded_model.config
     config = LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=c.tie_word_embeddings,
     )
     model = LlamaForCausalLM(config).eval()
@@ -53,7 +60,11 @@ def assert_output_matches(hf_model, result) -> None:
     assert result.logprobs and len(result.logprobs) == len(result.token_ids)
     for i, lp in enumerate(result.logprobs):
         row = ref[n_prompt - 1 + i]
-        assert abs(lp.logprob - row[lp.token_id].item()) <= TOL, (i, lp.logprob, row[lp.token_id].item())
+        assert abs(lp.logprob - row[lp.token_id].item()) <= TOL, (
+            i,
+            lp.logprob,
+            row[lp.token_id].item(),
+        )
         for token_id, value in lp.top:
             assert abs(value - row[token_id].item()) <= TOL
     # greedy: our token is HF's argmax (or within tolerance of it, for near ties)
@@ -108,7 +119,9 @@ def test_torch_twins_without_cpu_kernels(engine, hf_model, monkeypatch):
 def test_chunked_prefill_at_odd_places(make_engine, hf_model, budget):
     engine = make_engine(max_num_batched_tokens=budget)
     prompt = PROMPTS[1] + " " + PROMPTS[1] + " " + PROMPTS[3]
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=6, temperature=0.0, logprobs=2, prompt_logprobs=1, ignore_eos=True
+    )
     [result] = run(engine, [prompt], params)
     assert result.num_prompt_tokens > 3 * budget  # really split into several chunks
     ref = hf_logprobs(hf_model, result.prompt_token_ids + result.token_ids)

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
 from tokenyard.bus import subjects
 from tokenyard.bus.embedded import EmbeddedNats, free_port
 from tokenyard.bus.nats import Bus

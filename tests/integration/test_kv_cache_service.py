@@ -13,6 +13,7 @@ import uuid
 import pytest
 import redis.asyncio as redis
 import torch
+
 from tokenyard.kv.hashing import prefix_block_hashes
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store import KVCacheClient
@@ -147,6 +148,7 @@ async def test_standalone_service_starts_and_stops_on_sigterm(tmp_path):
 
 async def test_put_of_a_block_of_the_wrong_size_is_refused(service):
     import grpc
+
     from tokenyard.kv.transfer.common import layout_to_proto
     from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 

@@ -10,6 +10,7 @@ import signal
 
 import pytest
 import torch
+
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import (
     FaultInjection,

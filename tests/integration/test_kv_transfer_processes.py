@@ -7,6 +7,7 @@ import multiprocessing as mp
 
 import pytest
 import torch
+
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import KVTransferClient, KVTransferServer, allocate_shared_pool
 from tokenyard.kv.transfer import mooncake as mooncake_mod

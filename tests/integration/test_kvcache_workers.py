@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 
 import pytest
+
 from tokenyard.bus import subjects
 from tokenyard.bus.embedded import EmbeddedNats
 from tokenyard.bus.nats import Bus

@@ -10,10 +10,11 @@ import asyncio
 import signal
 
 import pytest
+from worker_client import Heartbeats, Request, connect, wait_disaggregated, wait_router
+
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 from tokenyard.services.worker.fake_engine import next_token
 from tokenyard.v1 import serving_pb2 as pb
-from worker_client import Heartbeats, Request, connect, wait_disaggregated, wait_router
 
 FAST = {
     "TOKENYARD_WORKER_HEARTBEAT_INTERVAL_S": "0.5",

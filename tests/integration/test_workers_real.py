@@ -7,9 +7,10 @@ engine's greedy tokens exactly; a cancel mid-decode must give every block back.
 from __future__ import annotations
 
 import pytest
+from worker_client import Heartbeats, Request, connect, wait_disaggregated
+
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 from tokenyard.v1 import serving_pb2 as pb
-from worker_client import Heartbeats, Request, connect, wait_disaggregated
 
 pytestmark = pytest.mark.slow
 

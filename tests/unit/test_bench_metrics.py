@@ -5,6 +5,7 @@ import statistics
 
 import numpy as np
 import pytest
+
 from tokenyard.bench import metrics
 from tokenyard.bench.arrivals import poisson_arrivals
 from tokenyard.bench.records import RequestRecord, error_code

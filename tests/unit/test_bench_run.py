@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from rich.console import Console
+
 from tokenyard.bench import cli as bench_cli
 from tokenyard.bench import metrics, plots, report, results
 from tokenyard.bench.client import Target

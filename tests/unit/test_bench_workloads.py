@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from tokenyard.bench import text, workloads
 from tokenyard.bench.sse import SSEParser
 from tokenyard.bench.workloads import Conversation, Session, Turn, WorkloadOptions

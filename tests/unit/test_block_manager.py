@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tokenyard.engine.block_manager import BlockManager, NoFreeBlocks
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.engine.sequence import Sequence

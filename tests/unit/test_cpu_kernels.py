@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tokenyard.kernels import cpu as cpu_kernels
 from tokenyard.models import attention
 from tokenyard.models.attention import AttnMetadata, PrefillSpan, attend, paged_attention
@@ -15,7 +16,9 @@ NUM_BLOCKS, NUM_LAYERS, BLOCK, H_KV, D = 40, 3, 16, 3, 64
 def ops():
     built = cpu_kernels.ops()
     if built is None:
-        pytest.skip("the CPU kernels could not be built here (no compiler or TOKENYARD_CPU_KERNELS=0)")
+        pytest.skip(
+            "the CPU kernels could not be built here (no compiler or TOKENYARD_CPU_KERNELS=0)"
+        )
     return built
 
 
@@ -30,7 +33,9 @@ def _reference(q, kv_layer, tables, lens, scale):
     keys = kv_layer[:, 0].float()[tables].view(b, -1, H_KV, D)
     values = kv_layer[:, 1].float()[tables].view(b, -1, H_KV, D)
     mask = (torch.arange(tables.shape[1] * BLOCK)[None] < lens[:, None])[:, None, None, :]
-    return attend(q.float().unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale).squeeze(2)
+    return attend(
+        q.float().unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale
+    ).squeeze(2)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -90,10 +95,16 @@ def test_paged_attention_is_the_same_with_and_without_kernels(ops, monkeypatch):
     t, heads = 2 + 5, 9
     q, k, v = (torch.randn(t, h, D, generator=g) for h in (heads, H_KV, H_KV))
     meta_args = dict(
-        slot_blocks=torch.tensor([1, 4, 8, 8, 8, 8, 8]), slot_offsets=torch.tensor([3, 0, 3, 4, 5, 6, 7]),
-        num_decode=2, decode_block_tables=torch.tensor([[0, 1], [2, 4]]), decode_context_lens=torch.tensor([20, 17]),
-        prefills=[PrefillSpan(start=2, num_tokens=5, context_len=24, block_ids=torch.tensor([7, 8]))],
-        block_size=BLOCK)
+        slot_blocks=torch.tensor([1, 4, 8, 8, 8, 8, 8]),
+        slot_offsets=torch.tensor([3, 0, 3, 4, 5, 6, 7]),
+        num_decode=2,
+        decode_block_tables=torch.tensor([[0, 1], [2, 4]]),
+        decode_context_lens=torch.tensor([20, 17]),
+        prefills=[
+            PrefillSpan(start=2, num_tokens=5, context_len=24, block_ids=torch.tensor([7, 8]))
+        ],
+        block_size=BLOCK,
+    )
     outs, pools = [], []
     for use_kernels in (True, False):
         pool = _pool(torch.float32, seed=4)
@@ -143,12 +154,20 @@ def test_kernels_can_be_switched_off(ops):
 
     probe = "from tokenyard.kernels import cpu; print(cpu.ops() is not None)"
     for value, expected in (("0", "False"), ("1", "True")):
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "TOKENYARD_CPU_KERNELS": value}, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "TOKENYARD_CPU_KERNELS": value},
+            check=True,
+        )
         assert out.stdout.strip() == expected
 
 
-@pytest.mark.parametrize("head_dim", [48, 128])  # 48: the portable loop and vector tails; 128: the other vector width
+@pytest.mark.parametrize(
+    "head_dim", [48, 128]
+)  # 48: the portable loop and vector tails; 128: the other vector width
 def test_decode_attention_other_head_dims(ops, head_dim):
     g = torch.Generator().manual_seed(6)
     pool = torch.randn(12, 1, 2, BLOCK, 2, head_dim, generator=g)
@@ -164,7 +183,9 @@ def test_decode_attention_other_head_dims(ops, head_dim):
 
 def test_int8_linear_with_a_ragged_inner_dimension(ops):
     g = torch.Generator().manual_seed(7)
-    weight = torch.randint(-127, 128, (24, 40), generator=g, dtype=torch.int8)  # 40: not a multiple of 32
+    weight = torch.randint(
+        -127, 128, (24, 40), generator=g, dtype=torch.int8
+    )  # 40: not a multiple of 32
     scale = torch.rand(24, generator=g)
     for rows in (1, 3, 6):  # 6 rows: a chunk of 4 and a chunk of 2
         x = torch.randn(rows, 40, generator=g)

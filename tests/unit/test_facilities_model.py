@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+
 from tokenyard.facilities.inventory import Inventory, load_inventory
 from tokenyard.facilities.simulator import (
     Faults,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tokenyard.facilities.policy import (
     PolicySettings,
     RackLimits,

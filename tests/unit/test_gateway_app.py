@@ -11,6 +11,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from gateway_fakes import MODEL, FakeBackend, fake_state, text_chunks
+
 from tokenyard.services.gateway.app import create_app
 from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.ratelimit import MemoryBuckets

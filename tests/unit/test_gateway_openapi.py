@@ -7,6 +7,7 @@ import json
 
 from fastapi.testclient import TestClient
 from gateway_fakes import MODEL, documented_model, fake_state
+
 from tokenyard.services.gateway.app import create_app
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

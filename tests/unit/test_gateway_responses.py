@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from gateway_fakes import CharTokenizer, text_chunks
+
 from tokenyard.services.gateway.responses import (
     Accumulator,
     ChatFormat,

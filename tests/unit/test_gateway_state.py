@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tokenyard.services.gateway.ratelimit import MemoryBuckets, make_limiter, retry_after
 from tokenyard.services.gateway.workers import WorkerTable
 from tokenyard.v1 import serving_pb2 as pb

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from gateway_fakes import BOS, CharTokenizer
 from pydantic import ValidationError
+
 from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tokenyard.services.gateway.translate import prepare_chat, prepare_completion

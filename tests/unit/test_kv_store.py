@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store.tiered import TieredStore, block_key, layout_key
 from tokenyard.kv.store.tiers import DiskTier, RamTier

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import (
     FaultInjection,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tokenyard.kv.transfer.common import block_runs
 from tokenyard.kv.transfer.holds import HoldTable
 from tokenyard.kv.transfer.negotiate import TRANSPORTS, Peer, candidates

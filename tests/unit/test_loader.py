@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
+
 from tokenyard.models.loader import (
     ModelLoadError,
     default_model_path,

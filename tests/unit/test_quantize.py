@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from tokenyard.kernels import cpu as cpu_kernels
 from tokenyard.models import quantize as q
 from tokenyard.models.quantize import QuantizedLinear, dequantized, quantize
-from torch import nn
 
 
 def _linear(out_features=48, in_features=64, bias=True, seed=0):
@@ -72,7 +73,9 @@ def test_quantize_swaps_every_linear_and_keeps_lm_head_int8():
     model.lm_head = nn.Linear(32, 64, bias=False)
     quantize(model, "int4")
     assert isinstance(model[0], QuantizedLinear) and model[0].bits == 4
-    assert isinstance(model[1][1], QuantizedLinear) and model[1][1].bits == 8  # 40 rows: not int4-packable
+    assert (
+        isinstance(model[1][1], QuantizedLinear) and model[1][1].bits == 8
+    )  # 40 rows: not int4-packable
     assert model.lm_head.bits == 8
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize(model, "int3")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tokenyard.engine.sampler import sample
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.engine.sequence import Sequence
@@ -32,7 +33,10 @@ def draw_many(params: SamplingParams, n=300) -> set[int]:
 
 
 def test_greedy_takes_argmax():
-    tokens, lps = sample(LOGITS.repeat(2, 1), seqs(SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2)))
+    tokens, lps = sample(
+        LOGITS.repeat(2, 1),
+        seqs(SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2)),
+    )
     assert tokens == [5, 5]
     assert lps[0] is None
     assert lps[1].token_id == 5 and [t for t, _ in lps[1].top] == [5, 4]
@@ -52,7 +56,11 @@ def test_seed_is_reproducible_whatever_the_neighbours():
     p = SamplingParams(temperature=1.0, seed=1234)
     alone, _ = sample(LOGITS.clone(), seqs(p))
     crowd_logits = torch.cat([torch.randn(3, 8), LOGITS])
-    others = [SamplingParams(temperature=0.7), SamplingParams(temperature=0), SamplingParams(temperature=1.3, seed=9)]
+    others = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.3, seed=9),
+    ]
     crowd, _ = sample(crowd_logits, seqs(*others, p))
     assert crowd[-1] == alone[0]
 
@@ -69,7 +77,9 @@ def test_seeded_draws_differ_by_position():
 def test_penalties_push_repeated_tokens_down():
     greedy = SamplingParams(temperature=0)
     assert sample(LOGITS.clone(), seqs(greedy))[0] == [5]
-    assert sample(LOGITS.clone(), seqs(SamplingParams(temperature=0, frequency_penalty=2.0)))[0] == [4]
+    assert sample(LOGITS.clone(), seqs(SamplingParams(temperature=0, frequency_penalty=2.0)))[
+        0
+    ] == [4]
     # token 5 appeared twice: 5 - 2 * 0.6 - 0.6 = 3.2 < 4
     pp = SamplingParams(temperature=0, frequency_penalty=0.6, presence_penalty=0.6)
     assert sample(LOGITS.clone(), seqs(pp))[0] == [4]
@@ -79,9 +89,19 @@ def test_penalties_push_repeated_tokens_down():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5),
-     dict(top_k=0), dict(min_p=2.0), dict(presence_penalty=3.0), dict(repetition_penalty=0.0),
-     dict(logprobs=21), dict(stop=[""])],
+    [
+        dict(max_tokens=0),
+        dict(max_tokens=-3),
+        dict(temperature=-0.1),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=0),
+        dict(min_p=2.0),
+        dict(presence_penalty=3.0),
+        dict(repetition_penalty=0.0),
+        dict(logprobs=21),
+        dict(stop=[""]),
+    ],
 )
 def test_bad_sampling_params_are_refused(kwargs):
     with pytest.raises(ValueError) as err:

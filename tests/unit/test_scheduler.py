@@ -16,7 +16,12 @@ def make(num_blocks=64, max_seqs=8, budget=16):
 
 
 def add(sched, n_tokens, rid, arrival):
-    s = Sequence(rid, list(range(1000 * arrival, 1000 * arrival + n_tokens)), SamplingParams(), arrival=arrival)
+    s = Sequence(
+        rid,
+        list(range(1000 * arrival, 1000 * arrival + n_tokens)),
+        SamplingParams(),
+        arrival=arrival,
+    )
     sched.add(s)
     return s
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from tokenyard.models.loader import default_model_path, load_tokenizer
 from tokenyard.models.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+
 from tokenyard.bus import subjects
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.services.worker.base import WorkerBase
@@ -119,9 +120,7 @@ def test_wire_zeros_mean_defaults():
         None,
         None,
     )
-    p = engine_params(
-        pb.SamplingParams(seed=0, logprobs=0, top_k=5, stop=["x"]), SamplingParams
-    )
+    p = engine_params(pb.SamplingParams(seed=0, logprobs=0, top_k=5, stop=["x"]), SamplingParams)
     assert (p.seed, p.logprobs, p.top_k, p.stop) == (0, 0, 5, ["x"])
 
 

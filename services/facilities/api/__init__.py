@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
+
 from tokenyard.services.facilities.api import admin, errors, events, health, inventory, racks
 from tokenyard.services.facilities.monitor import RackMonitor
 from tokenyard.services.facilities.settings import FacilitiesSettings

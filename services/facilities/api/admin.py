@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+
 from tokenyard.services.facilities.api.deps import Admin, Monitor, Rack
 from tokenyard.services.facilities.api.errors import ApiError
 from tokenyard.services.facilities.api.schemas import FaultIn, FaultsOut

@@ -6,6 +6,7 @@ import hmac
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
+
 from tokenyard.services.facilities.api.errors import ApiError
 from tokenyard.services.facilities.monitor import RackMonitor, RackRuntime
 from tokenyard.services.facilities.settings import FacilitiesSettings

@@ -6,6 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+
 from tokenyard.api_errors import ErrorDetail, ErrorResponse
 
 ERROR_TYPES = {

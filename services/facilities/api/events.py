@@ -6,6 +6,7 @@ import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+
 from tokenyard.db.facilities import StateEvent
 from tokenyard.services.facilities.api.deps import Monitor, Store
 from tokenyard.services.facilities.api.errors import ApiError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+
 from tokenyard.services.facilities.api.deps import Monitor
 from tokenyard.services.facilities.api.schemas import Health
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+
 from tokenyard.facilities.inventory import Inventory
 from tokenyard.services.facilities.api.deps import Monitor
 

@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+
 from tokenyard.services.facilities.api.deps import Monitor, Rack, Store
 from tokenyard.services.facilities.api.errors import ApiError
 from tokenyard.services.facilities.api.schemas import RackList, RackOut, ReadingList, ReadingOut

@@ -11,8 +11,6 @@ StateName = Literal["normal", "derate", "drain"]
 FaultKind = Literal["pump_failure", "chiller_failure", "power_cap", "dead_sensor"]
 
 
-
-
 class ReadingOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
@@ -80,5 +78,3 @@ class Health(BaseModel):
     status: Literal["ok"]
     racks: int
     nats_connected: bool
-
-

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request, Response
+
 from tokenyard.services.gateway.deps import Caller, State
 from tokenyard.services.gateway.responses import ChatFormat
 from tokenyard.services.gateway.routes.common import GENERATION_ERRORS, sse_response

@@ -7,6 +7,7 @@ import time
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from tokenyard.services.gateway.deps import State
 from tokenyard.services.gateway.schemas import Health, Readiness, WorkerInfo
 

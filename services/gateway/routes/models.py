@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+
 from tokenyard.services.gateway.deps import Authenticated, State
 from tokenyard.services.gateway.routes.common import error_responses
 from tokenyard.services.gateway.schemas import ModelCard, ModelList

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import tokenyard.db.facilities  # noqa: F401  (registers the tables on Base.metadata)
 from alembic import context
 from sqlalchemy import pool
+
+import tokenyard.db.facilities  # noqa: F401  (registers the tables on Base.metadata)
 from tokenyard.db.base import Base
 from tokenyard.db.engine import make_engine
 

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import numpy as np
 import torch
+
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer.common import check_pool, layout_to_proto, pool_bytes

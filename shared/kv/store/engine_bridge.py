@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
+
 from tokenyard.kv.hashing import prefix_block_hashes
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store.client import KVCacheClient, KVCacheError

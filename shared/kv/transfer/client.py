@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import torch
+
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import mooncake

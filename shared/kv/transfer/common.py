@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from prometheus_client import Counter
+
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
 from tokenyard.v1 import kv_pb2

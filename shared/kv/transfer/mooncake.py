@@ -12,6 +12,7 @@ import threading
 from collections.abc import Sequence
 
 import torch
+
 from tokenyard.kv.transfer.common import block_runs
 
 log = logging.getLogger(__name__)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import mooncake
 from tokenyard.kv.transfer.common import (

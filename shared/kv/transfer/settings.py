@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from tokenyard.kv.transfer.negotiate import TRANSPORTS
 
 

@@ -18,6 +18,7 @@ import warnings
 from multiprocessing.shared_memory import SharedMemory
 
 import torch
+
 from tokenyard.kv.layout import KVLayout
 
 # data_ptr of every pool this process allocated -> its segment, so a server handed only the
