@@ -23,6 +23,7 @@ from tokenyard.facilities import policy
 from tokenyard.facilities.inventory import Inventory, RackSpec
 from tokenyard.facilities.messages import STATE_TO_PROTO, reading_from_proto, reading_to_proto
 from tokenyard.facilities.simulator import Faults, RackSimulator, SimSettings, utilization
+from tokenyard.fleet import FleetView
 from tokenyard.services.facilities.settings import FacilitiesSettings
 from tokenyard.services.facilities.store import FacilitiesStore, to_datetime
 from tokenyard.v1.facilities_pb2 import FacilityReading, RackState
@@ -76,7 +77,7 @@ class RackMonitor:
         self.started = clock()
         self.racks = {spec.name: self._runtime(spec) for spec in inventory.racks}
         self.worker_rack = inventory.worker_racks()
-        self.heartbeats: dict[str, tuple[WorkerHeartbeat, float]] = {}
+        self.fleet = FleetView()  # the workers' heartbeats, on this monitor's clock
         self._lock = asyncio.Lock()
         self._last_prune = 0.0
 
@@ -115,7 +116,7 @@ class RackMonitor:
     # --- inputs ------------------------------------------------------------------------
 
     async def on_heartbeat(self, hb: WorkerHeartbeat, _msg: Msg) -> None:
-        self.heartbeats[hb.worker_id] = (hb, self.clock())
+        self.fleet.on_heartbeat(hb, self.clock())
 
     async def on_reading(self, msg: FacilityReading, raw: Msg) -> None:
         rack = raw.subject.rsplit(".", 1)[-1]
@@ -165,10 +166,11 @@ class RackMonitor:
         """The per-worker sequence cap to publish; 0 means none new (drain) or no cap (normal)."""
         if rt.status.state is policy.State.NORMAL:
             return 0
-        seen = [
-            self.heartbeats[w][0].max_num_seqs for w in rt.spec.worker_ids if w in self.heartbeats
-        ]
-        max_num_seqs = max([n for n in seen if n > 0], default=self.settings.default_max_num_seqs)
+        seen = [self.fleet.get(w) for w in rt.spec.worker_ids]
+        announced = [w.heartbeat.max_num_seqs for w in seen if w is not None]
+        max_num_seqs = max(
+            [n for n in announced if n > 0], default=self.settings.default_max_num_seqs
+        )
         return policy.seq_cap(rt.status.state, max_num_seqs, self.policy)
 
     def state_message(self, rt: RackRuntime, now: float) -> RackState:
@@ -214,12 +216,9 @@ class RackMonitor:
             log.info("pruned %d readings older than %s", pruned, cutoff.isoformat())
 
     def _utilizations(self, now: float) -> dict[str, float]:
-        fresh = self.sim_settings.heartbeat_stale_s
-        return {
-            worker: utilization(hb, self.sim_settings.full_tokens_per_s)
-            for worker, (hb, seen) in self.heartbeats.items()
-            if now - seen <= fresh
-        }
+        """Per live worker, how busy it is; a dead worker draws idle power only."""
+        full = self.sim_settings.full_tokens_per_s
+        return {w.worker_id: utilization(w.heartbeat, full) for w in self.fleet.live(now)}
 
     # --- fault injection (admin API) ---------------------------------------------------
 

@@ -24,11 +24,11 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
+from tokenyard.fleet import FleetView, resume_candidates
 from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes
 from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.responses import ChunkOrderer
 from tokenyard.services.gateway.settings import GatewaySettings
-from tokenyard.services.gateway.workers import CAN_DECODE, WorkerTable
 from tokenyard.v1 import serving_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class TokenStream(Protocol):
 
 
 class Backend(Protocol):
-    workers: WorkerTable
+    fleet: FleetView
 
     def connected(self) -> bool: ...
 
@@ -90,12 +90,12 @@ class NatsTokenStream:
         sub: Subscription,
         queue: asyncio.Queue[pb.TokenChunk],
         placement: pb.Placement,
-        workers: WorkerTable,
+        fleet: FleetView,
         settings: GatewaySettings,
         resume: Resume | None = None,
     ) -> None:
         self._sub, self._queue, self._placement = sub, queue, placement
-        self._workers, self._settings = workers, settings
+        self._fleet, self._settings = fleet, settings
         self._resume = resume
         self._orderer = ChunkOrderer()
         self._ready: deque[pb.TokenChunk] = deque()
@@ -143,7 +143,7 @@ class NatsTokenStream:
             raise OpenAIError(
                 504, f"no tokens for {silent:.0f} s: the request timed out", code="timeout"
             )
-        if not self._workers.is_dead(self._worker, now):
+        if not self._fleet.is_dead(self._worker, now):
             return
         if self._streamed and self._resume is not None:
             # Mid-decode: the prompt is done and its job acked, so nobody else will pick it
@@ -186,7 +186,7 @@ class NatsTokenStream:
 class NatsBackend:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.workers = WorkerTable(settings.missed_heartbeats)
+        self.fleet = FleetView(settings.missed_heartbeats)
         self.bus: Bus | None = None
 
     async def start(self) -> None:
@@ -204,7 +204,7 @@ class NatsBackend:
             await self.bus.close()
 
     async def _on_heartbeat(self, hb: pb.WorkerHeartbeat, _: Msg) -> None:
-        self.workers.on_heartbeat(hb, time.monotonic())
+        self.fleet.on_heartbeat(hb, time.monotonic())
 
     def connected(self) -> bool:
         return self.bus is not None and self.bus.nc.is_connected
@@ -247,7 +247,7 @@ class NatsBackend:
             await sub.unsubscribe()
             raise
         resume = partial(self._resume, rid, model, prompt_ids, params)
-        return NatsTokenStream(sub, queue, placement, self.workers, self.settings, resume)
+        return NatsTokenStream(sub, queue, placement, self.fleet, self.settings, resume)
 
     async def _resume(
         self,
@@ -270,29 +270,21 @@ class NatsBackend:
             params=params,
             arrival_unix_ns=time.time_ns(),
         )
-        now = time.monotonic()
-        candidates = [
-            s.heartbeat
-            for s in self.workers.live(now)
-            if s.heartbeat.role in CAN_DECODE and s.heartbeat.worker_id != dead
-        ]
-        # The least busy first: it will start the recompute soonest.
-        candidates.sort(key=lambda hb: (hb.num_running + hb.num_waiting, -hb.num_free_blocks))
         bus = self._bus()
-        for hb in candidates:
+        for worker_id in resume_candidates(self.fleet.live(time.monotonic()), exclude=dead):
             try:
                 ack = await bus.request(
-                    subjects.decode_jobs(hb.worker_id),
+                    subjects.decode_jobs(worker_id),
                     resume,
                     pb.HandoffAck,
                     timeout=RESUME_TIMEOUT_S,
                 )
             except Exception as exc:  # gone too, or busy: try the next one
-                log.info("resume of %s on %s failed: %s", rid, hb.worker_id, type(exc).__name__)
+                log.info("resume of %s on %s failed: %s", rid, worker_id, type(exc).__name__)
                 continue
             if ack.accepted:
-                return hb.worker_id
-            log.info("decode worker %s refused to resume %s: %s", hb.worker_id, rid, ack.message)
+                return worker_id
+            log.info("decode worker %s refused to resume %s: %s", worker_id, rid, ack.message)
         return None
 
     async def _route(self, bus: Bus, rid: str, model: str, prompt_ids: list[int]) -> pb.Placement:

@@ -24,10 +24,10 @@ class GatewayState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def max_model_len(self) -> int:
-        return self.settings.max_model_len or self.backend.workers.max_model_len(time.monotonic())
+        return self.settings.max_model_len or self.backend.fleet.max_model_len(time.monotonic())
 
     def served_models(self) -> list[str]:
-        others = self.backend.workers.models(time.monotonic()) - {self.model_id}
+        others = self.backend.fleet.models(time.monotonic()) - {self.model_id}
         return [self.model_id, *sorted(others)]
 
     def check_model(self, model: str) -> None:

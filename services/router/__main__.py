@@ -8,10 +8,9 @@ from contextlib import AsyncExitStack
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
-from tokenyard.facilities.tracker import RackStateTracker
 from tokenyard.lifecycle import run_until_signalled
-from tokenyard.services.router.handler import FacilitiesSource, RouterHandler
-from tokenyard.services.router.policy import FacilityState, PolicyConfig
+from tokenyard.services.router.handler import RouterHandler
+from tokenyard.services.router.policy import PolicyConfig
 from tokenyard.services.router.settings import RouterSettings
 from tokenyard.tracing import setup_tracing
 from tokenyard.v1 import serving_pb2 as pb
@@ -29,25 +28,12 @@ def policy_config(settings: RouterSettings) -> PolicyConfig:
     )
 
 
-def facilities_source(tracker: RackStateTracker) -> FacilitiesSource:
-    """The policy's per-worker facilities input, from the facilities service's RackStates."""
-
-    def snapshot() -> dict[str, FacilityState]:
-        return {
-            worker: FacilityState(t.state, t.seq_cap, tracker.drain_retry_after_s, t.cost_penalty)
-            for worker, t in tracker.by_worker().items()
-        }
-
-    return snapshot
-
-
 async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     async with AsyncExitStack() as stack:
         bus = await Bus.connect(settings.nats_url, name="router")
         stack.push_async_callback(bus.close)
-        tracker = RackStateTracker()
-        await tracker.start(bus)  # ty.facilities.state.*: drained / derated racks
-        handler = RouterHandler(bus, policy_config(settings), facilities=facilities_source(tracker))
+        handler = RouterHandler(bus, policy_config(settings))
+        await handler.fleet.racks.start(bus)  # ty.facilities.state.*: drained / derated racks
         await bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, handler.on_heartbeat)
         await bus.subscribe(subjects.KV_EVENTS_ALL, pb.KVEvent, handler.on_kv_event)
         # A queue group lets several routers share the load; each builds its own view.

@@ -1,28 +1,30 @@
-"""The router's NATS handlers: heartbeats and KV events in, placements out."""
+"""The router's NATS handlers: heartbeats, rack states and KV events in, placements out."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from nats.aio.msg import Msg
 
 from tokenyard.bus.nats import Bus
+from tokenyard.facilities.tracker import RackStateTracker
+from tokenyard.fleet import FleetView
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
 from tokenyard.services.router.policy import FacilityState, PolicyConfig, RouteInput, choose
-from tokenyard.services.router.state import BlockIndex, WorkerTable
+from tokenyard.services.router.state import BlockIndex
 from tokenyard.v1 import serving_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# The facilities hook: per worker id, its rack's state. The facilities service wires a
-# RackStateTracker in here; until then every rack is normal.
-FacilitiesSource = Callable[[], Mapping[str, FacilityState]]
 
-
-def no_facilities() -> Mapping[str, FacilityState]:
-    return {}
+def facility_states(racks: RackStateTracker) -> dict[str, FacilityState]:
+    """The policy's per-worker facilities input, from the facilities service's RackStates."""
+    return {
+        worker: FacilityState(t.state, t.seq_cap, racks.drain_retry_after_s, t.cost_penalty)
+        for worker, t in racks.by_worker().items()
+    }
 
 
 class RouterHandler:
@@ -31,20 +33,21 @@ class RouterHandler:
         bus: Bus,
         config: PolicyConfig,
         *,
-        facilities: FacilitiesSource = no_facilities,
+        racks: RackStateTracker | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.bus = bus
         self.config = config
-        self.facilities = facilities
         self.clock = clock
-        self.workers = WorkerTable()
+        # Heartbeats and the facilities service's rack states (every rack normal until one
+        # arrives on ty.facilities.state.*).
+        self.fleet = FleetView(config.missed_heartbeats, racks=racks)
         self.index = BlockIndex()
 
     async def on_heartbeat(self, hb: pb.WorkerHeartbeat, _msg: Msg) -> None:
-        if hb.worker_id not in self.workers.workers:
+        if hb.worker_id not in self.fleet:
             log.info("worker %s (%s, %s) joined", hb.worker_id, hb.role, hb.model)
-        self.workers.on_heartbeat(hb, self.clock())
+        self.fleet.on_heartbeat(hb, self.clock())
 
     async def on_kv_event(self, event: pb.KVEvent, _msg: Msg) -> None:
         self.index.on_event(event)
@@ -54,7 +57,7 @@ class RouterHandler:
 
     def route(self, req: pb.RouteRequest) -> pb.RouteReply:
         now = self.clock()
-        for worker_id in self.workers.forget_dead(now, self.config.missed_heartbeats):
+        for worker_id in self.fleet.forget_dead(now):
             log.info("worker %s is gone", worker_id)
             self.index.forget(worker_id)
         cached = (
@@ -63,15 +66,14 @@ class RouterHandler:
             else {}
         )
         request = RouteInput(req.request_id, req.model, req.num_prompt_tokens, cached)
-        result = choose(
-            self.workers.workers, request, now, facilities=self.facilities(), config=self.config
-        )
+        facilities = facility_states(self.fleet.racks)
+        result = choose(self.fleet.workers, request, now, facilities=facilities, config=self.config)
         if isinstance(result, pb.RouteError):
             log.info("route %s: %s", req.request_id, result.message)
             return pb.RouteReply(error=result)
-        self.workers.placed(result.prefill_worker_id)
+        self.fleet.placed(result.prefill_worker_id)
         if result.disaggregated:
-            self.workers.placed(result.decode_worker_id)
+            self.fleet.placed(result.decode_worker_id)
         log.debug(
             "route %s -> %s/%s (%s)",
             req.request_id,

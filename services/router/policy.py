@@ -21,35 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tokenyard.fleet import DEFAULT_MISSED_HEARTBEATS, WorkerView
 from tokenyard.v1 import serving_pb2 as pb
-
-PREFILL_ROLES = frozenset({"prefill", "both"})
-DECODE_ROLES = frozenset({"decode", "both"})
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    worker_id: str
-    role: str  # prefill | decode | both
-    model: str
-    last_seen: float  # monotonic seconds of the last heartbeat
-    heartbeat_interval_s: float = 1.0
-    num_running: int = 0
-    num_waiting: int = 0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    max_num_seqs: int = 1
-    seq_cap: int = 0  # 0 = no cap beyond max_num_seqs
-    block_size: int = 16
-    pending: int = 0  # placed here by this router since the worker's last heartbeat
-
-    @property
-    def load(self) -> int:
-        return self.num_running + self.num_waiting + self.pending
-
-    @property
-    def kv_used(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
 @dataclass(frozen=True)
@@ -76,7 +49,9 @@ class RouteInput:
 class PolicyConfig:
     # Prompts shorter than this run on one worker: a hand-off costs more than it saves.
     disagg_min_prompt_tokens: int = 256
-    missed_heartbeats: int = 3  # a worker silent this many intervals is dead
+    missed_heartbeats: int = (
+        DEFAULT_MISSED_HEARTBEATS  # a worker silent this many intervals is dead
+    )
     # How many sequences may wait per worker beyond its cap before the fleet is "overloaded".
     queue_per_worker: int = 64
     overlap_weight: float = 1.0  # value of a fully cached prompt, in units of a full worker
@@ -97,7 +72,7 @@ def choose(
 ) -> pb.Placement | pb.RouteError:
     config = config or PolicyConfig()
     facilities = facilities or {}
-    live = [w for w in workers.values() if _alive(w, now, config)]
+    live = [w for w in workers.values() if w.alive(now, config.missed_heartbeats)]
     if request.model:
         serving = [w for w in live if w.model == request.model]
         if live and not serving:
@@ -107,7 +82,7 @@ def choose(
                 f"model {request.model!r} is not served (serving: {models})",
             )
         live = serving
-    prefill_live = [w for w in live if w.role in PREFILL_ROLES]
+    prefill_live = [w for w in live if w.prefills]
     if not prefill_live:
         return _error(pb.RouteError.NO_WORKERS, "no live prefill worker")
     open_ = [w for w in prefill_live if facilities.get(w.worker_id, NORMAL).state != "drain"]
@@ -148,7 +123,7 @@ def _place(
     decoders = [
         w
         for w in live
-        if w.role in DECODE_ROLES
+        if w.decodes
         and w.worker_id != prefill.worker_id
         and facilities.get(w.worker_id, NORMAL).state != "drain"
     ]
@@ -165,10 +140,6 @@ def _place(
         reason="long prompt",
         expected_cached_tokens=cached,
     )
-
-
-def _alive(w: WorkerView, now: float, config: PolicyConfig) -> bool:
-    return now - w.last_seen <= config.missed_heartbeats * w.heartbeat_interval_s
 
 
 def _cap(w: WorkerView, facility: FacilityState) -> int:

@@ -1,54 +1,12 @@
-"""What the router knows about the fleet: live workers (heartbeats) and who caches which block."""
+"""The router's global prefix index: which worker caches which block, fed by KV events."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
-from tokenyard.services.router.policy import WorkerView
 from tokenyard.v1 import serving_pb2 as pb
-
-
-class WorkerTable:
-    """The latest heartbeat of every worker, as WorkerViews for the policy."""
-
-    def __init__(self) -> None:
-        self.workers: dict[str, WorkerView] = {}
-
-    def on_heartbeat(self, hb: pb.WorkerHeartbeat, now: float) -> None:
-        self.workers[hb.worker_id] = WorkerView(
-            worker_id=hb.worker_id,
-            role=hb.role,
-            model=hb.model,
-            last_seen=now,
-            heartbeat_interval_s=(hb.heartbeat_interval_ms or 1000) / 1000,
-            num_running=hb.num_running,
-            num_waiting=hb.num_waiting,
-            num_free_blocks=hb.num_free_blocks,
-            num_blocks=hb.num_blocks,
-            max_num_seqs=hb.max_num_seqs or 1,
-            seq_cap=hb.seq_cap,
-            block_size=hb.block_size or 16,
-            pending=0,  # the beat already counts what we placed before it
-        )
-
-    def placed(self, worker_id: str) -> None:
-        w = self.workers.get(worker_id)
-        if w is not None:
-            self.workers[worker_id] = dataclasses.replace(w, pending=w.pending + 1)
-
-    def forget_dead(self, now: float, missed_heartbeats: int, grace: float = 10.0) -> list[str]:
-        """Drop workers silent for well past their death; returns their ids."""
-        dead = [
-            w.worker_id
-            for w in self.workers.values()
-            if now - w.last_seen > missed_heartbeats * w.heartbeat_interval_s + grace
-        ]
-        for worker_id in dead:
-            del self.workers[worker_id]
-        return dead
 
 
 class BlockIndex:

@@ -11,7 +11,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -19,6 +18,7 @@ from nats.aio.msg import Msg
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.facilities.tracker import RackStateTracker
+from tokenyard.fleet import FleetView
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
 from tokenyard.services.worker.admission import AdmissionGate
 from tokenyard.services.worker.convert import engine_params
@@ -34,13 +34,6 @@ log = logging.getLogger(__name__)
 CANCELLED_TTL_S = 300.0  # remember cancelled ids this long (their job may still be queued)
 
 
-@dataclass
-class Peer:
-    role: str
-    last_seen: float
-    interval_s: float
-
-
 class WorkerBase:
     def __init__(self, settings: WorkerSettings, bus: Bus, engine: Any, params_cls: Any) -> None:
         self.settings = settings
@@ -52,7 +45,7 @@ class WorkerBase:
         self.kv = KVPort(self.loop, settings)
         self.streams: dict[str, TokenStream] = {}
         self.cancelled: dict[str, float] = {}
-        self.peers: dict[str, Peer] = {}
+        self.fleet = FleetView()  # every worker's heartbeats, ours included
         # The facilities service's word on our rack; it caps how many sequences we admit.
         self.facilities = RackStateTracker()
         self.gate = AdmissionGate(self.seq_cap)
@@ -252,13 +245,10 @@ class WorkerBase:
     # --- heartbeats and KV events ------------------------------------------------------
 
     async def on_peer_heartbeat(self, hb: pb.WorkerHeartbeat, _msg: Msg) -> None:
-        self.peers[hb.worker_id] = Peer(
-            hb.role, time.monotonic(), (hb.heartbeat_interval_ms or 1000) / 1000
-        )
+        self.fleet.on_heartbeat(hb, time.monotonic())
 
-    def peer_alive(self, worker_id: str, missed: int = 3) -> bool:
-        peer = self.peers.get(worker_id)
-        return peer is not None and time.monotonic() - peer.last_seen <= missed * peer.interval_s
+    def peer_alive(self, worker_id: str) -> bool:
+        return self.fleet.alive(worker_id, time.monotonic())
 
     async def heartbeat(self) -> pb.WorkerHeartbeat:
         stats = await self.loop.call(self.engine.stats)

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from nats.aio.msg import Msg
 
 from tokenyard.bus import subjects
+from tokenyard.fleet import resume_candidates
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.v1 import serving_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-DECODE_ROLES = ("decode", "both")
 
 
 class DecodeHandler:
@@ -91,13 +91,8 @@ class DecodeHandler:
                 )
 
     async def _resume_elsewhere(self, resume: pb.DecodeHandoff) -> bool:
-        for peer_id, peer in self.w.peers.items():
-            if (
-                peer_id == self.w.worker_id
-                or peer.role not in DECODE_ROLES
-                or not self.w.peer_alive(peer_id)
-            ):
-                continue
+        live = self.w.fleet.live(time.monotonic())
+        for peer_id in resume_candidates(live, exclude=self.w.worker_id):
             try:
                 ack = await self.bus.request(
                     subjects.decode_jobs(peer_id), resume, pb.HandoffAck, timeout=2.0

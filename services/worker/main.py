@@ -14,11 +14,12 @@ import os
 from typing import Any
 
 from tokenyard.bus.nats import Bus
+from tokenyard.fleet.roles import ROLES, Role
 from tokenyard.lifecycle import run_until_signalled
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.decode import DecodeHandler
 from tokenyard.services.worker.prefill import PrefillHandler
-from tokenyard.services.worker.settings import Role, WorkerSettings
+from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.tracing import setup_tracing
 
 log = logging.getLogger("tokenyard.worker")
@@ -109,7 +110,7 @@ def parse_role(default: Role) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description="A Tokenyard worker (settings: TOKENYARD_WORKER_* env vars)"
     )
-    parser.add_argument("--role", choices=["prefill", "decode", "both"], help=f"default {default}")
+    parser.add_argument("--role", choices=ROLES, help=f"default {default}")
     args = parser.parse_args()
     if args.role:
         return {"role": args.role}

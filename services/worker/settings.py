@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Role = Literal["prefill", "decode", "both"]
+from tokenyard.fleet.roles import Role, can_decode, can_prefill
 
 
 def default_worker_id() -> str:
@@ -70,8 +70,8 @@ class WorkerSettings(BaseSettings):
 
     @property
     def prefills(self) -> bool:
-        return self.role in ("prefill", "both")
+        return can_prefill(self.role)
 
     @property
     def decodes(self) -> bool:
-        return self.role in ("decode", "both")
+        return can_decode(self.role)

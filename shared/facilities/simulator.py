@@ -29,8 +29,6 @@ class SimSettings:
     chiller_failure_supply_rise_c: float = 12.0
     # A worker at this token rate counts as fully busy even with few sequences; 0 = ignore.
     full_tokens_per_s: float = 0.0
-    # A heartbeat older than this no longer counts (the worker is treated as idle).
-    heartbeat_stale_s: float = 10.0
 
 
 @dataclass

@@ -57,7 +57,7 @@ async def wait_live(backend: NatsBackend, stack: LocalStack, timeout: float = 30
     want = {p.name for p in stack.workers}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        live = {s.heartbeat.worker_id for s in backend.workers.live(time.monotonic())}
+        live = {w.worker_id for w in backend.fleet.live(time.monotonic())}
         if want <= live:
             await asyncio.sleep(2)  # the router hears the same heartbeats; let it catch up
             return

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from tokenyard.fleet import FleetView
 from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.metrics import GatewayMetrics
 from tokenyard.services.gateway.ratelimit import NoLimit, RateLimiter
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.services.gateway.state import GatewayState
-from tokenyard.services.gateway.workers import WorkerTable
 from tokenyard.v1 import serving_pb2 as pb
 
 MODEL = "tiny-test-model"
@@ -106,7 +106,7 @@ class FakeBackend:
     script: str | list[pb.TokenChunk] = "Hello world"
     hang: bool = False  # after the scripted chunks, wait forever (a slow worker)
     submit_error: OpenAIError | None = None
-    workers: WorkerTable = field(default_factory=WorkerTable)
+    fleet: FleetView = field(default_factory=FleetView)
     submitted: list[tuple[str, str, list[int], pb.SamplingParams]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)

@@ -64,31 +64,33 @@ def test_a_stale_drain_becomes_a_cautious_derate() -> None:
 
 def test_the_router_places_around_drained_racks() -> None:
     """The router's wiring: tracker -> FacilityState per worker -> choose()."""
-    from tokenyard.services.router.__main__ import facilities_source
-    from tokenyard.services.router.policy import RouteInput, WorkerView, choose
+    from tokenyard.fleet import WorkerView
+    from tokenyard.services.router.handler import facility_states
+    from tokenyard.services.router.policy import RouteInput, choose
     from tokenyard.v1 import serving_pb2 as pb
 
     workers = {
         w: WorkerView(
-            worker_id=w,
-            role="both",
-            model="m",
+            pb.WorkerHeartbeat(
+                worker_id=w,
+                role="both",
+                model="m",
+                max_num_seqs=8,
+                num_blocks=100,
+                num_free_blocks=100,
+            ),
             last_seen=0.0,
-            max_num_seqs=8,
-            num_blocks=100,
-            num_free_blocks=100,
         )
         for w in ("both-1", "both-2")
     }
     request = RouteInput("r1", "m", 10)
     t = RackStateTracker(drain_retry_after_s=7, clock=lambda: 101.0)
-    source = facilities_source(t)
     t.apply(state("rack-a", RackStateKind.RACK_STATE_DRAIN, 100, workers=("both-1",)))
     t.apply(state("rack-b", RackStateKind.RACK_STATE_NORMAL, 100, workers=("both-2",)))
     for _ in range(3):
-        placed = choose(workers, request, 0.5, facilities=source())
+        placed = choose(workers, request, 0.5, facilities=facility_states(t))
         assert isinstance(placed, pb.Placement) and placed.prefill_worker_id == "both-2"
     t.apply(state("rack-b", RackStateKind.RACK_STATE_DRAIN, 100.5, workers=("both-2",)))
-    refused = choose(workers, request, 0.5, facilities=source())
+    refused = choose(workers, request, 0.5, facilities=facility_states(t))
     assert isinstance(refused, pb.RouteError)
     assert refused.code == pb.RouteError.ALL_DRAINED and refused.retry_after_s == 7

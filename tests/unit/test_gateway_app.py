@@ -212,11 +212,11 @@ def test_finished_requests_are_not_cancelled(backend, oai):
 def test_ready_reports_workers(backend, http):
     r = http.get("/ready")
     assert r.status_code == 503 and r.json()["reason"] == "no live worker can prefill"
-    backend.workers.on_heartbeat(
+    backend.fleet.on_heartbeat(
         pb.WorkerHeartbeat(worker_id="p1", role="prefill", model=MODEL), time.monotonic()
     )
     assert http.get("/ready").json()["reason"] == "no live worker can decode"
-    backend.workers.on_heartbeat(
+    backend.fleet.on_heartbeat(
         pb.WorkerHeartbeat(worker_id="d1", role="decode", model=MODEL), time.monotonic()
     )
     body = http.get("/ready").json()

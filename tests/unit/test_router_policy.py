@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from tokenyard.services.router.policy import (
-    FacilityState,
-    PolicyConfig,
-    RouteInput,
-    WorkerView,
-    choose,
-)
+from tokenyard.fleet import WorkerView
+from tokenyard.services.router.policy import FacilityState, PolicyConfig, RouteInput, choose
 from tokenyard.v1 import serving_pb2 as pb
 
 NOW = 100.0
@@ -27,11 +22,10 @@ def worker(
     seq_cap: int = 0,
     model: str = MODEL,
 ) -> WorkerView:
-    return WorkerView(
+    hb = pb.WorkerHeartbeat(
         worker_id=worker_id,
         role=role,
         model=model,
-        last_seen=last_seen,
         num_running=running,
         num_waiting=waiting,
         num_free_blocks=free,
@@ -39,6 +33,7 @@ def worker(
         max_num_seqs=max_num_seqs,
         seq_cap=seq_cap,
     )
+    return WorkerView(hb, last_seen=last_seen)
 
 
 def table(*workers: WorkerView) -> dict[str, WorkerView]:

@@ -1,13 +1,15 @@
-"""The router's fleet view: heartbeats, its own pending placements, the KV block index."""
+"""The router's state and handler: the KV block index, and routing over its fleet view."""
 
 from __future__ import annotations
 
 from tokenyard.bus.nats import Bus
+from tokenyard.facilities.tracker import RackStateTracker
 from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes
 from tokenyard.services.router.handler import RouterHandler
 from tokenyard.services.router.policy import PolicyConfig
-from tokenyard.services.router.state import BlockIndex, WorkerTable
+from tokenyard.services.router.state import BlockIndex
 from tokenyard.v1 import serving_pb2 as pb
+from tokenyard.v1.facilities_pb2 import RackState, RackStateKind
 
 
 def event(worker: str, kind: int, hashes: list[int]) -> pb.KVEvent:
@@ -59,23 +61,13 @@ def heartbeat(worker: str, role: str, running: int = 0) -> pb.WorkerHeartbeat:
     )
 
 
-def test_pending_placements_spread_a_burst_until_the_next_beat():
-    table = WorkerTable()
-    table.on_heartbeat(heartbeat("p1", "prefill"), 0.0)
-    table.placed("p1")
-    table.placed("p1")
-    assert table.workers["p1"].load == 2
-    table.on_heartbeat(heartbeat("p1", "prefill", running=2), 0.5)
-    assert table.workers["p1"].load == 2 and table.workers["p1"].pending == 0
-
-
 def test_handler_routes_by_overlap_and_spreads_load():
     now = [0.0]
     handler = RouterHandler(
         Bus.__new__(Bus), PolicyConfig(disagg_min_prompt_tokens=10_000), clock=lambda: now[0]
     )
     for w in ("p1", "p2"):
-        handler.workers.on_heartbeat(heartbeat(w, "prefill"), 0.0)
+        handler.fleet.on_heartbeat(heartbeat(w, "prefill"), 0.0)
     prompt = list(range(256))
     hashes = prefix_block_hashes(prompt, 16)
     handler.index.on_event(event("p2", pb.KVEvent.STORED, hashes))
@@ -99,8 +91,29 @@ def test_handler_routes_by_overlap_and_spreads_load():
 def test_handler_no_workers_after_silence():
     now = [0.0]
     handler = RouterHandler(Bus.__new__(Bus), PolicyConfig(), clock=lambda: now[0])
-    handler.workers.on_heartbeat(heartbeat("p1", "prefill"), 0.0)
+    handler.fleet.on_heartbeat(heartbeat("p1", "prefill"), 0.0)
     now[0] = 3.5
     reply = handler.route(pb.RouteRequest(request_id="a", model="m", num_prompt_tokens=5))
     assert reply.WhichOneof("result") == "error"
     assert reply.error.code == pb.RouteError.NO_WORKERS
+
+
+def test_handler_routes_around_a_drained_rack_in_its_fleet_view():
+    racks = RackStateTracker(clock=lambda: 100.0)
+    handler = RouterHandler(Bus.__new__(Bus), PolicyConfig(), racks=racks, clock=lambda: 0.0)
+    for w in ("p1", "p2"):
+        handler.fleet.on_heartbeat(heartbeat(w, "prefill"), 0.0)
+    request = pb.RouteRequest(request_id="a", model="m", num_prompt_tokens=5)
+    assert handler.route(request).placement.prefill_worker_id == "p1"  # equal: smaller id
+    handler.fleet.racks.apply(
+        RackState(
+            rack="rack-a",
+            state=RackStateKind.RACK_STATE_DRAIN,
+            sent_unix_s=100.0,
+            heartbeat_s=5.0,
+            worker_ids=["p1"],
+        )
+    )
+    for rid in ("b", "c"):  # even with p2's pending placements, p1 is out
+        request.request_id = rid
+        assert handler.route(request).placement.prefill_worker_id == "p2"

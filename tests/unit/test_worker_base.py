@@ -272,3 +272,16 @@ async def test_redelivery_of_a_failed_job_runs_it_again(worker):
     with pytest.raises(RuntimeError):
         await first
     assert await again is True and len(calls) == 2
+
+
+# --- peers ---------------------------------------------------------------------------
+
+
+async def test_peer_liveness_follows_the_peers_own_heartbeat_interval(worker):
+    beat = pb.WorkerHeartbeat(worker_id="w2", role="decode", heartbeat_interval_ms=20)
+    await worker.on_peer_heartbeat(beat, None)
+    assert worker.peer_alive("w2") and not worker.peer_alive("never-seen")
+    await asyncio.sleep(0.1)  # three missed beats of 20 ms
+    assert not worker.peer_alive("w2")
+    await worker.on_peer_heartbeat(beat, None)
+    assert worker.peer_alive("w2")

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tokenyard.fleet import missing_role
 from tokenyard.services.gateway.deps import State
 from tokenyard.services.gateway.schemas import Health, Readiness, WorkerInfo
 
@@ -26,28 +27,28 @@ async def health() -> Health:
 )
 async def ready(state: State) -> JSONResponse:
     now = time.monotonic()
-    table = state.backend.workers
+    fleet = state.backend.fleet
     connected = state.backend.connected()
-    missing = table.missing_role(now)
+    missing = missing_role(fleet.live(now))
     reason = None if connected else "not connected to NATS"
     reason = reason or (f"no live worker can {missing}" if missing else None)
     workers = [
         WorkerInfo(
-            worker_id=s.heartbeat.worker_id,
-            role=s.heartbeat.role,
-            model=s.heartbeat.model,
-            num_running=s.heartbeat.num_running,
-            num_waiting=s.heartbeat.num_waiting,
-            num_free_blocks=s.heartbeat.num_free_blocks,
-            num_blocks=s.heartbeat.num_blocks,
-            age_s=round(now - s.at, 3),
+            worker_id=w.worker_id,
+            role=w.role,
+            model=w.model,
+            num_running=w.heartbeat.num_running,
+            num_waiting=w.heartbeat.num_waiting,
+            num_free_blocks=w.heartbeat.num_free_blocks,
+            num_blocks=w.heartbeat.num_blocks,
+            age_s=round(w.age(now), 3),
         )
-        for s in table.live(now)
+        for w in fleet.live(now)
     ]
     body = Readiness(
         ready=reason is None,
         nats_connected=connected,
-        roles=table.roles(now),
+        roles=fleet.roles(now),
         workers=workers,
         reason=reason,
     )

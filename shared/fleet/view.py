@@ -1,0 +1,158 @@
+"""What a service knows about the fleet: the latest heartbeat of every worker.
+
+Pure state with an explicit clock: a service's bus handler feeds every pb.WorkerHeartbeat
+in with its own clock's ``now`` (monotonic in the router, gateway and workers; wall time in
+the facilities service) and asks with the same clock; tests script both.
+
+    fleet = FleetView(missed_heartbeats=3)
+    fleet.on_heartbeat(hb, now)
+    fleet.live(now)               # -> [WorkerView, ...]
+    fleet.is_dead("decode-0", now)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tokenyard.facilities.tracker import RackStateTracker
+from tokenyard.fleet import liveness
+from tokenyard.fleet.roles import can_decode, can_prefill
+from tokenyard.v1 import serving_pb2 as pb
+
+# A dead worker is forgotten this long after it died (its KV events may still be arriving).
+FORGET_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker as its last heartbeat described it, with the defaults of a zero field."""
+
+    heartbeat: pb.WorkerHeartbeat
+    last_seen: float  # the receiver's clock when that heartbeat arrived
+    pending: int = 0  # placed here by this router since that heartbeat
+
+    @property
+    def worker_id(self) -> str:
+        return self.heartbeat.worker_id
+
+    @property
+    def role(self) -> str:
+        return self.heartbeat.role
+
+    @property
+    def model(self) -> str:
+        return self.heartbeat.model
+
+    @property
+    def prefills(self) -> bool:
+        return can_prefill(self.role)
+
+    @property
+    def decodes(self) -> bool:
+        return can_decode(self.role)
+
+    @property
+    def interval_s(self) -> float:
+        return liveness.announced_interval_s(self.heartbeat)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.heartbeat.max_num_seqs or 1
+
+    @property
+    def seq_cap(self) -> int:
+        return self.heartbeat.seq_cap  # 0 = no cap beyond max_num_seqs
+
+    @property
+    def block_size(self) -> int:
+        return self.heartbeat.block_size or 16
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.heartbeat.num_free_blocks
+
+    @property
+    def load(self) -> int:
+        return self.heartbeat.num_running + self.heartbeat.num_waiting + self.pending
+
+    @property
+    def kv_used(self) -> float:
+        total = self.heartbeat.num_blocks
+        return 1.0 - self.heartbeat.num_free_blocks / total if total else 0.0
+
+    def age(self, now: float) -> float:
+        return now - self.last_seen
+
+    def alive(self, now: float, missed: int = liveness.DEFAULT_MISSED_HEARTBEATS) -> bool:
+        return liveness.is_alive(self.age(now), self.interval_s, missed)
+
+
+class FleetView:
+    """Every worker heard from, by id; liveness by the one rule, ``missed_heartbeats`` deep.
+
+    ``racks`` holds the facilities service's latest word on each rack, for the services
+    that place work (the router); the others leave it empty.
+    """
+
+    def __init__(
+        self,
+        missed_heartbeats: int = liveness.DEFAULT_MISSED_HEARTBEATS,
+        racks: RackStateTracker | None = None,
+    ) -> None:
+        self.missed = missed_heartbeats
+        self.workers: dict[str, WorkerView] = {}
+        self.racks = racks if racks is not None else RackStateTracker()
+
+    def on_heartbeat(self, hb: pb.WorkerHeartbeat, now: float) -> None:
+        # A new beat already counts what was placed before it: pending starts over.
+        self.workers[hb.worker_id] = WorkerView(hb, now)
+
+    def placed(self, worker_id: str) -> None:
+        w = self.workers.get(worker_id)
+        if w is not None:
+            self.workers[worker_id] = dataclasses.replace(w, pending=w.pending + 1)
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self.workers
+
+    def get(self, worker_id: str) -> WorkerView | None:
+        return self.workers.get(worker_id)
+
+    def alive(self, worker_id: str, now: float) -> bool:
+        """True for a worker heard from recently enough; an unknown worker is not alive."""
+        w = self.workers.get(worker_id)
+        return w is not None and w.alive(now, self.missed)
+
+    def is_dead(self, worker_id: str, now: float) -> bool:
+        """True only for a worker seen once and silent since; an unknown worker is not dead."""
+        w = self.workers.get(worker_id)
+        return w is not None and not w.alive(now, self.missed)
+
+    def live(self, now: float) -> list[WorkerView]:
+        return [w for w in self.workers.values() if w.alive(now, self.missed)]
+
+    def forget_dead(self, now: float, grace_s: float = FORGET_GRACE_S) -> list[str]:
+        """Drop workers dead for longer than ``grace_s``; returns their ids."""
+        dead = [
+            w.worker_id
+            for w in self.workers.values()
+            if w.age(now) > liveness.silence_limit_s(w.interval_s, self.missed) + grace_s
+        ]
+        for worker_id in dead:
+            del self.workers[worker_id]
+        return dead
+
+    def roles(self, now: float) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for w in self.live(now):
+            counts[w.role] = counts.get(w.role, 0) + 1
+        return counts
+
+    def max_model_len(self, now: float) -> int:
+        """The smallest context any live worker serves (0 = unknown)."""
+        lens = [w.heartbeat.max_model_len for w in self.live(now) if w.heartbeat.max_model_len]
+        return min(lens) if lens else 0
+
+    def models(self, now: float) -> set[str]:
+        return {w.model for w in self.live(now) if w.model}
