@@ -6,14 +6,13 @@ these are the questions every other service asks of the same fleet.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from tokenyard.fleet.view import WorkerView
 
 
-def missing_role(live: Iterable[WorkerView]) -> str | None:
+def missing_role(live: Sequence[WorkerView]) -> str | None:
     """The first part of a request no live worker can do, or None when all can be served."""
-    live = list(live)
     if not any(w.prefills for w in live):
         return "prefill"
     if not any(w.decodes for w in live):
