@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tokenyard import cli
@@ -39,3 +43,13 @@ def test_up_takes_the_options_the_readme_names(capsys):
         "--log-dir",
     ):
         assert option in out, option
+
+
+def test_up_without_a_facilities_inventory_says_why_and_starts_nothing(tmp_path):
+    missing = tmp_path / "inventory.yaml"
+    env = {**os.environ, "TOKENYARD_FACILITIES_INVENTORY_PATH": str(missing)}
+    argv = [sys.executable, "-m", "tokenyard.cli", "up", "--port", "0"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"{missing} does not exist" in done.stdout and "--no-facilities" in done.stdout
+    assert "Starting Tokenyard" not in done.stdout  # printed once every service is started
