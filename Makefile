@@ -1,5 +1,5 @@
 # The README's two commands: `make up` (set up, then run the whole local stack) and
-# `make test` (set up, then run the whole test suite). Both work on a fresh machine.
+# `make test` (set up, lint, then run the whole test suite). Both work on a fresh machine.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -29,7 +29,7 @@ $(KERNELS): $(STAMP) kernels/cpu/paged_attention.cpp
 up: setup
 	$(VENV)/bin/tokenyard up
 
-test: setup
+test: lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: setup
@@ -38,7 +38,7 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy shared services kernels
+	$(VENV)/bin/mypy shared services kernels benchmarks scripts
 
 proto: setup
 	$(PY) scripts/gen_proto.py

@@ -177,7 +177,7 @@ def run_hf() -> dict:
             num_key_value_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
             rms_norm_eps=c.rms_norm_eps,
-            rope_theta=c.rope_theta,
+            rope_theta=c.rope_theta,  # type: ignore[call-arg]  # transformers 5: a legacy keyword
             max_position_embeddings=c.max_position_embeddings,
             tie_word_embeddings=True,
             pad_token_id=2,

@@ -289,6 +289,7 @@ def main() -> None:
                 service[c].append(summarize(samples, wall))
                 print(f"round {r} service    c={c:<3} {service[c][-1]}", flush=True)
 
+    results: dict[str, dict] = {}
     report = {
         "what": "gateway -> router -> prefill -> decode (disaggregated, streamed SSE) vs the in-process engine",
         "machine": {
@@ -311,7 +312,7 @@ def main() -> None:
             "added_ttft_p50_ms_max": TARGET_ADDED_TTFT_MS,
             "throughput_ratio_min": TARGET_THROUGHPUT_RATIO,
         },
-        "results": {},
+        "results": results,
     }
     for c, _ in levels:
         ttft_in = statistics.median(x.ttft_p50_ms for x in inproc[c])
@@ -320,7 +321,7 @@ def main() -> None:
         tps_sv = statistics.median(x.tokens_per_s for x in service[c])
         added = round(ttft_sv - ttft_in, 2)
         ratio = round(tps_sv / tps_in, 3)
-        report["results"][f"c{c}"] = {
+        results[f"c{c}"] = {
             "in_process": {
                 "ttft_p50_ms": ttft_in,
                 "tokens_per_s": tps_in,

@@ -1,7 +1,7 @@
 """`tokenyard up`: the whole stack on this machine, each service its own process.
 
 An embedded nats-server (JetStream, temporary directory), the router, prefill and decode
-workers, the gateway, and the KV-cache and facilities services when installed. Ctrl-C (or
+workers, the gateway, and the KV-cache and facilities services unless told not to. Ctrl-C (or
 SIGTERM) stops everything; children also die with this process (PR_SET_PDEATHSIG).
 """
 

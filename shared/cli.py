@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from types import ModuleType
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tokenyard.engine.generate_cli", "generate text offline with the engine"),
@@ -16,19 +17,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def load_command(name: str) -> ModuleType:
+    """The sub-command's module; SystemExit with the reason when it cannot be imported."""
+    module_name = COMMANDS[name][0]
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise SystemExit(
+            f"tokenyard {name}: cannot import {module_name} ({exc}); "
+            "the installation is incomplete: reinstall tokenyard (make setup)"
+        ) from exc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenyard")
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
-    for name, (module_name, help_text) in COMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:  # a real missing dependency: say so
-                raise
-            continue  # that sub-command is not part of this build
-        module.add_arguments(sub.add_parser(name, help=help_text))
-        modules[name] = module
+    modules = {name: load_command(name) for name in COMMANDS}
+    for name, module in modules.items():
+        module.add_arguments(sub.add_parser(name, help=COMMANDS[name][1]))
     args = parser.parse_args(argv)
     return int(modules[args.command].run(args))
 

@@ -1,10 +1,18 @@
-"""Fixtures shared across the suite. The default model is loaded once per session."""
+"""Fixtures shared across the suite: the default model (loaded once per session), an
+embedded nats-server per test module and a connection to it, the local stack launcher, and
+the example facilities inventory."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 import pytest
+
+from tokenyard.bus.embedded import EmbeddedNats
+from tokenyard.bus.nats import Bus
+from tokenyard.services.launch.stack import LocalStack, StackConfig
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +39,41 @@ def make_engine(loaded_model) -> Callable:
 def engine(make_engine):
     """A shared engine for tests that leave it empty (they must abort what they add)."""
     return make_engine()
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    """A nats-server with JetStream of the module's own, on a free port."""
+    with EmbeddedNats() as server:
+        yield server.url
+
+
+@pytest.fixture
+async def bus(nats_url: str) -> AsyncIterator[Bus]:
+    """A test's own connection to the module's nats-server."""
+    bus = await Bus.connect(nats_url, name="test")
+    yield bus
+    await bus.close()
+
+
+@pytest.fixture(scope="session")
+def launch_stack() -> Callable[[StackConfig], contextlib.AbstractContextManager[LocalStack]]:
+    """``with launch_stack(config) as stack:`` a LocalStack started, then stopped with a
+    check that none of its processes outlived it."""
+
+    @contextlib.contextmanager
+    def launch(config: StackConfig) -> Iterator[LocalStack]:
+        stack = LocalStack(config).start()
+        try:
+            yield stack
+        finally:
+            stack.stop()
+        assert not any(p.alive() for p in stack.procs)
+
+    return launch
+
+
+@pytest.fixture(scope="session")
+def example_inventory() -> Path:
+    """The facilities inventory shipped in infra/: two racks, the stack's default workers."""
+    return Path(__file__).resolve().parents[1] / "infra" / "facilities" / "inventory.example.yaml"

@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 import time
 import urllib.request
@@ -49,11 +50,27 @@ class StackConfig:
     gateway_env: dict[str, str] = field(default_factory=dict)
 
 
-def module_exists(name: str) -> bool:
+def require_module(module: str) -> None:
+    """Raise StackError unless `python -m module` can run in this environment."""
     try:
-        return importlib.util.find_spec(name) is not None
+        found = importlib.util.find_spec(f"{module}.__main__") is not None
     except ModuleNotFoundError:
-        return False
+        found = False
+    if not found:
+        raise StackError(f"{module} is not installed here: reinstall tokenyard (make setup)")
+
+
+def facilities_inventory() -> Path:
+    """The operator's inventory (TOKENYARD_FACILITIES_INVENTORY_PATH), else the example one
+    shipped in a checkout; StackError when there is neither."""
+    configured = os.environ.get("TOKENYARD_FACILITIES_INVENTORY_PATH")
+    path = Path(configured) if configured else _example_inventory()
+    if path is None or not path.exists():
+        raise StackError(
+            f"the facilities service needs an inventory, and {path or 'none'} does not exist: "
+            "set TOKENYARD_FACILITIES_INVENTORY_PATH or start without facilities (--no-facilities)"
+        )
+    return path
 
 
 class LocalStack:
@@ -80,6 +97,8 @@ class LocalStack:
 
     def start(self) -> LocalStack:
         try:
+            # Before any process starts: a stack that cannot be whole does not start at all.
+            inventory = facilities_inventory() if self.config.facilities else None
             if not self.nats_url:
                 self._start_nats()
             self._spawn(
@@ -97,7 +116,8 @@ class LocalStack:
                     self.add_worker("decode")
             if self.config.gateway:
                 self._start_gateway()
-            self._start_optional()
+            if inventory is not None:
+                self._start_facilities(inventory)
         except BaseException:
             self.stop()
             raise
@@ -111,8 +131,6 @@ class LocalStack:
         proc = ChildProcess("nats", argv, env={}, log_path=self.log_dir / "nats.log").start()
         self.procs.append(proc)
         self.nats_url = f"nats://127.0.0.1:{port}"
-        import socket
-
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -167,37 +185,32 @@ class LocalStack:
         self._spawn("gateway", "tokenyard.services.gateway", env)
 
     def _start_kvcache(self) -> None:
-        if self.config.kvcache and module_exists("tokenyard.services.kvcache.__main__"):
+        if self.config.kvcache:
             port = free_port()
             self._spawn(
                 "kvcache", "tokenyard.services.kvcache", {"TOKENYARD_KVCACHE_PORT": str(port)}
             )
             self.kvcache_endpoint = f"127.0.0.1:{port}"
 
-    def _start_optional(self) -> None:
-        inventory = _example_inventory()
-        if (
-            self.config.facilities
-            and inventory
-            and module_exists("tokenyard.services.facilities.__main__")
-        ):
-            data = self._tmp / "facilities"
-            data.mkdir()
-            port = free_port()
-            # The operator's own token if set, else a fresh one: the admin API is never open.
-            token = os.environ.get("TOKENYARD_FACILITIES_ADMIN_TOKEN") or secrets.token_urlsafe(16)
-            env = {
-                "TOKENYARD_FACILITIES_NATS_URL": self.nats_url,
-                "TOKENYARD_FACILITIES_INVENTORY_PATH": str(inventory),
-                "TOKENYARD_FACILITIES_DATA_DIR": str(data),
-                "TOKENYARD_FACILITIES_PORT": str(port),
-                "TOKENYARD_FACILITIES_ADMIN_TOKEN": token,
-            }
-            self._spawn("facilities", "tokenyard.services.facilities", env)
-            self.facilities_url = f"http://127.0.0.1:{port}"
-            self.facilities_admin_token = token
+    def _start_facilities(self, inventory: Path) -> None:
+        data = self._tmp / "facilities"
+        data.mkdir()
+        port = free_port()
+        # The operator's own token if set, else a fresh one: the admin API is never open.
+        token = os.environ.get("TOKENYARD_FACILITIES_ADMIN_TOKEN") or secrets.token_urlsafe(16)
+        env = {
+            "TOKENYARD_FACILITIES_NATS_URL": self.nats_url,
+            "TOKENYARD_FACILITIES_INVENTORY_PATH": str(inventory),
+            "TOKENYARD_FACILITIES_DATA_DIR": str(data),
+            "TOKENYARD_FACILITIES_PORT": str(port),
+            "TOKENYARD_FACILITIES_ADMIN_TOKEN": token,
+        }
+        self._spawn("facilities", "tokenyard.services.facilities", env)
+        self.facilities_url = f"http://127.0.0.1:{port}"
+        self.facilities_admin_token = token
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> ChildProcess:
+        require_module(module)
         proc = ChildProcess.python_module(
             name, module, env=env, log_path=self.log_dir / f"{name}.log"
         ).start()

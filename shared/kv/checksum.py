@@ -2,14 +2,11 @@
 
 ISA-L's crc32 gives the same values as ``zlib.crc32`` about ten times faster; at KV
 transfer rates that is the difference between the checksum costing more than the copy
-and a small fraction of it.
+and a small fraction of it, so isal is a dependency, not an optional speed-up.
 """
 
 from __future__ import annotations
 
-try:
-    from isal.isal_zlib import crc32
-except ImportError:  # the optional accelerator is missing: same values, slower
-    from zlib import crc32
+from isal.isal_zlib import crc32
 
 __all__ = ["crc32"]

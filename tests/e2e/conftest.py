@@ -22,16 +22,13 @@ from tokenyard.services.launch.stack import LocalStack, StackConfig
 
 
 @pytest.fixture(scope="session")
-def stack() -> Iterator[LocalStack]:
+def stack(launch_stack) -> Iterator[LocalStack]:
     config = StackConfig(
         port=free_port(),
         kvcache=False,
         facilities=False,
         router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
     )
-    s = LocalStack(config).start()
-    try:
+    with launch_stack(config) as s:
         s.wait_ready(timeout=300)
         yield s
-    finally:
-        s.stop()

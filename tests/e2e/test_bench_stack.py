@@ -5,10 +5,8 @@ Set TOKENYARD_BENCH_URL to measure a stack that is already running instead of st
 
 import collections
 import contextlib
-import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +18,7 @@ from tokenyard.bench import metrics
 from tokenyard.bench.client import Target
 from tokenyard.bench.runner import Load, run_load
 from tokenyard.bench.workloads import WorkloadOptions, build
+from tokenyard.bus.embedded import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -28,17 +27,9 @@ START_TIMEOUT_S = 300
 BANNER = "Tokenyard is up"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _stack():
-    if importlib.util.find_spec("tokenyard.services.up") is None:
-        pytest.skip("services/up.py (`tokenyard up`) does not exist yet")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokenyard.cli", "up", "--port", str(port)],
         start_new_session=True,  # its own process group: everything it started stops with it
@@ -99,9 +90,8 @@ async def test_chat_closed_loop_against_the_stack(gateway):
     assert sum(r.warmup for r in result.records) == 1
     assert all(r.output_tokens == r.max_tokens for r in result.records)  # ignore_eos honoured
     summary = metrics.summarize(result.records, metrics.SLOs())
-    assert (
-        summary["requests"]["ok"] == 4
-    )  # the warm-up is not counted and summary["output_tokens"] == 4 * 8
+    # The warm-up request is not counted.
+    assert summary["requests"]["ok"] == 4 and summary["output_tokens"] == 4 * 8
     assert summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
 
 

@@ -21,28 +21,24 @@ from tokenyard.bus.embedded import free_port
 from tokenyard.bus.nats import Bus
 from tokenyard.services.facilities.service import serve
 from tokenyard.services.facilities.settings import FacilitiesSettings
+from tokenyard.services.launch.stack import LocalStack, StackConfig
 from tokenyard.v1 import serving_pb2 as pb
 from tokenyard.v1.facilities_pb2 import RackState, RackStateKind
 
 pytestmark = pytest.mark.slow
 
-launch = pytest.importorskip(
-    "tokenyard.services.launch.stack", reason="the local stack launcher does not exist yet"
-)
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "infra" / "facilities" / "inventory.example.yaml"
 TOKEN = "e2e-admin"
 HEARTBEAT_S = 1.0
 DWELL_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[object]:
+def stack() -> Iterator[LocalStack]:
     # Aggregated workers (role both): both-1 is on rack-a, both-2 on rack-b (example inventory).
-    config = launch.StackConfig(
+    config = StackConfig(
         port=free_port(), aggregated=True, engine="fake", kvcache=False, facilities=False
     )
-    with launch.LocalStack(config) as s:
+    with LocalStack(config) as s:
         s.add_worker("both")
         s.wait_ready(timeout=120)
         yield s
@@ -92,12 +88,13 @@ async def drive(url: str, stop: asyncio.Event, statuses: list[int], concurrency:
             tg.create_task(one_client(client))
 
 
-def facilities_settings(stack: object, tmp_path: Path) -> FacilitiesSettings:
+@pytest.fixture
+def settings(stack: LocalStack, tmp_path: Path, example_inventory: Path) -> FacilitiesSettings:
     """The facilities service on the stack's NATS, fast ticks, the example inventory."""
     return FacilitiesSettings(
-        nats_url=stack.nats_url,  # type: ignore[attr-defined]
+        nats_url=stack.nats_url,
         data_dir=tmp_path,
-        inventory_path=EXAMPLE,
+        inventory_path=example_inventory,
         admin_token=TOKEN,
         port=free_port(),
         tick_s=0.25,
@@ -108,11 +105,10 @@ def facilities_settings(stack: object, tmp_path: Path) -> FacilitiesSettings:
 
 
 async def test_pump_failure_moves_new_requests_to_the_other_rack(
-    stack: object, tmp_path: Path
+    stack: LocalStack, settings: FacilitiesSettings
 ) -> None:
-    settings = facilities_settings(stack, tmp_path)
     obs = Observer()
-    bus = await Bus.connect(stack.nats_url, name="facilities-e2e")  # type: ignore[attr-defined]
+    bus = await Bus.connect(stack.nats_url, name="facilities-e2e")
     stop_service, stop_load = asyncio.Event(), asyncio.Event()
     statuses: list[int] = []
     service = asyncio.create_task(serve(settings, stop_service))
@@ -121,7 +117,7 @@ async def test_pump_failure_moves_new_requests_to_the_other_rack(
         await bus.subscribe(subjects.FACILITIES_STATE_ALL, RackState, obs.on_state)
         await obs.wait_state("rack-a", RackStateKind.RACK_STATE_NORMAL, timeout=30)
         await asyncio.sleep(HEARTBEAT_S * 1.5)  # the router has heard both racks
-        load = asyncio.create_task(drive(stack.gateway_url, stop_load, statuses))  # type: ignore[attr-defined]
+        load = asyncio.create_task(drive(stack.gateway_url, stop_load, statuses))
         admin = httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{settings.port}",
             headers={"Authorization": f"Bearer {TOKEN}"},
@@ -181,9 +177,8 @@ async def test_pump_failure_moves_new_requests_to_the_other_rack(
 
 
 async def test_every_rack_drained_answers_503_with_retry_after(
-    stack: object, tmp_path: Path
+    stack: LocalStack, settings: FacilitiesSettings
 ) -> None:
-    settings = facilities_settings(stack, tmp_path)
     stop = asyncio.Event()
     service = asyncio.create_task(serve(settings, stop))
     headers = {"Authorization": f"Bearer {TOKEN}"}
@@ -192,7 +187,7 @@ async def test_every_rack_drained_answers_503_with_retry_after(
             httpx.AsyncClient(
                 base_url=f"http://127.0.0.1:{settings.port}", headers=headers, trust_env=False
             ) as admin,
-            httpx.AsyncClient(base_url=stack.gateway_url, timeout=30, trust_env=False) as gateway,  # type: ignore[attr-defined]
+            httpx.AsyncClient(base_url=stack.gateway_url, timeout=30, trust_env=False) as gateway,
         ):
             for _ in range(100):
                 with contextlib.suppress(httpx.TransportError):

@@ -10,12 +10,10 @@ import openai
 import pytest
 from openai_gateway_proc import gateway_process
 
-from tokenyard.bus.embedded import EmbeddedNats
-
 
 @pytest.fixture(scope="module")
-def gateway_url():
-    with EmbeddedNats() as nats, gateway_process(nats.url) as gateway:
+def gateway_url(nats_url):
+    with gateway_process(nats_url) as gateway:
         yield gateway.url
 
 

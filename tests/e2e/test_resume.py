@@ -27,7 +27,7 @@ KV_BYTES = 128 << 20
 
 
 @pytest.fixture(scope="module")
-def stack():
+def stack(launch_stack):
     config = StackConfig(
         port=free_port(),
         decode=2,
@@ -37,10 +37,8 @@ def stack():
         router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
         worker_env={"TOKENYARD_WORKER_KV_CACHE_BYTES": str(KV_BYTES)},
     )
-    s = LocalStack(config).start()
-    yield s
-    s.stop()
-    assert not any(p.alive() for p in s.procs)
+    with launch_stack(config) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -18,30 +18,25 @@ import pytest
 import yaml
 
 from tokenyard.bus import subjects
-from tokenyard.bus.embedded import EmbeddedNats, free_port
+from tokenyard.bus.embedded import free_port
 from tokenyard.bus.nats import Bus
 from tokenyard.facilities.tracker import RackStateTracker
 from tokenyard.services.facilities.service import serve
 from tokenyard.services.facilities.settings import FacilitiesSettings
 from tokenyard.v1.facilities_pb2 import FacilityReading, RackState, RackStateKind
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "infra" / "facilities" / "inventory.example.yaml"
 TOKEN = "test-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 DWELL_S = 1.5
 
 
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with EmbeddedNats() as server:
-        yield server.url
-
-
-def settings_for(tmp_path: Path, nats_url: str, inventory: Path = EXAMPLE) -> FacilitiesSettings:
+@pytest.fixture
+def settings(tmp_path: Path, nats_url: str, example_inventory: Path) -> FacilitiesSettings:
+    """The service on the module's NATS with the example inventory and fast clocks."""
     return FacilitiesSettings(
         nats_url=nats_url,
         data_dir=tmp_path,
-        inventory_path=inventory,
+        inventory_path=example_inventory,
         admin_token=TOKEN,
         port=free_port(),
         tick_s=0.2,
@@ -98,13 +93,6 @@ class StateLog:
         raise AssertionError(f"no {RackStateKind.Name(kind)} for {rack} within {timeout} s")
 
 
-@pytest.fixture
-async def bus(nats_url: str) -> AsyncIterator[Bus]:
-    bus = await Bus.connect(nats_url, name="facilities-test")
-    yield bus
-    await bus.close()
-
-
 async def watch(bus: Bus) -> tuple[StateLog, RackStateTracker]:
     log, tracker = StateLog(), RackStateTracker()
     await bus.subscribe(subjects.FACILITIES_STATE_ALL, RackState, log.on_state)
@@ -113,10 +101,10 @@ async def watch(bus: Bus) -> tuple[StateLog, RackStateTracker]:
 
 
 async def test_pump_failure_drains_the_rack_then_clears_after_dwell(
-    tmp_path: Path, nats_url: str, bus: Bus
+    settings: FacilitiesSettings, bus: Bus
 ) -> None:
     log, tracker = await watch(bus)
-    async with running(settings_for(tmp_path, nats_url)) as api:
+    async with running(settings) as api:
         await log.wait_for("rack-a", RackStateKind.RACK_STATE_NORMAL)  # the state heartbeat
         r = await api.post(
             "/v1/admin/racks/rack-a/faults", json={"kind": "pump_failure"}, headers=ADMIN
@@ -150,9 +138,9 @@ async def test_pump_failure_drains_the_rack_then_clears_after_dwell(
         assert b["state"] == "normal"
 
 
-async def test_chiller_power_cap_and_dead_sensor(tmp_path: Path, nats_url: str, bus: Bus) -> None:
+async def test_chiller_power_cap_and_dead_sensor(settings: FacilitiesSettings, bus: Bus) -> None:
     log, _ = await watch(bus)
-    async with running(settings_for(tmp_path, nats_url)) as api:
+    async with running(settings) as api:
         await api.post(
             "/v1/admin/racks/rack-a/faults", json={"kind": "chiller_failure"}, headers=ADMIN
         )
@@ -175,14 +163,14 @@ async def test_chiller_power_cap_and_dead_sensor(tmp_path: Path, nats_url: str, 
 
 
 async def test_external_readings_are_consumed_and_silence_is_stale(
-    tmp_path: Path, nats_url: str, bus: Bus
+    tmp_path: Path, settings: FacilitiesSettings, bus: Bus
 ) -> None:
-    inventory = yaml.safe_load(EXAMPLE.read_text())
+    inventory = yaml.safe_load(settings.inventory_path.read_text())
     inventory["racks"][1]["source"] = "external"
     path = tmp_path / "inventory.yaml"
     path.write_text(yaml.safe_dump(inventory))
     log, _ = await watch(bus)
-    async with running(settings_for(tmp_path, nats_url, path)) as api:
+    async with running(settings.model_copy(update={"inventory_path": path})) as api:
         _, msg = await log.wait_for("rack-b", RackStateKind.RACK_STATE_DERATE)  # never heard from
         assert "no reading yet" in msg.reason
 
@@ -210,8 +198,8 @@ async def test_external_readings_are_consumed_and_silence_is_stale(
         assert readings[0]["inlet_air_c"] is None
 
 
-async def test_admin_auth_and_errors(tmp_path: Path, nats_url: str) -> None:
-    async with running(settings_for(tmp_path, nats_url)) as api:
+async def test_admin_auth_and_errors(settings: FacilitiesSettings) -> None:
+    async with running(settings) as api:
         body = {"kind": "pump_failure"}
         r = await api.post("/v1/admin/racks/rack-a/faults", json=body)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
@@ -237,8 +225,7 @@ async def test_admin_auth_and_errors(tmp_path: Path, nats_url: str) -> None:
         assert {rack["name"] for rack in racks} == {"rack-a", "rack-b"}
 
 
-async def test_a_restart_resumes_the_recorded_state(tmp_path: Path, nats_url: str) -> None:
-    settings = settings_for(tmp_path, nats_url)
+async def test_a_restart_resumes_the_recorded_state(settings: FacilitiesSettings) -> None:
     async with running(settings) as api:
         await api.post(
             "/v1/admin/racks/rack-a/faults", json={"kind": "pump_failure"}, headers=ADMIN
@@ -253,12 +240,14 @@ async def test_a_restart_resumes_the_recorded_state(tmp_path: Path, nats_url: st
 
 
 @pytest.mark.slow  # a fresh interpreter importing FastAPI, SQLAlchemy, NATS: slow on a busy machine
-def test_module_runs_standalone_and_stops_on_sigterm(tmp_path: Path, nats_url: str) -> None:
+def test_module_runs_standalone_and_stops_on_sigterm(
+    tmp_path: Path, nats_url: str, example_inventory: Path
+) -> None:
     port = free_port()
     env = {
         **os.environ,
         "TOKENYARD_FACILITIES_NATS_URL": nats_url,
-        "TOKENYARD_FACILITIES_INVENTORY_PATH": str(EXAMPLE),
+        "TOKENYARD_FACILITIES_INVENTORY_PATH": str(example_inventory),
         "TOKENYARD_FACILITIES_DATA_DIR": str(tmp_path),
         "TOKENYARD_FACILITIES_PORT": str(port),
     }

@@ -16,7 +16,6 @@ from tokenyard.facilities import policy
 from tokenyard.facilities.inventory import load_inventory
 from tokenyard.services.facilities.store import FacilitiesStore
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "infra" / "facilities" / "inventory.example.yaml"
 PG_URL = os.environ.get(
     "TOKENYARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
@@ -52,21 +51,23 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.fixture
-def store(db_url: str) -> Iterator[FacilitiesStore]:
+def store(db_url: str, example_inventory: Path) -> Iterator[FacilitiesStore]:
     migrate(db_url)
     engine = make_engine(db_url)
     store = FacilitiesStore(make_sessionmaker(engine))
-    store.sync_inventory(load_inventory(EXAMPLE))
+    store.sync_inventory(load_inventory(example_inventory))
     yield store
     engine.dispose()
 
 
-def test_migrate_is_idempotent_and_inventory_resyncs(db_url: str, store: FacilitiesStore) -> None:
+def test_migrate_is_idempotent_and_inventory_resyncs(
+    db_url: str, store: FacilitiesStore, example_inventory: Path
+) -> None:
     migrate(db_url)
     ids = dict(store.rack_ids)
     assert set(ids) == {"rack-a", "rack-b"}
     # Re-syncing keeps rack ids, so history stays attached to its rack.
-    assert store.sync_inventory(load_inventory(EXAMPLE)) == ids
+    assert store.sync_inventory(load_inventory(example_inventory)) == ids
 
 
 def test_readings_and_events_round_trip_over_a_time_range(store: FacilitiesStore) -> None:

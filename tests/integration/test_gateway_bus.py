@@ -9,7 +9,6 @@ import time
 import pytest
 
 from tokenyard.bus import subjects
-from tokenyard.bus.embedded import EmbeddedNats
 from tokenyard.bus.nats import Bus
 from tokenyard.services.gateway.backend import NatsBackend
 from tokenyard.services.gateway.errors import OpenAIError
@@ -17,12 +16,6 @@ from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.v1 import serving_pb2 as pb
 
 WORKER = "fw1"
-
-
-@pytest.fixture(scope="module")
-def nats_url():
-    with EmbeddedNats() as server:
-        yield server.url
 
 
 @pytest.fixture
@@ -34,13 +27,6 @@ async def backend(nats_url):
     await backend.start()
     yield backend
     await backend.stop()
-
-
-@pytest.fixture
-async def peer(nats_url):
-    bus = await Bus.connect(nats_url, name="test-peer")
-    yield bus
-    await bus.close()
 
 
 async def serve_router(bus: Bus, reply: pb.RouteReply, seen: list[pb.RouteRequest]):
@@ -88,31 +74,31 @@ def chunk(index: int, text: str, finished: bool = False) -> pb.TokenChunk:
     )
 
 
-async def test_request_goes_through_router_and_queue_and_comes_back_in_order(backend, peer):
+async def test_request_goes_through_router_and_queue_and_comes_back_in_order(backend, bus):
     seen: list[pb.RouteRequest] = []
-    await serve_router(peer, PLACED, seen)
+    await serve_router(bus, PLACED, seen)
     params = pb.SamplingParams(max_tokens=5, temperature=0.0)
     stream = await backend.submit("r1", "m", list(range(40)), params)
-    job = await take_job(peer)
+    job = await take_job(bus)
     assert job.request_id == "r1" and list(job.prompt_token_ids) == list(range(40))
     assert job.params.max_tokens == 5 and job.decode_worker_id == WORKER
     assert seen[0].num_prompt_tokens == 40 and len(seen[0].block_hashes) == 2
     # out of order, with a duplicate (a redelivered job's first token)
     for c in (chunk(0, "ab"), chunk(3, "d", finished=True), chunk(0, "ab"), chunk(2, "c")):
-        await peer.publish(subjects.tokens("r1"), c)
+        await bus.publish(subjects.tokens("r1"), c)
     got = [c async for c in stream]
     await stream.close()
     assert "".join(c.text for c in got) == "abcd" and got[-1].finished
 
 
-async def test_cancel_reaches_the_workers(backend, peer):
+async def test_cancel_reaches_the_workers(backend, bus):
     cancels: asyncio.Queue[pb.Cancel] = asyncio.Queue()
 
     async def on_cancel(c: pb.Cancel, _) -> None:
         cancels.put_nowait(c)
 
-    await peer.subscribe(subjects.CANCEL_ALL, pb.Cancel, on_cancel)
-    await synced(peer)
+    await bus.subscribe(subjects.CANCEL_ALL, pb.Cancel, on_cancel)
+    await synced(bus)
     await backend.cancel("r9", "client disconnected")
     got = await asyncio.wait_for(cancels.get(), 2)
     assert got.request_id == "r9"
@@ -126,13 +112,13 @@ async def test_no_router_is_503_at_once(backend):
     assert time.monotonic() - t0 < 1.0
 
 
-async def test_router_errors_map_to_statuses(backend, peer):
+async def test_router_errors_map_to_statuses(backend, bus):
     reply = pb.RouteReply(
         error=pb.RouteError(
             code=pb.RouteError.NO_WORKERS, message="no decode worker", retry_after_s=3
         )
     )
-    sub = await serve_router(peer, reply, [])
+    sub = await serve_router(bus, reply, [])
     with pytest.raises(OpenAIError) as info:
         await backend.submit("r3", "m", [1], pb.SamplingParams(max_tokens=1))
     assert (info.value.status, info.value.retry_after_s, info.value.message) == (
@@ -143,32 +129,32 @@ async def test_router_errors_map_to_statuses(backend, peer):
     await sub.unsubscribe()
 
 
-async def test_worker_error_chunk_is_an_openai_error(backend, peer):
-    await serve_router(peer, PLACED, [])
+async def test_worker_error_chunk_is_an_openai_error(backend, bus):
+    await serve_router(bus, PLACED, [])
     stream = await backend.submit("r4", "m", [1], pb.SamplingParams(max_tokens=1))
-    await take_job(peer)
+    await take_job(bus)
     error = pb.TokenChunk(
         index=0,
         finished=True,
         finish_reason="error",
         error=pb.Error(code=pb.Error.INVALID_REQUEST, message="bad params"),
     )
-    await peer.publish(subjects.tokens("r4"), error)
+    await bus.publish(subjects.tokens("r4"), error)
     with pytest.raises(OpenAIError) as info:
         await anext(stream)
     assert info.value.status == 400 and info.value.message == "bad params"
     await stream.close()
 
 
-async def test_a_dead_worker_fails_the_request_instead_of_hanging(backend, peer):
-    await serve_router(peer, PLACED, [])
-    await peer.publish(
+async def test_a_dead_worker_fails_the_request_instead_of_hanging(backend, bus):
+    await serve_router(bus, PLACED, [])
+    await bus.publish(
         subjects.heartbeat("both", WORKER),
         pb.WorkerHeartbeat(worker_id=WORKER, role="both", heartbeat_interval_ms=100),
     )
     stream = await backend.submit("r5", "m", [1], pb.SamplingParams(max_tokens=5))
-    await take_job(peer)
-    await peer.publish(subjects.tokens("r5"), chunk(0, "a"))
+    await take_job(bus)
+    await bus.publish(subjects.tokens("r5"), chunk(0, "a"))
     assert (await anext(stream)).text == "a"
     t0 = time.monotonic()
     with pytest.raises(OpenAIError) as info:  # no more heartbeats, no more chunks

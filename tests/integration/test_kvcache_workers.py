@@ -14,7 +14,6 @@ import contextlib
 import pytest
 
 from tokenyard.bus import subjects
-from tokenyard.bus.embedded import EmbeddedNats
 from tokenyard.bus.nats import Bus
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
@@ -94,15 +93,13 @@ async def run(bus: Bus, handler: PrefillHandler, rid: str, prompt: list[int]) ->
     return [t for c in sorted(chunks, key=lambda c: c.index) for t in c.token_ids]
 
 
-async def test_worker_b_serves_the_shared_prefix_from_the_cache(loaded_model):
+async def test_worker_b_serves_the_shared_prefix_from_the_cache(loaded_model, nats_url, bus):
     want_a = greedy_reference(loaded_model, PROMPT_A)
     want_b = greedy_reference(loaded_model, PROMPT_B)
     server = await serve(KVCacheSettings(port=0, shutdown_grace_s=0))
-    nats = EmbeddedNats().start()
     try:
-        client = await Bus.connect(nats.url, name="test")
-        async with worker(loaded_model, nats.url, "a", server.endpoint) as (wa, a):
-            assert await run(client, a, "req-a", PROMPT_A) == want_a
+        async with worker(loaded_model, nats_url, "a", server.endpoint) as (wa, a):
+            assert await run(bus, a, "req-a", PROMPT_A) == want_a
             hashes = prefix_block_hashes(PREFIX, BLOCK)
             # The write-through runs in the background: wait for it.
             async with KVCacheClient(server.endpoint) as cache:
@@ -111,24 +108,16 @@ async def test_worker_b_serves_the_shared_prefix_from_the_cache(loaded_model):
                         break
                     await asyncio.sleep(0.05)
                 assert await cache.contains(wa.engine.layout, hashes) == len(hashes)
-        async with worker(loaded_model, nats.url, "b", server.endpoint) as (wb, b):
+        async with worker(loaded_model, nats_url, "b", server.endpoint) as (wb, b):
             before = wb.engine.stats().prefix_cache_hits
-            assert await run(client, b, "req-b", PROMPT_B) == want_b
+            assert await run(bus, b, "req-b", PROMPT_B) == want_b
             # Every full block of the shared prefix came from the service: B never saw it.
             assert wb.engine.stats().prefix_cache_hits - before >= len(PREFIX)
-        await client.close()
     finally:
-        nats.stop()
         await server.stop()
 
 
-async def test_an_unreachable_cache_never_fails_the_request(loaded_model):
+async def test_an_unreachable_cache_never_fails_the_request(loaded_model, nats_url, bus):
     want = greedy_reference(loaded_model, PROMPT_A)
-    nats = EmbeddedNats().start()
-    try:
-        client = await Bus.connect(nats.url, name="test")
-        async with worker(loaded_model, nats.url, "c", "127.0.0.1:1") as (_, c):
-            assert await run(client, c, "req-c", PROMPT_A) == want
-        await client.close()
-    finally:
-        nats.stop()
+    async with worker(loaded_model, nats_url, "c", "127.0.0.1:1") as (_, c):
+        assert await run(bus, c, "req-c", PROMPT_A) == want

@@ -7,6 +7,7 @@ gateway); a small client in worker_client.py plays the gateway.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 
 import pytest
@@ -32,10 +33,10 @@ def expected(prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def fake_stack(
+def fake_config(
     prefill: int, decode: int, *, step_s: float = 0.005, disagg_min: int = 0
-) -> LocalStack:
-    config = StackConfig(
+) -> StackConfig:
+    return StackConfig(
         prefill=prefill,
         decode=decode,
         engine="fake",
@@ -45,7 +46,6 @@ def fake_stack(
         router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": str(disagg_min)},
         worker_env={**FAST, "TOKENYARD_WORKER_FAKE_STEP_S": str(step_s)},
     )
-    return LocalStack(config).start()
 
 
 async def wait_workers(bus, n: int, *, placeable: bool = True) -> Heartbeats:
@@ -56,17 +56,14 @@ async def wait_workers(bus, n: int, *, placeable: bool = True) -> Heartbeats:
 
 
 @pytest.fixture
-def stack_factory():
-    stacks: list[LocalStack] = []
+def stack_factory(launch_stack):
+    """stack_factory(prefill, decode, ...): a fake-engine stack, stopped after the test."""
+    with contextlib.ExitStack() as stacks:
 
-    def make(*args, **kwargs) -> LocalStack:
-        stacks.append(fake_stack(*args, **kwargs))
-        return stacks[-1]
+        def make(*args, **kwargs) -> LocalStack:
+            return stacks.enter_context(launch_stack(fake_config(*args, **kwargs)))
 
-    yield make
-    for s in stacks:
-        s.stop()
-        assert not any(p.alive() for p in s.procs)
+        yield make
 
 
 async def test_disaggregated_request_through_both_workers(stack_factory):

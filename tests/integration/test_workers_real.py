@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from worker_client import Heartbeats, Request, connect, wait_disaggregated
 
-from tokenyard.services.launch.stack import LocalStack, StackConfig
+from tokenyard.services.launch.stack import StackConfig
 from tokenyard.v1 import serving_pb2 as pb
 
 pytestmark = pytest.mark.slow
@@ -22,7 +22,7 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def stack():
+def stack(launch_stack):
     config = StackConfig(
         gateway=False,
         kvcache=False,
@@ -30,10 +30,8 @@ def stack():
         router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
         worker_env={"TOKENYARD_WORKER_KV_CACHE_BYTES": str(128 << 20)},
     )
-    s = LocalStack(config).start()
-    yield s
-    s.stop()
-    assert not any(p.alive() for p in s.procs)
+    with launch_stack(config) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

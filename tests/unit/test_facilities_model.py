@@ -18,12 +18,10 @@ from tokenyard.facilities.simulator import (
 )
 from tokenyard.v1.serving_pb2 import WorkerHeartbeat
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "infra" / "facilities" / "inventory.example.yaml"
-
 
 @pytest.fixture
-def inventory() -> Inventory:
-    return load_inventory(EXAMPLE)
+def inventory(example_inventory: Path) -> Inventory:
+    return load_inventory(example_inventory)
 
 
 def test_example_inventory_maps_workers_to_two_racks(inventory: Inventory) -> None:

@@ -92,7 +92,8 @@ def test_load_tokenizer_is_cheap():
 
 @pytest.mark.slow
 def test_default_weights_equal_transformers_gguf_load(default_model):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     path = Path(default_model_path())
     start = time.perf_counter()
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -108,7 +109,8 @@ def test_default_weights_equal_transformers_gguf_load(default_model):
 
 
 def _save_tiny_hf_model(folder: Path, *, tie: bool) -> dict[str, torch.Tensor]:
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     config = transformers.LlamaConfig(
         vocab_size=49152,
         hidden_size=64,

@@ -1,0 +1,48 @@
+"""The local stack refuses to start without a part it was asked for, instead of leaving it out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tokenyard.services.launch import stack as launch
+from tokenyard.services.launch.stack import LocalStack, StackConfig, StackError
+
+
+def test_a_service_module_that_exists_is_accepted():
+    for service in ("router", "prefill", "decode", "gateway", "kvcache", "facilities"):
+        launch.require_module(f"tokenyard.services.{service}")
+
+
+@pytest.mark.parametrize("module", ["tokenyard.services.nope", "tokenyard.services.launch"])
+def test_a_missing_service_module_is_an_error(module):
+    # launch exists but has no __main__: it cannot run as a service either.
+    with pytest.raises(StackError, match=module):
+        launch.require_module(module)
+
+
+def test_spawning_a_missing_service_starts_nothing(tmp_path: Path):
+    stack = LocalStack(StackConfig(log_dir=tmp_path))
+    with pytest.raises(StackError, match="tokenyard.services.nope is not installed"):
+        stack._spawn("nope", "tokenyard.services.nope", {})
+    assert stack.procs == []
+
+
+def test_facilities_without_an_inventory_fail_before_anything_starts(monkeypatch, tmp_path):
+    missing = tmp_path / "inventory.yaml"
+    monkeypatch.setenv("TOKENYARD_FACILITIES_INVENTORY_PATH", str(missing))
+    stack = LocalStack(StackConfig(engine="fake", log_dir=tmp_path))
+    with pytest.raises(StackError, match="--no-facilities") as info:
+        stack.start()
+    assert str(missing) in str(info.value)
+    assert stack.procs == [] and stack.nats_url == ""
+
+
+def test_the_operators_inventory_wins_over_the_example(monkeypatch, tmp_path):
+    own = tmp_path / "site.yaml"
+    own.write_text("racks: []\n")
+    monkeypatch.setenv("TOKENYARD_FACILITIES_INVENTORY_PATH", str(own))
+    assert launch.facilities_inventory() == own
+    monkeypatch.delenv("TOKENYARD_FACILITIES_INVENTORY_PATH")
+    assert launch.facilities_inventory().name == "inventory.example.yaml"
