@@ -204,8 +204,14 @@ async def test_open_loop_follows_the_poisson_schedule_and_measures_send_lag(fake
     assert all(r.ok for r in result.records)
     scheduled = sorted(r.scheduled_s for r in result.records)
     assert 0.1 < scheduled[-1] - scheduled[0] < 2.0  # 19 gaps of mean 25 ms
-    assert all(0 <= r.send_lag_ms < 200 for r in result.records)
-    assert result.client["send_lag_ms"]["max"] is not None
+    # The lag itself depends on how busy the host is, so what is checked is how it is
+    # measured: never early, sends in schedule order, and the report's max is the records'.
+    assert all(r.send_lag_ms >= 0 for r in result.records)
+    by_schedule = sorted(result.records, key=lambda r: r.scheduled_s)
+    starts = [r.start_s for r in by_schedule]
+    assert starts == sorted(starts)
+    lags = [r.send_lag_ms for r in result.records]
+    assert result.client["send_lag_ms"]["max"] == pytest.approx(max(lags))
     assert all(b["ignore_eos"] is True and "prompt" in b for b in server.bodies)
 
 
