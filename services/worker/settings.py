@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tokenyard.engine.spec.config import SpeculativeConfig
 from tokenyard.fleet.roles import Role, can_decode, can_prefill
 
 
@@ -36,6 +37,9 @@ class WorkerSettings(BaseSettings):
     quantization: str | None = (
         None  # None | "int8" | "int4": weight-only (tokenyard.models.quantize)
     )
+    # Speculative decoding, vLLM's speculative_config as JSON, e.g. {"method": "ngram"};
+    # decode-capable workers use it (tokenyard.engine.spec), prefill-only ones ignore it.
+    speculative: str | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None
     kv_cache_bytes: int | None = None
@@ -67,6 +71,13 @@ class WorkerSettings(BaseSettings):
         if not value or sanitize_worker_id(value) != value:
             raise ValueError(f"worker_id {value!r} may hold only letters, digits, '-' and '_'")
         return value
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative_parses(cls, value: str | None) -> str | None:
+        if value:
+            SpeculativeConfig.parse(value)  # a bad config fails at start, with the reason
+        return value or None
 
     @property
     def prefills(self) -> bool:

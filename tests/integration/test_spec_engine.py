@@ -104,3 +104,18 @@ def test_sampled_speculation_is_reproducible_and_stops_where_asked(loaded_model)
 def test_self_draft_refuses_a_quantized_target(make_engine):
     with pytest.raises(ValueError, match="needs an unquantized target"):
         make_engine(quantization="int4", speculative_config={"method": "draft"})
+
+
+@pytest.mark.parametrize(("role", "speculates"), [("decode", True), ("prefill", False)])
+def test_worker_engine_speculates_where_it_decodes(role, speculates):
+    from tokenyard.services.worker.main import build_engine
+    from tokenyard.services.worker.settings import WorkerSettings
+
+    settings = WorkerSettings(
+        role=role,
+        speculative='{"method": "ngram"}',
+        kv_cache_bytes=16 * 1024**2,
+        kv_shared_memory=False,
+    )
+    engine, _params = build_engine(settings)
+    assert (engine.speculator is not None) == speculates
