@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from tokenyard.http_server import ops_router
 from tokenyard.services.facilities.api import admin, errors, events, health, inventory, racks
 from tokenyard.services.facilities.monitor import RackMonitor
 from tokenyard.services.facilities.settings import FacilitiesSettings
@@ -20,4 +21,10 @@ def create_app(
     errors.install(app)
     for module in (health, racks, events, inventory, admin):
         app.include_router(module.router)
+    # /health above says more (racks, NATS); /ready and /metrics are the shared ones.
+    app.include_router(ops_router(lambda: _not_ready(monitor), health=False))
     return app
+
+
+def _not_ready(monitor: RackMonitor) -> str | None:
+    return None if monitor.bus.nc.is_connected else "not connected to NATS"
