@@ -91,6 +91,8 @@ class LocalStack:
         self.facilities_url = ""
         self.facilities_admin_token = ""
         self.supervisor = Supervisor(config.restart_policy)
+        # Each service's ops HTTP server (/health, /ready, /metrics), by process name.
+        self.ops_urls: dict[str, str] = {}
 
     @property
     def gateway_url(self) -> str:
@@ -107,7 +109,11 @@ class LocalStack:
             self._spawn(
                 "router",
                 "tokenyard.services.router",
-                {"TOKENYARD_ROUTER_NATS_URL": self.nats_url, **self.config.router_env},
+                {
+                    "TOKENYARD_ROUTER_NATS_URL": self.nats_url,
+                    "TOKENYARD_ROUTER_OPS_PORT": self._ops_port("router"),
+                    **self.config.router_env,
+                },
             )
             self._start_kvcache()  # before the workers: they are told where it is
             if self.config.aggregated:
@@ -157,6 +163,7 @@ class LocalStack:
             "TOKENYARD_WORKER_NATS_URL": self.nats_url,
             "TOKENYARD_WORKER_ROLE": role,
             "TOKENYARD_WORKER_WORKER_ID": worker_id,
+            "TOKENYARD_WORKER_OPS_PORT": self._ops_port(worker_id),
             **({"TOKENYARD_WORKER_ENGINE": self.config.engine} if self.config.engine else {}),
             **({"TOKENYARD_WORKER_MODEL": self.config.model} if self.config.model else {}),
             **(
@@ -191,7 +198,12 @@ class LocalStack:
         if self.config.kvcache:
             port = free_port()
             self._spawn(
-                "kvcache", "tokenyard.services.kvcache", {"TOKENYARD_KVCACHE_PORT": str(port)}
+                "kvcache",
+                "tokenyard.services.kvcache",
+                {
+                    "TOKENYARD_KVCACHE_PORT": str(port),
+                    "TOKENYARD_KVCACHE_OPS_PORT": self._ops_port("kvcache"),
+                },
             )
             self.kvcache_endpoint = f"127.0.0.1:{port}"
 
@@ -211,6 +223,12 @@ class LocalStack:
         self._spawn("facilities", "tokenyard.services.facilities", env)
         self.facilities_url = f"http://127.0.0.1:{port}"
         self.facilities_admin_token = token
+
+    def _ops_port(self, name: str) -> str:
+        """A free port for one service's ops server, remembered in `ops_urls`."""
+        port = free_port()
+        self.ops_urls[name] = f"http://127.0.0.1:{port}"
+        return str(port)
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> ChildProcess:
         require_module(module)
