@@ -66,7 +66,8 @@ class EngineStats:
     prefix_cache_hits: int  # prompt tokens served from the prefix cache
     prefix_cache_queries: int  # prompt tokens looked up
     num_preemptions: int
-    # Speculative decoding (zero when off): drafted tokens verified, and kept.
+    # Speculative decoding (zero when off): verifications, drafted tokens verified, and kept.
+    spec_num_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_acceptance_rate: float = 0.0  # accepted / drafted
@@ -190,6 +191,7 @@ class LLMEngine:
         )
         if self.speculator is not None:
             spec = self.speculator.stats
+            stats.spec_num_drafts = spec.num_drafts
             stats.spec_draft_tokens = spec.num_draft_tokens
             stats.spec_accepted_tokens = spec.num_accepted_tokens
             stats.spec_acceptance_rate = spec.acceptance_rate

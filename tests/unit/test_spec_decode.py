@@ -193,3 +193,30 @@ def test_trim_rolls_back_slots_of_rejected_drafts():
     assert len(seq.block_table) == 2 and bm.num_free_blocks == free_before + 1
     bm.free_sequence(seq)
     bm.check_no_leaks()
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+def test_worker_metrics_count_drafts_and_acceptance_from_engine_stats():
+    from prometheus_client import REGISTRY
+
+    from tokenyard.engine.llm_engine import EngineStats
+    from tokenyard.services.worker.metrics import WorkerMetrics
+
+    labels = {"worker": "spec-metrics", "role": "decode", "model": "m"}
+    metrics = WorkerMetrics(**labels)
+
+    def stats(drafts: int, drafted: int, accepted: int) -> EngineStats:
+        return EngineStats(1, 0, 10, 20, 0, 0, 0, drafts, drafted, accepted)
+
+    def value(name: str) -> float | None:
+        return REGISTRY.get_sample_value(f"tokenyard:spec_decode_{name}_total", labels)
+
+    metrics.on_stats(stats(2, 8, 5))
+    metrics.on_stats(stats(5, 20, 14))  # cumulative: the counters move by the difference
+    assert (value("num_drafts"), value("num_draft_tokens"), value("num_accepted_tokens")) == (
+        5.0,
+        20.0,
+        14.0,
+    )
