@@ -11,7 +11,7 @@ import torch
 from tokenyard.engine.block_manager import BlockManager
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.engine.scheduler import Scheduler
-from tokenyard.engine.sequence import Sequence
+from tokenyard.engine.sequence import Sequence, Status
 from tokenyard.engine.spec.config import SpeculativeConfig
 from tokenyard.engine.spec.ngram import propose_ngram
 from tokenyard.engine.spec.rejection import verify_greedy, verify_sampled
@@ -220,3 +220,42 @@ def test_worker_metrics_count_drafts_and_acceptance_from_engine_stats():
         20.0,
         14.0,
     )
+
+
+# --- when to speculate ------------------------------------------------------------------------
+
+
+def _running(bm: BlockManager, tokens: list[int], rid: str, **params) -> Sequence:
+    seq = Sequence(rid, tokens, SamplingParams(max_tokens=50, **params), arrival=0)
+    bm.allocate(seq)
+    seq.num_computed_tokens = len(tokens) - 1
+    seq.status = Status.RUNNING
+    return seq
+
+
+def test_speculator_drafts_for_decoding_sequences_and_stops_for_large_batches():
+    from tokenyard.engine.spec.speculator import Speculator
+
+    bm = BlockManager(32, BS)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, disable_by_batch_size=3)
+    spec = Speculator(config, bm, max_model_len=64)
+    copy = [5, 6, 7, 8, 9, 5, 6, 7]
+    a = _running(bm, copy, "a")
+    penalized = _running(bm, copy, "p", repetition_penalty=1.2)
+    spec.propose([a, penalized])
+    assert a.spec_token_ids == [8, 9, 5] and penalized.spec_token_ids == []
+    third = _running(bm, copy, "c")
+    spec.propose([a, penalized, third])  # three running: off for this step, stale drafts gone
+    assert a.spec_token_ids == [] and spec.stats.num_disabled_steps == 1
+
+
+def test_speculator_drafts_no_further_than_max_tokens():
+    from tokenyard.engine.spec.speculator import Speculator
+
+    bm = BlockManager(32, BS)
+    spec = Speculator(SpeculativeConfig(method="ngram"), bm, max_model_len=64)
+    seq = _running(bm, [5, 6, 7, 8, 9, 5, 6, 7], "a")
+    seq.params.max_tokens = 3
+    seq.num_prompt_tokens = 7  # one output token so far: two more allowed, so one draft
+    spec.propose([seq])
+    assert seq.spec_token_ids == [8]

@@ -71,7 +71,9 @@ class Speculator:
     def propose(self, running: list[Sequence]) -> None:
         """Set `spec_token_ids` of the running decoding sequences worth speculating on."""
         self._draft_probs = {}
-        for seq in running:  # draft K/V past the verified tokens is stale
+        for seq in running:
+            seq.spec_token_ids = []  # drafts of a sequence that was not scheduled: stale
+            # draft K/V past the verified tokens is stale too
             seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
         if len(running) >= self.config.disable_by_batch_size:
             self.stats.num_disabled_steps += 1
