@@ -64,6 +64,7 @@ class ModelRunner:
                 s.seq.params.prompt_logprobs is not None
                 and s.seq.num_computed_tokens < s.seq.num_prompt_tokens
             ):
+                assert not s.spec_token_ids, "drafts only follow a sequence's prompt"
                 prompt_rows.append(
                     (
                         s,

@@ -12,6 +12,7 @@ for requests with penalties (their distribution would change with every kept tok
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ from tokenyard.engine.spec.config import SpeculativeConfig
 from tokenyard.engine.spec.draft import DraftModel, build_draft
 from tokenyard.engine.spec.ngram import propose_ngram
 from tokenyard.engine.spec.rejection import verify_greedy, verify_sampled
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,8 +100,9 @@ class Speculator:
         for seq in seqs:
             self.block_manager.append_slots(seq, 1 + k)
         assert self.draft is not None
+        by_id = {s.request_id: s for s in seqs}
         for request_id, (tokens, probs) in self.draft.propose(seqs, k).items():
-            seq = next(s for s in seqs if s.request_id == request_id)
+            seq = by_id[request_id]
             n = self._budget(seq)
             seq.spec_token_ids = tokens[:n]
             if probs is not None:
@@ -147,4 +151,11 @@ def build_speculator(
     draft = None
     if spec.method == "draft":
         draft = build_draft(spec, runner.model, config, runner.kv_cache)
+    log.info(
+        "speculative decoding: %s, %d tokens, off from %d running sequences%s",
+        spec.method,
+        spec.num_speculative_tokens,
+        spec.disable_by_batch_size,
+        "" if draft is None else f"; draft {spec.model or 'self'} ({spec.quantization})",
+    )
     return Speculator(spec, block_manager, max_model_len, draft)
