@@ -77,9 +77,14 @@ def config_from(args: argparse.Namespace) -> StackConfig:
     speculative = {}
     if args.speculative:
         try:
-            SpeculativeConfig.parse(args.speculative)
+            spec = SpeculativeConfig.parse(args.speculative)
         except ValueError as exc:
             raise SystemExit(f"--speculative: {exc}") from exc
+        if spec.method == "draft" and spec.model is None and args.quantization != "none":
+            raise SystemExit(
+                "--speculative: a self-draft (model null) drafts with an int4 copy of the "
+                "target, so the target must not be quantized: add --quantization none"
+            )
         speculative = {"TOKENYARD_WORKER_SPECULATIVE": args.speculative}
     return StackConfig(
         port=args.port,

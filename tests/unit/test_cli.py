@@ -58,6 +58,8 @@ def test_up_passes_speculative_config_to_the_workers():
     assert "TOKENYARD_WORKER_SPECULATIVE" not in up.config_from(parser.parse_args([])).worker_env
     with pytest.raises(SystemExit, match="--speculative: speculative method must be one of"):
         up.config_from(parser.parse_args(["--speculative", '{"method": "eagle"}']))
+    with pytest.raises(SystemExit, match="add --quantization none"):
+        up.config_from(parser.parse_args(["--speculative", spec]))  # default int4 target
 
 
 def test_worker_settings_refuse_a_bad_speculative_config():
