@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
+from tokenyard.engine.outputs import RequestOutput
 from tokenyard.services.worker.convert import error_chunk, token_chunk
 
 # A stream ended by a stopping worker without telling the gateway: someone else continues it.
@@ -37,7 +37,7 @@ class TokenStream:
         self.output_token_ids: list[int] = []
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
-    async def on_output(self, out: Any) -> None:
+    async def on_output(self, out: RequestOutput) -> None:
         chunk = token_chunk(
             out,
             index=self.next_index,

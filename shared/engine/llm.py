@@ -13,8 +13,8 @@ from typing import Any
 
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine, Prompt
+from tokenyard.engine.outputs import TokenLogprob
 from tokenyard.engine.sampling_params import SamplingParams
-from tokenyard.engine.sequence import TokenLogprob
 
 
 @dataclass
