@@ -72,7 +72,7 @@ def token_chunk(
 
 
 def error_chunk(
-    request_id: str, index: int, worker_id: str, code: int, message: str
+    request_id: str, index: int, worker_id: str, code: pb.Error.Code, message: str
 ) -> pb.TokenChunk:
     return pb.TokenChunk(
         request_id=request_id,

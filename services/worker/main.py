@@ -44,7 +44,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
     from tokenyard.engine.config import EngineConfig
     from tokenyard.engine.llm_engine import LLMEngine
 
-    optional = {
+    optional: dict[str, Any] = {
         "dtype": settings.dtype,
         "quantization": settings.quantization,
         "max_num_batched_tokens": settings.max_num_batched_tokens,

@@ -9,6 +9,7 @@ from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.engine.outputs import RequestOutput
 from tokenyard.services.worker.convert import error_chunk, token_chunk
+from tokenyard.v1 import serving_pb2 as pb
 
 # A stream ended by a stopping worker without telling the gateway: someone else continues it.
 HANDED_BACK = "handed-back"
@@ -53,14 +54,16 @@ class TokenStream:
         if out.finished:
             self._finish(out.finish_reason or "stop")
 
-    async def fail(self, code: int, message: str) -> None:
+    async def fail(self, code: pb.Error.Code, message: str) -> None:
         chunk = error_chunk(self.request_id, self.next_index, self.worker_id, code, message)
         await self.bus.publish(subjects.tokens(self.request_id), chunk)
         self._finish("error")
 
     async def aborted(self) -> None:
         """The request was cancelled: tell the gateway it ended (it may still be listening)."""
-        chunk = error_chunk(self.request_id, self.next_index, self.worker_id, 0, "")
+        chunk = error_chunk(
+            self.request_id, self.next_index, self.worker_id, pb.Error.CODE_UNSPECIFIED, ""
+        )
         chunk.finish_reason = "abort"
         chunk.ClearField("error")
         await self.bus.publish(subjects.tokens(self.request_id), chunk)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from typing import Any, cast
 
 import torch
 
@@ -90,8 +91,9 @@ class LLMEngine:
         if not isinstance(prompt, list) or not prompt:
             raise ValueError("the prompt is empty")
         if all(isinstance(m, dict) for m in prompt):
+            messages = cast("list[dict[str, Any]]", prompt)
             return self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(prompt), add_special_tokens=False
+                self.tokenizer.apply_chat_template(messages), add_special_tokens=False
             )
         ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
         if len(ids) == len(prompt):
@@ -189,7 +191,7 @@ class LLMEngine:
         if logprob is not None:
             seq.logprobs.append(logprob)
         reason = self._finish_reason(seq, token_id)
-        assert seq.detokenizer is not None
+        assert seq.detokenizer is not None and seq.stop_checker is not None
         delta = seq.detokenizer.push([token_id])
         if reason is not None:
             delta += seq.detokenizer.flush()
@@ -288,7 +290,7 @@ class LLMEngine:
         seq.status = Status.IMPORTING
         self._attach_output_state(seq)
         seq.token_ids.extend(output_token_ids)
-        assert seq.detokenizer is not None
+        assert seq.detokenizer is not None and seq.stop_checker is not None
         seq.text, _ = seq.stop_checker.feed(seq.detokenizer.push(output_token_ids), final=False)
         self.seqs[request_id] = seq
         return list(seq.block_table)
