@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenyard.services.gateway.backend import NatsBackend
+from tokenyard.services.gateway.bodylimit import LimitBody
 from tokenyard.services.gateway.errors import install_error_handlers
 from tokenyard.services.gateway.openapi import install_openapi
 from tokenyard.services.gateway.ratelimit import make_limiter
@@ -105,5 +106,6 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
     install_error_handlers(app)
     install_openapi(app)
 
+    app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
     app.add_middleware(CountRequests)
     return app

@@ -100,6 +100,8 @@ class NatsTokenStream:
         self._orderer = ChunkOrderer()
         self._ready: deque[pb.TokenChunk] = deque()
         self._last_chunk = time.monotonic()
+        timeout = settings.request_timeout_s
+        self._deadline = self._last_chunk + timeout if timeout else None
         self._worker = placement.prefill_worker_id
         self._streamed: list[int] = []  # output tokens released in order so far
 
@@ -111,6 +113,7 @@ class NatsTokenStream:
         while not self._ready:
             if self._orderer.finished:
                 raise StopAsyncIteration
+            self._check_deadline(time.monotonic())
             try:
                 chunk = await asyncio.wait_for(self._queue.get(), timeout=poll)
             except TimeoutError:
@@ -136,6 +139,15 @@ class NatsTokenStream:
         if chunk.index == 0 and self._placement.decode_worker_id:
             return self._placement.decode_worker_id
         return chunk.worker_id or self._worker
+
+    def _check_deadline(self, now: float) -> None:
+        if self._deadline is not None and now > self._deadline:
+            raise OpenAIError(
+                504,
+                f"the request ran past the server's deadline of "
+                f"{self._settings.request_timeout_s:.0f} s; ask for fewer tokens (max_tokens)",
+                code="timeout",
+            )
 
     async def _check_stall(self, now: float) -> None:
         silent = now - self._last_chunk

@@ -46,8 +46,14 @@ class GatewaySettings(BaseSettings):
     # Heartbeats older than this many intervals mark a worker dead (the router's rule).
     missed_heartbeats: int = Field(default=3, ge=1)
     retry_after_s: int = Field(default=1, ge=1)
-    # Cap on max_tokens when a request gives none (None = the rest of the context, as vLLM).
-    default_max_tokens: int | None = Field(default=None, ge=1)
+    # Cap on generated tokens when a request gives no max_tokens (None = the rest of the
+    # context, as vLLM; a CPU worker then runs for minutes that nobody asked for).
+    default_max_tokens: int | None = Field(default=1024, ge=1)
+    # A request still running after this many seconds ends with 504 and is cancelled on the
+    # workers (0 = no deadline).
+    request_timeout_s: float = Field(default=600.0, ge=0)
+    # Larger bodies get 413 before they are read (the context is 8k tokens: ~50 kB of text).
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     shutdown_grace_s: float = Field(default=10.0, ge=0)  # open requests at SIGTERM
     log_level: str = "info"
 

@@ -162,3 +162,22 @@ async def test_a_dead_worker_fails_the_request_instead_of_hanging(backend, bus):
     assert info.value.status == 503 and info.value.code == "worker_lost"
     assert time.monotonic() - t0 < 3
     await stream.close()
+
+
+async def test_a_request_past_its_deadline_ends_with_504_while_tokens_still_flow(nats_url, bus):
+    settings = GatewaySettings(nats_url=nats_url, route_timeout_s=1, request_timeout_s=1.0)
+    backend = NatsBackend(settings)
+    await backend.start()
+    try:
+        await serve_router(bus, PLACED, [])
+        stream = await backend.submit("r-late", "m", [1, 2, 3], pb.SamplingParams(max_tokens=99))
+        await take_job(bus)
+        with pytest.raises(OpenAIError) as info:
+            for i in range(100):  # a worker that keeps sending, slowly, never finishing
+                await bus.publish(subjects.tokens("r-late"), chunk(i, "x"))
+                await anext(stream)
+                await asyncio.sleep(0.05)
+        assert info.value.status == 504 and "deadline" in info.value.message
+        await stream.close()
+    finally:
+        await backend.stop()
