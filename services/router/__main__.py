@@ -7,6 +7,7 @@ import logging
 from contextlib import AsyncExitStack
 
 from tokenyard.bus import subjects
+from tokenyard.bus.auth import redact
 from tokenyard.bus.nats import Bus
 from tokenyard.lifecycle import run_until_signalled
 from tokenyard.services.router.handler import RouterHandler
@@ -40,7 +41,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         await bus.subscribe(
             subjects.ROUTER_ROUTE, pb.RouteRequest, handler.on_route, queue="router"
         )
-        log.info("router ready on %s", settings.nats_url)
+        log.info("router ready on %s", redact(settings.nats_url))
         await stop.wait()
         log.info("router stopping")
 
