@@ -62,14 +62,18 @@ def test_greedy_equals_plain_decoding_batched_chunked_and_cached(make_engine, pl
 def test_draft_model_from_a_path_with_its_own_pool_and_a_handoff(make_engine, plain):
     """A separate draft (its own KV pool) catches up on an imported prompt, then drafts."""
     spec = {"method": "draft", "model": default_model_path(), "quantization": "int4"}
-    prefill, decode = make_engine(), make_engine(speculative_config=spec)
+    prefill = make_engine()
     prefill.add_request("h", [{"role": "user", "content": COPY}], GREEDY, prefill_only=True)
     finish_all(prefill)
     exported = prefill.export_sequence("h")
-    dst = decode.import_sequence("h", exported.prompt_token_ids, exported.output_token_ids, GREEDY)
-    decode.kv_cache[dst] = prefill.kv_cache[exported.block_ids]
-    decode.commit_import("h", kv_ok=True)
+    kv = prefill.kv_cache[exported.block_ids].clone()  # the blocks a transfer would carry
     prefill.release("h")
+    prefill.block_manager.check_no_leaks()
+    del prefill  # at most two models (target and draft) alive at once
+    decode = make_engine(speculative_config=spec)
+    dst = decode.import_sequence("h", exported.prompt_token_ids, exported.output_token_ids, GREEDY)
+    decode.kv_cache[dst] = kv
+    decode.commit_import("h", kv_ok=True)
     handed = exported.output_token_ids + [
         t for o in finish_all(decode)["h"] for t in o.new_token_ids
     ]
