@@ -14,6 +14,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tokenyard.engine.generate_cli", "generate text offline with the engine"),
     "up": ("tokenyard.services.up", "run the whole stack on this machine"),
     "bench": ("tokenyard.bench.cli", "benchmark an OpenAI-compatible server"),
+    "plan": ("tokenyard.planner.cli", "size a fleet: GPUs, racks and kW for a model and workload"),
+    "simulate": ("tokenyard.sim.cli", "simulate a fleet under load with the router's policy"),
 }
 
 
