@@ -267,7 +267,7 @@ class WorkerBase:
             seq_cap=self.seq_cap(),
             tokens_per_s=(generated - before) / (now - then) if now > then else 0.0,
             kv_endpoint=self.kv.endpoint,
-            host=self.settings.host,
+            host=self.settings.advertised_host,
             sent_unix_ms=int(time.time() * 1000),
             block_size=int(
                 getattr(self.engine, "block_size", 0) or _layout_block_size(self.engine)

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tokenyard.fleet.roles import Role, can_decode, can_prefill
+from tokenyard.net import advertise_address, is_wildcard
 
 
 def default_worker_id() -> str:
@@ -42,7 +43,10 @@ class WorkerSettings(BaseSettings):
     max_model_len: int | None = None
     num_threads: int | None = None  # torch threads; None = torch's default
     heartbeat_interval_s: float = 1.0
-    host: str = "127.0.0.1"  # where the KV transfer server listens
+    host: str = "127.0.0.1"  # where the KV transfer server listens (0.0.0.0: everywhere)
+    # Where other workers reach this one (its KV endpoint). Empty: the bound address, or,
+    # bound to 0.0.0.0, this host's own address (tokenyard.net); Kubernetes sets the pod IP.
+    advertise_host: str = ""
     kv_port: int = 0  # 0 = any free port
     kv_transfer: bool = True  # False: decode workers always recompute the prompt
     # Prefill side: keep the KV pool in shared memory, so a decode worker on this host
@@ -67,6 +71,20 @@ class WorkerSettings(BaseSettings):
         if not value or sanitize_worker_id(value) != value:
             raise ValueError(f"worker_id {value!r} may hold only letters, digits, '-' and '_'")
         return value
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _reachable(cls, value: str) -> str:
+        if value and is_wildcard(value):
+            raise ValueError(
+                f"advertise_host {value!r} is a bind-everywhere address, not one to dial"
+            )
+        return value
+
+    @property
+    def advertised_host(self) -> str:
+        """The address in this worker's KV endpoint and heartbeats; never 0.0.0.0."""
+        return advertise_address(self.host, self.advertise_host)
 
     @property
     def prefills(self) -> bool:
