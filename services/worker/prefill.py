@@ -67,7 +67,9 @@ class PrefillHandler:
         self._tg = tg
         await self.cache.start()
         await self.bus.ensure_work_queue(
-            subjects.PREFILL_STREAM, [subjects.PREFILL_JOBS, f"{subjects.PREFILL_JOBS}.>"]
+            subjects.PREFILL_STREAM,
+            [subjects.PREFILL_JOBS, f"{subjects.PREFILL_JOBS}.>"],
+            replicas=self.w.settings.jetstream_replicas,
         )
         config = self.consumer_config(self.w.worker_id)
         try:

@@ -30,6 +30,8 @@ class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENYARD_WORKER_")
 
     nats_url: str = "nats://127.0.0.1:4222"
+    # Copies of the prefill work queue on a NATS cluster; the same as the gateway's.
+    jetstream_replicas: int = Field(default=1, ge=1, le=5)
     worker_id: str = Field(default_factory=default_worker_id)
     role: Role = "both"
     model: str | None = None  # a GGUF file or HF folder; None = the default model

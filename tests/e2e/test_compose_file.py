@@ -23,8 +23,6 @@ SETTINGS = {
     "TOKENYARD_FACILITIES_": FacilitiesSettings,
 }
 OBSERVABILITY = {"prometheus", "grafana", "otel-collector"}
-# TODO(telemetry merge): the ops server's settings; remove once they are on main.
-PENDING = {"ops_host", "ops_port"}
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +61,7 @@ def test_every_tokenyard_setting_exists(services):
                 continue
             prefix = next(p for p in SETTINGS if key.startswith(p))
             field = key.removeprefix(prefix).lower()
-            known = SETTINGS[prefix].model_fields.keys() | PENDING
-            assert field in known, f"{name}: {key} is no setting"
+            assert field in SETTINGS[prefix].model_fields, f"{name}: {key} is no setting"
 
 
 def test_nats_keeps_jetstream_on_a_volume(services):
