@@ -164,7 +164,7 @@ class ComposeHosts:
     def healthy(self, service: Service) -> bool:
         """The service's own healthcheck, run as the container would run it."""
         if service.name in HOST_SERVICES:
-            return _accepts(service.address, HOST_SERVICES[service.name])
+            return accepts(service.address, HOST_SERVICES[service.name])
         test = service.spec["healthcheck"]["test"]
         assert test[0] == "CMD", test
         argv = self.argv(service, test[1:])
@@ -201,7 +201,7 @@ def create_database(name: str) -> None:
             db.execute(f'CREATE DATABASE "{name}"')
 
 
-def _accepts(host: str, port: int) -> bool:
+def accepts(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1):
             return True

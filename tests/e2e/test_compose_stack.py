@@ -14,7 +14,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from compose_hosts import ComposeHosts, compose_config
+from compose_hosts import HOST_SERVICES, ComposeHosts, accepts, compose_config
+
+import infra
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +27,9 @@ PROMPT = "List the planets of the solar system in order, with one fact about eac
 
 @pytest.fixture(scope="module")
 def compose(tmp_path_factory):
+    for name, port in HOST_SERVICES.items():  # the compose graph's Redis and PostgreSQL
+        if not accepts("127.0.0.1", port):
+            infra.missing(name, f"the compose test uses the host's own, on 127.0.0.1:{port}")
     hosts = ComposeHosts(compose_config(), log_dir=tmp_path_factory.mktemp("compose-logs"))
     try:
         hosts.start(timeout=420)
