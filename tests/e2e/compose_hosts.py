@@ -80,7 +80,7 @@ class ComposeHosts:
         base = f"127.{random.randint(100, 250)}.{random.randint(0, 250)}"
         self.services: dict[str, Service] = {}
         for n, (name, spec) in enumerate(sorted(config["services"].items())):
-            if "observability" in spec.get("profiles", []):
+            if spec.get("profiles"):  # not part of a plain `docker compose up`
                 continue
             address = "127.0.0.1" if name in HOST_SERVICES else f"{base}.{n + 2}"
             self.services[name] = Service(name, spec, address)
