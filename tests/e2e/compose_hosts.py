@@ -57,7 +57,7 @@ def compose_config(*args: str) -> dict:
         capture_output=True,
         text=True,
         check=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("TOKENYARD_")},
+        env=image_environment(),
     )
     return yaml.safe_load(out.stdout)
 
@@ -147,8 +147,9 @@ class ComposeHosts:
         service.proc = ChildProcess(
             service.name,
             argv,
-            env=self.environment(service),
+            env={**image_environment(), **self.environment(service)},
             log_path=self.log_dir / f"{service.name}.log",
+            inherit_env=False,
         ).start()
 
     def wait_for(self, service: Service, condition: str, timeout: float) -> None:
@@ -191,6 +192,12 @@ class ComposeHosts:
             for proc in procs:
                 proc.stop(timeout=20)
         shutil.rmtree(self._volumes, ignore_errors=True)
+
+
+def image_environment() -> dict[str, str]:
+    """What the image gives every container (PATH, HOME, ...) and no Tokenyard setting: a
+    TOKENYARD_* or OTEL_* variable of the test run must not reach the compose services."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("TOKENYARD_", "OTEL_"))}
 
 
 def create_database(name: str) -> None:
