@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from compose_hosts import COMPOSE_FILE, ROOT, compose_config
 
+from tokenyard.grpc_security import GrpcSecurity
 from tokenyard.net import is_wildcard
 from tokenyard.services.facilities.settings import FacilitiesSettings
 from tokenyard.services.gateway.settings import GatewaySettings
@@ -21,6 +22,7 @@ SETTINGS = {
     "TOKENYARD_WORKER_": WorkerSettings,
     "TOKENYARD_KVCACHE_": KVCacheSettings,
     "TOKENYARD_FACILITIES_": FacilitiesSettings,
+    "TOKENYARD_GRPC_": GrpcSecurity,
 }
 
 

@@ -13,6 +13,7 @@ import pytest
 import yaml
 from kustomize_render import containers, render
 
+from tokenyard.grpc_security import GrpcSecurity
 from tokenyard.services.facilities.settings import FacilitiesSettings
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.services.kvcache.settings import KVCacheSettings
@@ -33,6 +34,7 @@ SETTINGS = {
     "TOKENYARD_WORKER_": WorkerSettings,
     "TOKENYARD_KVCACHE_": KVCacheSettings,
     "TOKENYARD_FACILITIES_": FacilitiesSettings,
+    "TOKENYARD_GRPC_": GrpcSecurity,
 }
 SERVICES = {"gateway", "router", "prefill", "decode", "kvcache", "facilities", "telemetry"}
 
