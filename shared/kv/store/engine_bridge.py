@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tokenyard.kv.hashing import prefix_block_hashes
+from tokenyard.kv.hashing import prefix_block_hashes, salted_root
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store.client import KVCacheClient, KVCacheError
 from tokenyard.kv.transfer.common import copy_blocks
@@ -68,6 +68,7 @@ async def fetch_prefix(
     client: KVCacheClient,
     token_ids: list[int],
     call: Callable[..., Awaitable[Any]] = _direct,
+    cache_salt: str = "",
 ) -> int:
     """Seed the engine's prefix cache from the service; returns the tokens now cached
     (0 on a miss or any cache failure: the engine then simply computes them).
@@ -79,7 +80,8 @@ async def fetch_prefix(
 
     bs = engine.layout.block_size
     # The engine always computes the block holding the prompt's last token itself.
-    hashes = prefix_block_hashes(token_ids, bs)[: (len(token_ids) - 1) // bs]
+    hashes = prefix_block_hashes(token_ids, bs, salted_root(cache_salt))
+    hashes = hashes[: (len(token_ids) - 1) // bs]
     if not hashes:
         return 0
     try:
@@ -93,7 +95,7 @@ async def fetch_prefix(
     # leaves them there, unreferenced and findable, exactly like a finished request's.
     rid = f"kv-prefetch-{uuid.uuid4().hex[:12]}"
     prefix = token_ids[: n * bs]
-    params = SamplingParams(max_tokens=1)
+    params = SamplingParams(max_tokens=1, cache_salt=cache_salt)
     dst = await call(engine.import_sequence, rid, prefix, [token_ids[n * bs]], params)
     try:
         landed = await client.get_prefix(engine.layout, hashes[:n], engine.kv_cache, dst)
