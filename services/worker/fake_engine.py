@@ -193,6 +193,8 @@ class FakeEngine:
         self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int], params: Any
     ) -> list[int]:
         self._check_new(request_id)
+        if not prompt_token_ids or not output_token_ids:  # as the real engine
+            raise ValueError("an imported sequence needs its prompt and at least its first token")
         blocks = self._allocate(len(prompt_token_ids) + params.max_tokens)
         seq = _Seq(
             list(prompt_token_ids), params, False, blocks, list(output_token_ids), committed=False

@@ -307,6 +307,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids or not output_token_ids:
             raise ValueError("an imported sequence needs its prompt and at least its first token")
+        # NOTE: a hand-off comes off the bus, not through add_request's checks: an id past the
+        # vocabulary would fail inside a later step and take every other sequence with it.
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in (*prompt_token_ids, *output_token_ids)):
+            raise ValueError(f"token ids must be in [0, {vocab})")
         self._check_length(len(prompt_token_ids))
         seq = Sequence(request_id, prompt_token_ids, params, arrival=next(self._arrivals))
         self.block_manager.allocate_fresh(
