@@ -3,10 +3,12 @@ refuses them and keeps running, and the stack still answers a real request after
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import httpx
 import pytest
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from tokenyard.bus import subjects
 from tokenyard.bus.embedded import free_port
@@ -94,10 +96,9 @@ async def test_garbage_on_every_subject_leaves_every_service_running(stack: Loca
         for _ in range(ROUNDS):
             for subject in targets:
                 await bus.nc.publish(subject, garbage(rng))
-            try:
+            # No answer to garbage is a fine answer; an error reply is too.
+            with contextlib.suppress(NatsTimeoutError):
                 await bus.nc.request(subjects.ROUTER_ROUTE, garbage(rng), timeout=0.5)
-            except Exception:  # no answer to garbage is a fine answer
-                pass
             await bus.js.publish(subjects.prefill_worker_jobs("prefill-1"), garbage(rng))
         for subject, data in forged():
             if subject.startswith(subjects.PREFILL_JOBS):
