@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
+from tokenyard.engine.contract import Engine
+from tokenyard.engine.outputs import RequestOutput
+from tokenyard.engine.sampling_params import SamplingParams
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -28,12 +32,12 @@ IDLE_SLEEP_S = 0.002
 
 
 class Sink(Protocol):
-    async def on_output(self, out: Any) -> None: ...
+    async def on_output(self, out: RequestOutput) -> None: ...
 
 
 @dataclass
 class StepResult:
-    outputs: list[Any]
+    outputs: list[RequestOutput]
     kv_events: list[tuple[str, list[int]]]
     has_unfinished: bool
     seconds: float
@@ -42,7 +46,9 @@ class StepResult:
 
 class EngineLoop:
     def __init__(
-        self, engine: Any, on_kv_events: Callable[[list[tuple[str, list[int]]]], Any] | None = None
+        self,
+        engine: Engine,
+        on_kv_events: Callable[[list[tuple[str, list[int]]]], Any] | None = None,
     ) -> None:
         self.engine = engine
         self.sinks: dict[str, Sink] = {}
@@ -64,7 +70,7 @@ class EngineLoop:
         self,
         request_id: str,
         prompt: list[int],
-        params: Any,
+        params: SamplingParams,
         sink: Sink,
         *,
         prefill_only: bool = False,
@@ -99,8 +105,7 @@ class EngineLoop:
     def _step(self) -> StepResult:
         started = time.perf_counter()
         outputs = self.engine.step()
-        drain = getattr(self.engine, "drain_kv_events", None)
-        events = drain() if drain is not None else []
+        events = self.engine.drain_kv_events()
         return StepResult(
             outputs,
             events,

@@ -15,12 +15,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from tokenyard.engine.outputs import NoFreeBlocks
 from tokenyard.engine.sequence import Sequence
 from tokenyard.kv.hashing import block_hash, salted_root
-
-
-class NoFreeBlocks(RuntimeError):
-    pass
 
 
 @dataclass
