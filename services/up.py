@@ -14,6 +14,7 @@ import signal
 import threading
 from pathlib import Path
 
+from tokenyard.bus.auth import redact
 from tokenyard.engine.spec.config import SpeculativeConfig
 from tokenyard.services.keys import default_keys_url
 from tokenyard.services.launch.stack import LocalStack, StackConfig, StackError
@@ -129,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         stack.start()
         print(
-            f"Starting Tokenyard (NATS {stack.nats_url}; logs in {stack.log_dir}) ...", flush=True
+            f"Starting Tokenyard (NATS {redact(stack.nats_url)}; logs in {stack.log_dir}) ...",
+            flush=True,
         )
         if not _wait_ready(stack, stop, args.ready_timeout):
             return 130 if stop.is_set() else 1

@@ -86,6 +86,9 @@ class SamplingFields(_Body):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
     ignore_eos: bool = False
+    # Only requests with the same salt share cached prefixes (vLLM's field). A caller with
+    # an API key is always inside its tenant's own namespace, whatever it sends here.
+    cache_salt: Name | None = None
     stop_token_ids: Annotated[
         list[Annotated[int, Field(ge=0, le=UINT32_MAX)]], Field(max_length=MAX_STOP_TOKEN_IDS)
     ] = Field(default_factory=list)

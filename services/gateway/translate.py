@@ -43,6 +43,7 @@ class Prepared:
     params: pb.SamplingParams
     stream: bool
     include_usage: bool
+    cache_salt: str | None = None  # as the request asked; deps.cache_salt decides the salt
 
 
 # --- prompts ------------------------------------------------------------------------------
@@ -218,4 +219,4 @@ def _prepared(
     request: SamplingFields, prompt_ids: list[int], params: pb.SamplingParams
 ) -> Prepared:
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return Prepared(prompt_ids, params, request.stream, include_usage)
+    return Prepared(prompt_ids, params, request.stream, include_usage, request.cache_salt)

@@ -27,6 +27,7 @@ def engine_params(p: pb.SamplingParams, params_cls: Any) -> Any:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        cache_salt=p.cache_salt,
     )
 
 

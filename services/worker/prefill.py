@@ -89,7 +89,7 @@ class PrefillHandler:
             return True
         aggregated = job.decode_worker_id in ("", self.w.worker_id) or job.params.max_tokens == 1
         prompt = list(job.prompt_token_ids)
-        fetched = await self.cache.fetch(rid, prompt)
+        fetched = await self.cache.fetch(rid, prompt, job.params.cache_salt)
         stream = await self.w.generate(
             rid,
             prompt,
@@ -102,7 +102,9 @@ class PrefillHandler:
             return False
         if reason in ("prefilled", "stop", "length"):
             # Its blocks are still in the prefix cache (held, or freed but not yet evicted).
-            await self.cache.offload(rid, prompt, skip_tokens=fetched)
+            await self.cache.offload(
+                rid, prompt, skip_tokens=fetched, cache_salt=job.params.cache_salt
+            )
         if reason != "prefilled":
             return True
         await self._hand_off(job, stream.cached_tokens or 0)

@@ -329,6 +329,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids or not output_token_ids:
             raise ValueError("an imported sequence needs its prompt and at least its first token")
+        # NOTE: a hand-off comes off the bus, not through add_request's checks: an id past the
+        # vocabulary would fail inside a later step and take every other sequence with it.
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in (*prompt_token_ids, *output_token_ids)):
+            raise ValueError(f"token ids must be in [0, {vocab})")
         self._check_length(len(prompt_token_ids))
         seq = Sequence(request_id, prompt_token_ids, params, arrival=next(self._arrivals))
         self.block_manager.allocate_fresh(
@@ -359,14 +364,19 @@ class LLMEngine:
         cached = self.block_manager.cached
         return [(h, cached[h]) for h in hashes if h in cached]
 
-    def reserve_prefix(self, request_id: str, token_ids: list[int]) -> list[int]:
+    def reserve_prefix(
+        self, request_id: str, token_ids: list[int], cache_salt: str = ""
+    ) -> list[int]:
         """Blocks for a prefix of whole blocks; :meth:`commit_prefix` names or drops them."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not token_ids or len(token_ids) % self.block_size:
             raise ValueError(f"a prefix is whole blocks of {self.block_size} tokens")
         seq = Sequence(
-            request_id, token_ids, SamplingParams(max_tokens=1), arrival=next(self._arrivals)
+            request_id,
+            token_ids,
+            SamplingParams(max_tokens=1, cache_salt=cache_salt),
+            arrival=next(self._arrivals),
         )
         self.block_manager.allocate_fresh(seq, self.block_manager.blocks_needed(len(token_ids)))
         seq.num_computed_tokens = len(token_ids)

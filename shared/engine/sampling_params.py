@@ -22,6 +22,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the chosen token's; N: and the top N
     prompt_logprobs: int | None = None  # same, for every prompt token after the first
     include_stop_str_in_output: bool = False
+    # Prefix-cache namespace: only sequences with the same salt share cached blocks.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

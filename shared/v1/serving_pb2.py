@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atokenyard/v1/serving.proto\x12\x0ctokenyard.v1\"\xb1\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"x\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x06\x12\x14\n\x0chash_version\x18\x05 \x01(\t\"\x87\x01\n\tPlacement\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x15\n\rdisaggregated\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1e\n\x16\x65xpected_cached_tokens\x18\x05 \x01(\r\"\xc3\x01\n\nRouteError\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.tokenyard.v1.RouteError.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x15\n\rretry_after_s\x18\x03 \x01(\r\"`\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x0e\n\nNO_WORKERS\x10\x01\x12\x0f\n\x0b\x41LL_DRAINED\x10\x02\x12\x0e\n\nOVERLOADED\x10\x03\x12\x11\n\rUNKNOWN_MODEL\x10\x04\"o\n\nRouteReply\x12,\n\tplacement\x18\x01 \x01(\x0b\x32\x17.tokenyard.v1.PlacementH\x00\x12)\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.tokenyard.v1.RouteErrorH\x00\x42\x08\n\x06result\"\xaa\x01\n\nPrefillJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.tokenyard.v1.SamplingParams\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x17\n\x0f\x61rrival_unix_ns\x18\x06 \x01(\x04\"\x8f\x02\n\rDecodeHandoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12,\n\x06params\x18\x05 \x01(\x0b\x32\x1c.tokenyard.v1.SamplingParams\x12\x19\n\x11prefill_worker_id\x18\x06 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x07 \x01(\t\x12\x15\n\rsrc_block_ids\x18\x08 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\t \x01(\r\x12\x17\n\x0f\x61rrival_unix_ns\x18\n \x01(\x04\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.tokenyard.v1.TopLogprob\"\xa0\x01\n\x05\x45rror\x12&\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x18.tokenyard.v1.Error.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"^\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fINVALID_REQUEST\x10\x01\x12\x0c\n\x08INTERNAL\x10\x02\x12\r\n\tCANCELLED\x10\x03\x12\x0e\n\nOVERLOADED\x10\x04\"\xaf\x02\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.tokenyard.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12\x19\n\x11num_output_tokens\x18\t \x01(\r\x12\x19\n\x11num_cached_tokens\x18\n \x01(\r\x12\"\n\x05\x65rror\x18\x0b \x01(\x0b\x32\x13.tokenyard.v1.Error\x12\x11\n\tworker_id\x18\x0c \x01(\t\",\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd8\x02\n\x0fWorkerHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\t \x01(\x02\x12\x13\n\x0bkv_endpoint\x18\n \x01(\t\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x14\n\x0csent_unix_ms\x18\x0c \x01(\x04\x12\x12\n\nblock_size\x18\r \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x0e \x01(\r\x12\x15\n\rmax_model_len\x18\x0f \x01(\r\x12\x0f\n\x07seq_cap\x18\x10 \x01(\r\"\xc3\x01\n\x07KVEvent\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.tokenyard.v1.KVEvent.Kind\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x14\n\x0chash_version\x18\x04 \x01(\t\x12\x0b\n\x03seq\x18\x05 \x01(\x04\"B\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\x0b\n\x07\x43LEARED\x10\x03\"C\n\nHandoffAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atokenyard/v1/serving.proto\x12\x0ctokenyard.v1\"\xc5\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0e \x01(\tB\x07\n\x05_seedB\x0b\n\t_logprobs\"x\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x06\x12\x14\n\x0chash_version\x18\x05 \x01(\t\"\x87\x01\n\tPlacement\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x15\n\rdisaggregated\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1e\n\x16\x65xpected_cached_tokens\x18\x05 \x01(\r\"\xc3\x01\n\nRouteError\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.tokenyard.v1.RouteError.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x15\n\rretry_after_s\x18\x03 \x01(\r\"`\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x0e\n\nNO_WORKERS\x10\x01\x12\x0f\n\x0b\x41LL_DRAINED\x10\x02\x12\x0e\n\nOVERLOADED\x10\x03\x12\x11\n\rUNKNOWN_MODEL\x10\x04\"o\n\nRouteReply\x12,\n\tplacement\x18\x01 \x01(\x0b\x32\x17.tokenyard.v1.PlacementH\x00\x12)\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.tokenyard.v1.RouteErrorH\x00\x42\x08\n\x06result\"\xaa\x01\n\nPrefillJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.tokenyard.v1.SamplingParams\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x17\n\x0f\x61rrival_unix_ns\x18\x06 \x01(\x04\"\x8f\x02\n\rDecodeHandoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12,\n\x06params\x18\x05 \x01(\x0b\x32\x1c.tokenyard.v1.SamplingParams\x12\x19\n\x11prefill_worker_id\x18\x06 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x07 \x01(\t\x12\x15\n\rsrc_block_ids\x18\x08 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\t \x01(\r\x12\x17\n\x0f\x61rrival_unix_ns\x18\n \x01(\x04\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.tokenyard.v1.TopLogprob\"\xa0\x01\n\x05\x45rror\x12&\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x18.tokenyard.v1.Error.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"^\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fINVALID_REQUEST\x10\x01\x12\x0c\n\x08INTERNAL\x10\x02\x12\r\n\tCANCELLED\x10\x03\x12\x0e\n\nOVERLOADED\x10\x04\"\xaf\x02\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.tokenyard.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12\x19\n\x11num_output_tokens\x18\t \x01(\r\x12\x19\n\x11num_cached_tokens\x18\n \x01(\r\x12\"\n\x05\x65rror\x18\x0b \x01(\x0b\x32\x13.tokenyard.v1.Error\x12\x11\n\tworker_id\x18\x0c \x01(\t\",\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd8\x02\n\x0fWorkerHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\t \x01(\x02\x12\x13\n\x0bkv_endpoint\x18\n \x01(\t\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x14\n\x0csent_unix_ms\x18\x0c \x01(\x04\x12\x12\n\nblock_size\x18\r \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x0e \x01(\r\x12\x15\n\rmax_model_len\x18\x0f \x01(\r\x12\x0f\n\x07seq_cap\x18\x10 \x01(\r\"\xc3\x01\n\x07KVEvent\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.tokenyard.v1.KVEvent.Kind\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x14\n\x0chash_version\x18\x04 \x01(\t\x12\x0b\n\x03seq\x18\x05 \x01(\x04\"B\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\x0b\n\x07\x43LEARED\x10\x03\"C\n\nHandoffAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,39 +32,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenyard.v1.serving_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=45
-  _globals['_SAMPLINGPARAMS']._serialized_end=350
-  _globals['_ROUTEREQUEST']._serialized_start=352
-  _globals['_ROUTEREQUEST']._serialized_end=472
-  _globals['_PLACEMENT']._serialized_start=475
-  _globals['_PLACEMENT']._serialized_end=610
-  _globals['_ROUTEERROR']._serialized_start=613
-  _globals['_ROUTEERROR']._serialized_end=808
-  _globals['_ROUTEERROR_CODE']._serialized_start=712
-  _globals['_ROUTEERROR_CODE']._serialized_end=808
-  _globals['_ROUTEREPLY']._serialized_start=810
-  _globals['_ROUTEREPLY']._serialized_end=921
-  _globals['_PREFILLJOB']._serialized_start=924
-  _globals['_PREFILLJOB']._serialized_end=1094
-  _globals['_DECODEHANDOFF']._serialized_start=1097
-  _globals['_DECODEHANDOFF']._serialized_end=1368
-  _globals['_TOPLOGPROB']._serialized_start=1370
-  _globals['_TOPLOGPROB']._serialized_end=1432
-  _globals['_TOKENLOGPROB']._serialized_start=1434
-  _globals['_TOKENLOGPROB']._serialized_end=1537
-  _globals['_ERROR']._serialized_start=1540
-  _globals['_ERROR']._serialized_end=1700
-  _globals['_ERROR_CODE']._serialized_start=1606
-  _globals['_ERROR_CODE']._serialized_end=1700
-  _globals['_TOKENCHUNK']._serialized_start=1703
-  _globals['_TOKENCHUNK']._serialized_end=2006
-  _globals['_CANCEL']._serialized_start=2008
-  _globals['_CANCEL']._serialized_end=2052
-  _globals['_WORKERHEARTBEAT']._serialized_start=2055
-  _globals['_WORKERHEARTBEAT']._serialized_end=2399
-  _globals['_KVEVENT']._serialized_start=2402
-  _globals['_KVEVENT']._serialized_end=2597
-  _globals['_KVEVENT_KIND']._serialized_start=2531
-  _globals['_KVEVENT_KIND']._serialized_end=2597
-  _globals['_HANDOFFACK']._serialized_start=2599
-  _globals['_HANDOFFACK']._serialized_end=2666
+  _globals['_SAMPLINGPARAMS']._serialized_end=370
+  _globals['_ROUTEREQUEST']._serialized_start=372
+  _globals['_ROUTEREQUEST']._serialized_end=492
+  _globals['_PLACEMENT']._serialized_start=495
+  _globals['_PLACEMENT']._serialized_end=630
+  _globals['_ROUTEERROR']._serialized_start=633
+  _globals['_ROUTEERROR']._serialized_end=828
+  _globals['_ROUTEERROR_CODE']._serialized_start=732
+  _globals['_ROUTEERROR_CODE']._serialized_end=828
+  _globals['_ROUTEREPLY']._serialized_start=830
+  _globals['_ROUTEREPLY']._serialized_end=941
+  _globals['_PREFILLJOB']._serialized_start=944
+  _globals['_PREFILLJOB']._serialized_end=1114
+  _globals['_DECODEHANDOFF']._serialized_start=1117
+  _globals['_DECODEHANDOFF']._serialized_end=1388
+  _globals['_TOPLOGPROB']._serialized_start=1390
+  _globals['_TOPLOGPROB']._serialized_end=1452
+  _globals['_TOKENLOGPROB']._serialized_start=1454
+  _globals['_TOKENLOGPROB']._serialized_end=1557
+  _globals['_ERROR']._serialized_start=1560
+  _globals['_ERROR']._serialized_end=1720
+  _globals['_ERROR_CODE']._serialized_start=1626
+  _globals['_ERROR_CODE']._serialized_end=1720
+  _globals['_TOKENCHUNK']._serialized_start=1723
+  _globals['_TOKENCHUNK']._serialized_end=2026
+  _globals['_CANCEL']._serialized_start=2028
+  _globals['_CANCEL']._serialized_end=2072
+  _globals['_WORKERHEARTBEAT']._serialized_start=2075
+  _globals['_WORKERHEARTBEAT']._serialized_end=2419
+  _globals['_KVEVENT']._serialized_start=2422
+  _globals['_KVEVENT']._serialized_end=2617
+  _globals['_KVEVENT_KIND']._serialized_start=2551
+  _globals['_KVEVENT_KIND']._serialized_end=2617
+  _globals['_HANDOFFACK']._serialized_start=2619
+  _globals['_HANDOFFACK']._serialized_end=2686
 # @@protoc_insertion_point(module_scope)
