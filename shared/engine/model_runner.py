@@ -35,10 +35,16 @@ class ModelRunner:
         # Decode rows (one token each) first, so they form one batched attention call.
         batch = sorted(batch, key=lambda s: s.num_tokens != 1)
         input_ids, positions, meta, last_rows = self._prepare(batch)
+        if self.kv_cache.device.type != "cpu":
+            input_ids, positions, meta = _to_device(
+                self.kv_cache.device, input_ids, positions, meta
+            )
         hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [T, hidden]
         completing = [s for s in batch if s.completes]
         rows = torch.tensor([last_rows[id(s)] for s in completing], dtype=torch.long)
         logits = self.model.logits(hidden[rows]) if completing else hidden.new_empty(0, 0)
+        # NOTE: sampling runs on the host: the logits of the completing rows only come back.
+        logits = logits.cpu()
         prompt_rows = []
         for s in batch:
             if (
@@ -50,7 +56,7 @@ class ModelRunner:
                     (
                         s,
                         s.seq.num_computed_tokens,
-                        self.model.logits(hidden[end - s.num_tokens : end]),
+                        self.model.logits(hidden[end - s.num_tokens : end]).cpu(),
                     )
                 )
         return StepLogits(logits, completing, prompt_rows)
@@ -96,3 +102,30 @@ class ModelRunner:
             )
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
         return torch.tensor(ids, dtype=torch.long), positions, meta, last_rows
+
+
+def _to_device(
+    device: torch.device, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata
+) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
+    """A step's inputs, built on the host, moved to the pool's device in one pass."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    moved = AttnMetadata(
+        slot_blocks=move(meta.slot_blocks),
+        slot_offsets=move(meta.slot_offsets),
+        num_decode=meta.num_decode,
+        decode_block_tables=None
+        if meta.decode_block_tables is None
+        else move(meta.decode_block_tables),
+        decode_context_lens=None
+        if meta.decode_context_lens is None
+        else move(meta.decode_context_lens),
+        prefills=[
+            PrefillSpan(p.start, p.num_tokens, p.context_len, move(p.block_ids))
+            for p in meta.prefills
+        ],
+        block_size=meta.block_size,
+    )
+    return move(input_ids), move(positions), moved
