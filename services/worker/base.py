@@ -269,7 +269,7 @@ class WorkerBase:
         return self.fleet.alive(worker_id, time.monotonic())
 
     async def heartbeat(self) -> pb.WorkerHeartbeat:
-        stats = await self.loop.call(self.engine.stats)
+        stats = await self.loop.stats()
         self.metrics.on_stats(stats)
         now, generated = time.monotonic(), self.loop.tokens_generated
         then, before = self._tokens_at

@@ -41,6 +41,7 @@ class StepResult:
     kv_events: list[tuple[str, list[int]]]
     has_unfinished: bool
     seconds: float
+    stats: Any = None  # the engine's stats right after the step
 
 
 class EngineLoop:
@@ -55,6 +56,8 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._on_kv_events = on_kv_events
         self.tokens_generated = 0
+        self._stepping = False
+        self._last_stats: Any = None
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -87,12 +90,28 @@ class EngineLoop:
         self.sinks.pop(request_id, None)
         return bool(await self.call(self.engine.abort, request_id))
 
+    async def stats(self) -> Any:
+        """The engine's stats without queueing behind a step: while one runs, the snapshot
+        taken after the previous step; a fresh read otherwise.
+
+        NOTE: heartbeats come from here. Waiting for the engine thread made a worker busy
+        with a long step (a big prefill, a batch of resumed sequences) miss its heartbeats
+        and be declared dead while it was working."""
+        if self._stepping and self._last_stats is not None:
+            return self._last_stats
+        self._last_stats = await self.call(self.engine.stats)
+        return self._last_stats
+
     def _step(self) -> StepResult:
         started = time.perf_counter()
         outputs = self.engine.step()
         events = self.engine.drain_kv_events()
         return StepResult(
-            outputs, events, self.engine.has_unfinished(), time.perf_counter() - started
+            outputs,
+            events,
+            self.engine.has_unfinished(),
+            time.perf_counter() - started,
+            self.engine.stats(),
         )
 
     async def run(self) -> None:
@@ -101,7 +120,12 @@ class EngineLoop:
             await self._wake.wait()
             self._wake.clear()
             while True:
-                result = await self.call(self._step)
+                self._stepping = True
+                try:
+                    result = await self.call(self._step)
+                finally:
+                    self._stepping = False
+                self._last_stats = result.stats
                 await self._dispatch(result)
                 if not result.has_unfinished:
                     break
