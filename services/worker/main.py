@@ -54,11 +54,16 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         "num_threads": settings.num_threads,
         "speculative_config": settings.speculative if settings.decodes else None,
     }
-    if settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
+    # A shared-memory pool is host memory: for a CPU engine only.
+    cpu = settings.device == "cpu"
+    if cpu and settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
         optional["kv_pool_factory"] = shared_pool
     config = EngineConfig(
         model=settings.model,
         max_num_seqs=settings.max_num_seqs,
+        device=settings.device,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        tensor_parallel_size=settings.tensor_parallel_size,
         **{k: v for k, v in optional.items() if v is not None},
     )
     return LLMEngine(config), SamplingParams

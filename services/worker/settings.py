@@ -50,6 +50,9 @@ class WorkerSettings(BaseSettings):
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
     num_threads: int | None = None  # torch threads; None = torch's default
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:<index>"
+    gpu_memory_utilization: float = 0.9  # on CUDA: this worker's share of the device
+    tensor_parallel_size: int = 1
     heartbeat_interval_s: float = 1.0
     host: str = "127.0.0.1"  # where the KV transfer server listens (0.0.0.0: everywhere)
     # Where other workers reach this one (its KV endpoint). Empty: the bound address, or,

@@ -25,7 +25,12 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # the per-step token budget (chunked prefill)
     max_model_len: int | None = None  # None = the model's context length, capped at 8192
-    kv_cache_bytes: int = 512 * 1024**2  # the KV pool's memory budget
+    # The KV pool's size. None: 512 MiB on a CPU; on a GPU, what gpu_memory_utilization of
+    # the device leaves once weights and buffers are in (as vLLM sizes it).
+    kv_cache_bytes: int | None = None
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:<index>": weights, KV pool and kernels
+    gpu_memory_utilization: float = 0.9  # on CUDA: the share of the device this engine may use
+    tensor_parallel_size: int = 1  # ranks one model is split over (only 1 is built so far)
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     # Makes the KV pool: (layout, num_blocks) -> a zeroed contiguous tensor of
@@ -50,3 +55,27 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_device()
+
+    def _check_device(self) -> None:
+        kind, _, index = self.device.partition(":")
+        if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not "
+                "built yet; run one rank per worker (tensor_parallel_size=1)"
+            )
+        if kind == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+            if index and int(index) >= torch.cuda.device_count():
+                raise ValueError(
+                    f"device {self.device!r}: only {torch.cuda.device_count()} CUDA devices"
+                )

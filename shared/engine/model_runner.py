@@ -56,6 +56,8 @@ class ModelRunner:
             r for i, k in zip(completing, ks, strict=True) for r in range(ends[i] - k, ends[i] + 1)
         ]
         logits = self.model.logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
+        # NOTE: sampling runs on the host: the logits of the completing rows only come back.
+        logits = logits.cpu()
         starts = list(itertools.accumulate((k + 1 for k in ks), initial=0))[:-1]
         spec_logits = [logits[f + 1 : f + 1 + k] for f, k in zip(starts, ks, strict=True)]
         prompt_rows = []
@@ -69,7 +71,7 @@ class ModelRunner:
                     (
                         s,
                         s.seq.num_computed_tokens,
-                        self.model.logits(hidden[end + 1 - s.num_tokens : end + 1]),
+                        self.model.logits(hidden[end + 1 - s.num_tokens : end + 1]).cpu(),
                     )
                 )
         if any(ks):
@@ -80,6 +82,10 @@ class ModelRunner:
     def forward(self, spans: list[InputSpan]) -> tuple[torch.Tensor, list[int]]:
         """Run the spans (single-token spans first) -> (hidden [T, hidden], each span's last row)."""
         input_ids, positions, meta, ends = _prepare(spans, self.block_size)
+        if self.kv_cache.device.type != "cpu":
+            input_ids, positions, meta = _to_device(
+                self.kv_cache.device, input_ids, positions, meta
+            )
         return self.model(input_ids, positions, meta, self.kv_cache), ends
 
 
@@ -130,3 +136,30 @@ def _prepare(
         )
         meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
     return torch.tensor(ids, dtype=torch.long), positions, meta, ends
+
+
+def _to_device(
+    device: torch.device, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata
+) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
+    """A step's inputs, built on the host, moved to the pool's device in one pass."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    moved = AttnMetadata(
+        slot_blocks=move(meta.slot_blocks),
+        slot_offsets=move(meta.slot_offsets),
+        num_decode=meta.num_decode,
+        decode_block_tables=None
+        if meta.decode_block_tables is None
+        else move(meta.decode_block_tables),
+        decode_context_lens=None
+        if meta.decode_context_lens is None
+        else move(meta.decode_context_lens),
+        prefills=[
+            PrefillSpan(p.start, p.num_tokens, p.context_len, move(p.block_ids))
+            for p in meta.prefills
+        ],
+        block_size=meta.block_size,
+    )
+    return move(input_ids), move(positions), moved

@@ -80,3 +80,21 @@ def test_up_without_a_facilities_inventory_says_why_and_starts_nothing(tmp_path)
     assert done.returncode == 1
     assert f"{missing} does not exist" in done.stdout and "--no-facilities" in done.stdout
     assert "Starting Tokenyard" not in done.stdout  # printed once every service is started
+
+
+def up_config(*argv: str):
+    from tokenyard.services import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    return up.config_from(parser.parse_args(list(argv)))
+
+
+def test_up_picks_quantization_per_device():
+    cpu = up_config()
+    assert cpu.device == "cpu" and cpu.worker_env["TOKENYARD_WORKER_QUANTIZATION"] == "int4"
+    gpu = up_config("--device", "cuda", "--gpu-memory-utilization", "0.8")
+    assert gpu.device == "cuda" and gpu.gpu_memory_utilization == 0.8
+    assert "TOKENYARD_WORKER_QUANTIZATION" not in gpu.worker_env
+    with pytest.raises(SystemExit, match="runs on the CPU only"):
+        up_config("--device", "cuda", "--quantization", "int4")
