@@ -21,6 +21,7 @@ from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.decode import DecodeHandler
 from tokenyard.services.worker.prefill import PrefillHandler
 from tokenyard.services.worker.settings import WorkerSettings
+from tokenyard.span_bus import spans_to_bus
 from tokenyard.tracing import setup_tracing
 
 log = logging.getLogger("tokenyard.worker")
@@ -77,7 +78,7 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, ready: Ready
     prefill = PrefillHandler(worker) if settings.prefills else None
     decode = DecodeHandler(worker) if settings.decodes else None
     try:
-        async with asyncio.TaskGroup() as tg:
+        async with spans_to_bus(bus, settings.worker_id), asyncio.TaskGroup() as tg:
             await worker.start(tg)
             for handler in (decode, prefill):
                 if handler is not None:

@@ -13,12 +13,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import BadRequestError, NotFoundError
+from opentelemetry import context
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import BusError, parse
@@ -26,8 +27,10 @@ from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.convert import error_chunk
 from tokenyard.services.worker.kv import KVCachePort
 from tokenyard.services.worker.stream import HANDED_BACK
+from tokenyard.tracing import REQUEST_ID, extract_context, tracer
 from tokenyard.v1 import serving_pb2 as pb
 
+_tracer = tracer("tokenyard.worker")
 log = logging.getLogger(__name__)
 
 CONSUMER_PREFIX = "prefill-"
@@ -121,9 +124,10 @@ class PrefillHandler:
                 log.info(
                     "job %s redelivered (delivery %d)", job.request_id, msg.metadata.num_delivered
                 )
-            async with self._in_progress(msg):
-                # A redelivery of a job still running here waits for it, never re-adds it.
-                done = await self.w.run_once(job.request_id, lambda: self.run_job(job))
+            with traced(msg):
+                async with self._in_progress(msg):
+                    # A redelivery of a job still running here waits for it, never re-adds it.
+                    done = await self.w.run_once(job.request_id, lambda: self.run_job(job))
             await (msg.ack() if done else msg.nak())  # nak: handed back, a live worker takes it
         except Exception as exc:
             log.exception("prefill job %s failed", job.request_id)
@@ -170,7 +174,9 @@ class PrefillHandler:
             return True
         aggregated = job.decode_worker_id in ("", self.w.worker_id) or job.params.max_tokens == 1
         prompt = list(job.prompt_token_ids)
-        fetched = await self.cache.fetch(rid, prompt)
+        with _tracer.start_as_current_span("kvcache.fetch", attributes={REQUEST_ID: rid}) as span:
+            fetched = await self.cache.fetch(rid, prompt)
+            span.set_attribute("tokenyard.fetched_tokens", fetched)
         stream = await self.w.generate(
             rid,
             prompt,
@@ -208,7 +214,12 @@ class PrefillHandler:
             num_cached_tokens=cached_tokens,
             arrival_unix_ns=job.arrival_unix_ns,
         )
-        accepted = await self._send(job.decode_worker_id, handoff)
+        with _tracer.start_as_current_span(
+            "handoff",
+            attributes={REQUEST_ID: rid, "tokenyard.decode_worker": job.decode_worker_id},
+        ) as span:
+            accepted = await self._send(job.decode_worker_id, handoff)
+            span.set_attribute("tokenyard.accepted", accepted)
         if not endpoint or not accepted:
             await self.w.kv.end_hold(rid, "not pulled")
         if not accepted and self.w.is_cancelled(rid):
@@ -307,3 +318,14 @@ class PrefillHandler:
             info = await self.bus.js.consumer_info(subjects.PREFILL_STREAM, name)
             if not (info.num_pending or info.num_ack_pending):
                 await self.bus.js.delete_consumer(subjects.PREFILL_STREAM, name)
+
+
+@contextlib.contextmanager
+def traced(msg: Msg) -> Iterator[None]:
+    """Run a pulled job in the trace context its publisher (the gateway) put in the headers;
+    pulled JetStream messages do not pass through Bus.subscribe, which does this for others."""
+    token = context.attach(extract_context(msg.headers))
+    try:
+        yield
+    finally:
+        context.detach(token)

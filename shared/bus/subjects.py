@@ -59,3 +59,11 @@ def facilities_state(rack: str) -> str:
 
 
 FACILITIES_STATE_ALL = f"{PREFIX}.facilities.state.*"
+
+
+def telemetry_spans(service: str) -> str:
+    """Finished spans (an OTLP ExportTraceServiceRequest) from one service process."""
+    return f"{PREFIX}.telemetry.spans.{service}"
+
+
+TELEMETRY_SPANS_ALL = f"{PREFIX}.telemetry.spans.*"
