@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tokenyard.bus.embedded import free_port, nats_server_binary
 from tokenyard.services.launch.procs import ChildProcess
+from tokenyard.services.launch.supervise import GaveUp, RestartPolicy, Supervisor
 
 
 class StackError(RuntimeError):
@@ -48,6 +49,7 @@ class StackConfig:
     router_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
     gateway_env: dict[str, str] = field(default_factory=dict)
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 def require_module(module: str) -> None:
@@ -88,6 +90,7 @@ class LocalStack:
         # Where an operator injects faults (empty when the facilities service is not run).
         self.facilities_url = ""
         self.facilities_admin_token = ""
+        self.supervisor = Supervisor(config.restart_policy)
         # Each service's ops HTTP server (/health, /ready, /metrics), by process name.
         self.ops_urls: dict[str, str] = {}
 
@@ -135,7 +138,7 @@ class LocalStack:
         store.mkdir()
         argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)]
         proc = ChildProcess("nats", argv, env={}, log_path=self.log_dir / "nats.log").start()
-        self.procs.append(proc)
+        self._watch(proc)
         self.nats_url = f"nats://127.0.0.1:{port}"
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -232,8 +235,12 @@ class LocalStack:
         proc = ChildProcess.python_module(
             name, module, env=env, log_path=self.log_dir / f"{name}.log"
         ).start()
-        self.procs.append(proc)
+        self._watch(proc)
         return proc
+
+    def _watch(self, proc: ChildProcess) -> None:
+        self.procs.append(proc)
+        self.supervisor.watch(proc)
 
     # --- waiting -------------------------------------------------------------------------
 
@@ -275,6 +282,15 @@ class LocalStack:
             raise StackError(
                 f"{', '.join(p.name for p in dead)} exited\n{self.describe_failures()}"
             )
+
+    def supervise(self) -> list[str]:
+        """Restart any service that died (NATS on its port and JetStream directory, so
+        streams and consumers survive); returns the names restarted. A service that keeps
+        failing right after its start is a StackError, with its log."""
+        try:
+            return self.supervisor.poll(self.procs)
+        except GaveUp as exc:
+            raise StackError(str(exc)) from None
 
     def describe_failures(self) -> str:
         parts = []
