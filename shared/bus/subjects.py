@@ -67,3 +67,8 @@ def telemetry_spans(service: str) -> str:
 
 
 TELEMETRY_SPANS_ALL = f"{PREFIX}.telemetry.spans.*"
+
+
+def drain(worker_id: str) -> str:
+    """Request/reply: stop taking work, finish what runs, exit (the console's drain)."""
+    return f"{PREFIX}.drain.{worker_id}"
