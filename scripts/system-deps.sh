@@ -4,10 +4,12 @@
 set -euo pipefail
 need=()
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || need+=(libibverbs1)
+# The ops console's browser test drives Debian's chromium through Playwright.
+[ -x /usr/bin/chromium ] || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
   else
-    echo "note: missing system packages ${need[*]} (the RDMA transport will be unavailable)" >&2
+    echo "note: missing system packages ${need[*]} (libibverbs1: the RDMA transport; chromium: the console's browser test)" >&2
   fi
 fi

@@ -51,6 +51,7 @@ class StackConfig:
     router_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
     gateway_env: dict[str, str] = field(default_factory=dict)
+    facilities_env: dict[str, str] = field(default_factory=dict)
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
 
 
@@ -226,6 +227,7 @@ class LocalStack:
             "TOKENYARD_FACILITIES_DATA_DIR": str(data),
             "TOKENYARD_FACILITIES_PORT": str(port),
             "TOKENYARD_FACILITIES_ADMIN_TOKEN": token,
+            **self.config.facilities_env,
         }
         self._spawn("facilities", "tokenyard.services.facilities", env)
         self.facilities_url = f"http://127.0.0.1:{port}"
