@@ -5,10 +5,13 @@ the example facilities inventory."""
 from __future__ import annotations
 
 import contextlib
+import os
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import create_engine, text
 
 from tokenyard.bus.embedded import EmbeddedNats
 from tokenyard.bus.nats import Bus
@@ -77,3 +80,38 @@ def launch_stack() -> Callable[[StackConfig], contextlib.AbstractContextManager[
 def example_inventory() -> Path:
     """The facilities inventory shipped in infra/: two racks, the stack's default workers."""
     return Path(__file__).resolve().parents[1] / "infra" / "facilities" / "inventory.example.yaml"
+
+
+PG_URL = os.environ.get(
+    "TOKENYARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+def _pg_available() -> bool:
+    try:
+        with create_engine(PG_URL).connect() as conn:
+            conn.execute(text("select 1"))
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty database: a SQLite file, then a PostgreSQL schema of the test's own."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'test.db'}"
+        return
+    if not _pg_available():
+        pytest.skip(f"PostgreSQL not reachable at {PG_URL}")
+    # A schema of its own per test: parallel and earlier runs never collide.
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
