@@ -24,9 +24,11 @@ def source_text() -> str:
     return "\n".join(p.read_text() for p in files)
 
 
-def test_the_dashboard_uses_only_defined_metrics():
+def test_the_dashboard_and_alerts_use_only_defined_metrics():
     dashboard = json.loads((ROOT / "infra/grafana/dashboards/tokenyard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    alerts = yaml.safe_load((ROOT / "infra/prometheus/alerts.yml").read_text())
+    exprs += [r["expr"] for g in alerts["groups"] for r in g["rules"]]
     names = {SUFFIXES.sub("", n) for e in exprs for n in re.findall(r"tokenyard[:_][a-z0-9_:]+", e)}
     assert len(names) >= 20
     code = source_text()

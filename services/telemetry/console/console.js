@@ -7,6 +7,7 @@ const series = {
   tokens: [[]], ttft: [[], []], itl: [[], []], queue: [[], []], kv: [[]], prefix: [[]],
 };
 const rackPower = {}; // rack -> [[ts, kW]]
+const rackCoolant = {}; // rack -> [[ts, supply °C, return °C]]
 const $ = (id) => document.getElementById(id);
 const fmt = (v, digits = 2) => (v === null || v === undefined ? "–" : Number(v).toFixed(digits));
 const pct = (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(0) + "%");
@@ -79,6 +80,10 @@ function drawCharts() {
   document.querySelectorAll("canvas[data-rack]").forEach((c) => {
     drawChart(c, [(rackPower[c.dataset.rack] || []).map((p) => p[1])]);
   });
+  document.querySelectorAll("canvas[data-coolant]").forEach((c) => {
+    const rows = rackCoolant[c.dataset.coolant] || [];
+    drawChart(c, [rows.map((p) => p[1]), rows.map((p) => p[2])]);
+  });
 }
 
 function renderFigures(f) {
@@ -118,7 +123,8 @@ function rackHtml(r) {
       <span>supply ${fmt(r.supply_c, 1)} °C</span><span>return ${fmt(r.return_c, 1)} °C</span>
       <span>flow ${fmt(r.flow_lpm, 1)} l/min</span>
     </div>
-    <canvas data-rack="${esc(r.name)}" style="height:50px"></canvas>
+    <div class="rack-charts"><figure><figcaption>kW</figcaption><canvas data-rack="${esc(r.name)}"></canvas></figure>
+      <figure><figcaption>supply / return °C</figcaption><canvas data-coolant="${esc(r.name)}"></canvas></figure></div>
     ${r.nodes.map((n) => `<div class="node"><span class="node-name">${esc(n.name)}</span>
       <div class="workers">${n.workers.map(workerHtml).join("") || "<small>no workers</small>"}</div></div>`).join("")}
     <div class="actions">
@@ -134,6 +140,9 @@ function renderFleet(racks, ts) {
     const line = rackPower[r.name] || (rackPower[r.name] = []);
     line.push([ts, r.power_kw]);
     if (line.length > HISTORY_POINTS) line.shift();
+    const temps = rackCoolant[r.name] || (rackCoolant[r.name] = []);
+    temps.push([ts, r.supply_c, r.return_c]);
+    if (temps.length > HISTORY_POINTS) temps.shift();
   }
   $("fleet").innerHTML = racks.map(rackHtml).join("");
 }
@@ -180,7 +189,10 @@ async function seedHistory() {
   try {
     const h = await (await fetch("/api/history?minutes=15")).json();
     h.fleet.forEach(record);
-    for (const [rack, rows] of Object.entries(h.racks)) rackPower[rack] = rows.map((r) => [r.ts, r.power_kw]);
+    for (const [rack, rows] of Object.entries(h.racks)) {
+      rackPower[rack] = rows.map((r) => [r.ts, r.power_kw]);
+      rackCoolant[rack] = rows.map((r) => [r.ts, r.supply_c, r.return_c]);
+    }
   } catch (err) { $("message").textContent = `history: ${err}`; }
 }
 
