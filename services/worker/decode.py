@@ -13,6 +13,7 @@ import logging
 import time
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from opentelemetry import trace
 
 from tokenyard.bus import subjects
@@ -32,7 +33,7 @@ class DecodeHandler:
         self.bus = worker.bus
         self.handoffs: dict[str, pb.DecodeHandoff] = {}  # running here
         self._tg: asyncio.TaskGroup | None = None
-        self._sub = None
+        self._sub: Subscription | None = None
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         self._tg = tg
