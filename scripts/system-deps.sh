@@ -6,10 +6,12 @@ set -euo pipefail
 need=()
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || need+=(libibverbs1)
 command -v docker-compose >/dev/null || need+=(docker-compose)
+# The ops console's browser test drives Debian's chromium through Playwright.
+[ -x /usr/bin/chromium ] || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
   else
-    echo "note: missing system packages ${need[*]} (the RDMA transport and the compose tests need them)" >&2
+    echo "note: missing system packages ${need[*]} (the RDMA transport, the compose tests and the console's browser test need them)" >&2
   fi
 fi

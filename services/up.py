@@ -18,6 +18,7 @@ from tokenyard.bus.auth import redact
 from tokenyard.engine.spec.config import SpeculativeConfig
 from tokenyard.services.keys import default_keys_url
 from tokenyard.services.launch.stack import LocalStack, StackConfig, StackError
+from tokenyard.services.telemetry.settings import DEFAULT_PORT as TELEMETRY_PORT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-facilities", action="store_true", help="do not start the facilities service"
     )
     parser.add_argument(
+        "--no-telemetry", action="store_true", help="do not start the telemetry service (console)"
+    )
+    parser.add_argument(
+        "--console-port",
+        type=int,
+        default=TELEMETRY_PORT,
+        help=f"the ops console's port (default {TELEMETRY_PORT}; 0 = any free port)",
+    )
+    parser.add_argument(
         "--log-dir", type=Path, help="keep service logs here (default: a temporary dir)"
     )
     parser.add_argument(
@@ -117,6 +127,8 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         model=args.model,
         kvcache=not args.no_kvcache,
         facilities=not args.no_facilities,
+        telemetry=not args.no_telemetry,
+        console_port=args.console_port or None,
         log_dir=args.log_dir,
         keys_db_url=default_keys_url() if args.require_keys else None,
         worker_env={
@@ -200,4 +212,6 @@ def _banner(stack: LocalStack) -> None:
             f"  curl -XPOST {fac}/v1/admin/racks/rack-a/faults -H 'Authorization: Bearer {token}' \\\n"
             "    -H 'Content-Type: application/json' -d '{\"kind\": \"pump_failure\"}'"
         )
+    if stack.console_url:
+        print(f"console: {stack.console_url}  (admin token: {stack.console_admin_token})")
     print("Ctrl-C stops everything.", flush=True)

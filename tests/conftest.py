@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import create_engine, text
 
 import infra
 from tokenyard.bus.nats import Bus
@@ -94,3 +96,23 @@ def launch_stack() -> Callable[[StackConfig], contextlib.AbstractContextManager[
 def example_inventory() -> Path:
     """The facilities inventory shipped in infra/: two racks, the stack's default workers."""
     return Path(__file__).resolve().parents[1] / "infra" / "facilities" / "inventory.example.yaml"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty database: a SQLite file, then a PostgreSQL schema of the test's own."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'test.db'}"
+        return
+    pg_url = request.getfixturevalue("postgres_url")
+    # A schema of its own per test: parallel and earlier runs never collide.
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield f"{pg_url}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()

@@ -16,7 +16,9 @@ from typing import TypeVar
 import anyio
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import propagate, trace
 
+from tokenyard import tracing
 from tokenyard.services.gateway.backend import TokenStream
 from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.responses import Accumulator, ResponseFormat
@@ -32,6 +34,10 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.25
 # Status logged for a request whose client left before the answer (nginx's convention).
 CLIENT_CLOSED = 499
+# Where a generating route leaves its request id for the x-request-id response header.
+REQUEST_ID_SCOPE_KEY = "tokenyard.request_id"
+# OpenTelemetry GenAI operation names of our routes.
+OPERATIONS = {"chat": "chat", "completions": "text_completion"}
 
 
 class ClientGone(Exception):
@@ -72,11 +78,26 @@ class Generation:
 
     async def serve(self, request: Request, model: str) -> Response:
         rid, backend = self.fmt.rid, self.state.backend
+        request.scope[REQUEST_ID_SCOPE_KEY] = rid
         # One trace per request: the bus carries this span's context to router and workers.
-        with _tracer.start_as_current_span(f"gateway.{self.route}", attributes={"request_id": rid}):
-            stream = await backend.submit(
-                rid, model, self.prepared.prompt_ids, self.prepared.params
-            )
+        # The span lasts until the answer's last byte (ended in _observe).
+        self.span = _tracer.start_span(
+            f"{OPERATIONS.get(self.route, self.route)} {model}",
+            # The caller's trace when it sent a traceparent, else a new one.
+            context=propagate.extract(dict(request.headers)),
+            kind=trace.SpanKind.SERVER,
+            attributes=self._request_attributes(model),
+        )
+        try:
+            with trace.use_span(self.span, end_on_exit=False):
+                stream = await backend.submit(
+                    rid, model, self.prepared.prompt_ids, self.prepared.params
+                )
+        except BaseException as exc:
+            self.span.record_exception(exc)
+            self.span.set_status(trace.StatusCode.ERROR, str(exc))
+            self.span.end()
+            raise
         self.state.metrics.in_flight.inc()
         handed_off = False  # once the SSE generator owns the stream, it cleans up
         try:
@@ -140,7 +161,35 @@ class Generation:
             await stream.close()
             self._observe()
 
+    def _request_attributes(self, model: str) -> dict[str, str | int | float]:
+        params = self.prepared.params
+        return {
+            tracing.REQUEST_ID: self.fmt.rid,
+            tracing.GEN_AI_OPERATION: OPERATIONS.get(self.route, self.route),
+            tracing.GEN_AI_PROVIDER: "tokenyard",
+            tracing.GEN_AI_REQUEST_MODEL: model,
+            tracing.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
+            tracing.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
+            tracing.GEN_AI_REQUEST_TOP_P: params.top_p,
+            tracing.GEN_AI_RESPONSE_ID: self.fmt.rid,
+            "gen_ai.request.stream": self.prepared.stream,
+        }
+
+    def _end_span(self) -> None:
+        acc, span = self.acc, self.span
+        span.set_attribute(tracing.GEN_AI_USAGE_INPUT_TOKENS, len(self.prepared.prompt_ids))
+        span.set_attribute(tracing.GEN_AI_USAGE_OUTPUT_TOKENS, acc.num_output_tokens)
+        span.set_attribute("tokenyard.cached_tokens", acc.num_cached_tokens)
+        if acc.finish_reason:
+            span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH_REASONS, [acc.finish_reason])
+        if self.first_token_at is not None:
+            span.set_attribute(tracing.GEN_AI_TTFT, self.first_token_at - self.t0)
+        if not self.done:
+            span.set_status(trace.StatusCode.ERROR, "client disconnected")
+        span.end()
+
     def _observe(self) -> None:
+        self._end_span()
         m = self.state.metrics
         m.in_flight.dec()
         if self.done:

@@ -36,8 +36,10 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo
 from nats.js.errors import BadRequestError, NotFoundError
+from opentelemetry import context
 
 from tokenyard.bus.nats import Bus, BusError, parse
+from tokenyard.tracing import extract_context
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +194,8 @@ class WorkQueue(Generic[M]):
             self._slots.release()
             return
         delivery = Delivery(job, msg.metadata.num_delivered or 1, self.spec.max_deliver, adopted)
+        # The job runs in the trace its publisher put in the headers, as Bus.subscribe does.
+        token = context.attach(extract_context(msg.headers))
         try:
             async with self._in_progress(msg):
                 outcome = await self.handler.run(delivery)
@@ -205,6 +209,7 @@ class WorkQueue(Generic[M]):
             )
             await self._failed(delivery, msg, exc)
         finally:
+            context.detach(token)
             self._slots.release()
 
     async def _failed(self, delivery: Delivery[M], msg: Msg, exc: Exception) -> None:

@@ -284,3 +284,19 @@ class HandoffAck(_message.Message):
     accepted: bool
     message: str
     def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("worker_id", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("accepted", "message")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    message: str
+    def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...

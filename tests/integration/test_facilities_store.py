@@ -2,37 +2,16 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
 
 from tokenyard.db import make_engine, make_sessionmaker, migrate
 from tokenyard.facilities import policy
 from tokenyard.facilities.inventory import load_inventory
 from tokenyard.services.facilities.store import FacilitiesStore
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'facilities.db'}"
-        return
-    pg_url = request.getfixturevalue("postgres_url")
-    # A schema of its own per test: parallel and earlier runs never collide.
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        yield f"{pg_url}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
 
 
 @pytest.fixture

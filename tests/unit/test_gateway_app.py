@@ -325,3 +325,16 @@ def test_odd_bodies_never_500(http, raw):
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_every_response_has_an_x_request_id(http, backend):
+    backend.script = text_chunks("Hi")
+    answered = http.post("/v1/chat/completions", json=CHAT)
+    assert answered.status_code == 200
+    assert answered.headers["x-request-id"] == answered.json()["id"]  # it finds the trace
+    streamed = http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert streamed.headers["x-request-id"].startswith("chatcmpl-")
+    refused = http.post("/v1/chat/completions", json={**CHAT, "model": "nope"})
+    assert refused.status_code == 404 and len(refused.headers["x-request-id"]) == 32
+    echoed = http.get("/v1/models", headers={"x-request-id": "mine-1"})
+    assert echoed.headers["x-request-id"] == "mine-1"

@@ -48,6 +48,7 @@ from tokenyard.kv.transfer.settings import KVTransferSettings
 from tokenyard.kv.transfer.shm import Attached
 from tokenyard.kv.transfer.wire import decode_chunk
 from tokenyard.net import advertise_address
+from tokenyard.tracing import grpc_metadata
 from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class KVTransferClient:
             src_block_ids=src,
             want_checksums=self.settings.verify_memory_transports,
         )
-        desc = await stub.Describe(req)
+        desc = await stub.Describe(req, metadata=grpc_metadata())
         why = self.layout.mismatch(layout_from_proto(desc.layout))
         if why is not None:  # the server refuses too; this covers an older server
             raise KVTransferError(why)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from tokenyard.grpc_security import add_port, server_interceptors
 from tokenyard.kv.layout import KVLayout
@@ -35,9 +36,11 @@ from tokenyard.kv.transfer.settings import KVTransferSettings
 from tokenyard.kv.transfer.shm import shared_pool_name
 from tokenyard.kv.transfer.wire import encode_chunk
 from tokenyard.net import advertise_address, host_endpoint
+from tokenyard.tracing import REQUEST_ID, grpc_context, tracer
 from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
+_tracer = tracer("tokenyard.kv.transfer")
 
 MAX_MESSAGE_BYTES = 64 << 20
 GRPC_OPTIONS = [
@@ -203,6 +206,15 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
         self.s = server
 
     async def Describe(self, request, context):
+        with _tracer.start_as_current_span(
+            "kv_transfer.describe",
+            context=grpc_context(context),
+            kind=trace.SpanKind.SERVER,
+            attributes={REQUEST_ID: request.request_id, "kv.blocks": len(request.src_block_ids)},
+        ):
+            return await self._describe(request, context)
+
+    async def _describe(self, request, context):
         why = self.s.layout.mismatch(layout_from_proto(request.layout))
         if why is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
