@@ -14,6 +14,7 @@ from tokenyard.services.facilities.settings import FacilitiesSettings
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.services.kvcache.settings import KVCacheSettings
 from tokenyard.services.router.settings import RouterSettings
+from tokenyard.services.telemetry.settings import TelemetrySettings
 from tokenyard.services.worker.settings import WorkerSettings
 
 SETTINGS = {
@@ -22,6 +23,7 @@ SETTINGS = {
     "TOKENYARD_WORKER_": WorkerSettings,
     "TOKENYARD_KVCACHE_": KVCacheSettings,
     "TOKENYARD_FACILITIES_": FacilitiesSettings,
+    "TOKENYARD_TELEMETRY_": TelemetrySettings,
     "TOKENYARD_GRPC_": GrpcSecurity,
 }
 

@@ -18,6 +18,7 @@ from tokenyard.services.facilities.settings import FacilitiesSettings
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.services.kvcache.settings import KVCacheSettings
 from tokenyard.services.router.settings import RouterSettings
+from tokenyard.services.telemetry.settings import TelemetrySettings
 from tokenyard.services.worker.settings import WorkerSettings
 
 K8S = Path(__file__).resolve().parents[2] / "infra" / "k8s"
@@ -34,6 +35,7 @@ SETTINGS = {
     "TOKENYARD_WORKER_": WorkerSettings,
     "TOKENYARD_KVCACHE_": KVCacheSettings,
     "TOKENYARD_FACILITIES_": FacilitiesSettings,
+    "TOKENYARD_TELEMETRY_": TelemetrySettings,
     "TOKENYARD_GRPC_": GrpcSecurity,
 }
 SERVICES = {"gateway", "router", "prefill", "decode", "kvcache", "facilities", "telemetry"}
@@ -95,8 +97,7 @@ def test_every_tokenyard_setting_exists(overlay):
     _, docs = overlay
     for doc in by(docs, "Deployment").values():
         for name in env_of(containers(doc)[0]):
-            # TODO(telemetry merge): check TOKENYARD_TELEMETRY_* once services/telemetry is on main.
-            if name.startswith(("TOKENYARD_KV_TRANSFER_", "TOKENYARD_TELEMETRY_")):
+            if name.startswith("TOKENYARD_KV_TRANSFER_"):
                 continue
             if name.startswith("TOKENYARD_"):
                 prefix = next(p for p in SETTINGS if name.startswith(p))
