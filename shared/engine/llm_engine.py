@@ -19,6 +19,8 @@ import torch
 
 from tokenyard.engine.block_manager import BlockManager, NoFreeBlocks
 from tokenyard.engine.config import EngineConfig
+from tokenyard.engine.guided import CLOSE_MAX_TOKENS, Guide, PendingMasks
+from tokenyard.engine.logits_processors import apply_processors
 from tokenyard.engine.memory import build_model_and_pool
 from tokenyard.engine.model_runner import ModelRunner, StepLogits
 from tokenyard.engine.sampler import chosen_logprobs, sample
@@ -104,6 +106,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.runner = ModelRunner(model, self.kv_cache, config.block_size)
+        self.guide = Guide(self.tokenizer, self.model_config.vocab_size)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         log.info("engine ready: %s, %s", self.model_id, self.memory.describe())
@@ -151,8 +154,10 @@ class LLMEngine:
             )
 
     def _attach_output_state(self, seq: Sequence) -> None:
+        """Detokenizer, stop checker and grammar, caught up with the output tokens it has."""
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids)
         seq.stop_checker = StopChecker(seq.params.stop, seq.params.include_stop_str_in_output)
+        self.guide.attach(seq)
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
@@ -196,6 +201,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        # Grammar masks are computed on another thread while the model runs.
+        masks = self.guide.begin([s.seq for s in batch if s.completes])
         result = self.runner.run(batch)
         for s in batch:
             s.seq.num_computed_tokens += s.num_tokens
@@ -204,16 +211,27 @@ class LLMEngine:
         if not result.completing:
             return []
         seqs = [s.seq for s in result.completing]
-        tokens, logprobs = sample(result.logits, seqs)
+        tokens, logprobs = self._sample(result.logits, seqs, masks)
         return [
             self._append_token(seq, t, lp)
             for seq, t, lp in zip(seqs, tokens, logprobs, strict=True)
         ]
 
+    def _sample(
+        self, raw: torch.Tensor, seqs: list[Sequence], masks: PendingMasks
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        logits = masks.apply(raw, seqs)
+        logits = apply_processors(logits, seqs, self.tokenizer.eos_token_ids)
+        tokens, logprobs = sample(logits, seqs)
+        if logits is not raw:  # logprobs come from the model's own distribution
+            logprobs = chosen_logprobs(raw, tokens, [s.params.logprobs for s in seqs])
+        return tokens, logprobs
+
     def _append_token(
         self, seq: Sequence, token_id: int, logprob: TokenLogprob | None
     ) -> RequestOutput:
         seq.token_ids.append(token_id)
+        self.guide.advance(seq, token_id)
         if logprob is not None:
             seq.logprobs.append(logprob)
         reason = self._finish_reason(seq, token_id)
@@ -241,12 +259,35 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         p = seq.params
+        if seq.grammar is not None:
+            return self._guided_finish_reason(seq, token_id)
         if token_id in p.stop_token_ids:
             return "stop"
         if not p.ignore_eos and token_id in self.tokenizer.eos_token_ids:
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
+        if seq.prefill_only:
+            return "prefilled"
+        return None
+
+    def _guided_finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        """A guided sequence ends when its grammar does; past max_tokens it closes what is
+        open first (guided.py), so its output still parses."""
+        grammar, p = seq.grammar, seq.params
+        assert grammar is not None
+        if grammar.closing and grammar.accepting:
+            return "length"
+        if grammar.done or token_id in self.tokenizer.eos_token_ids:
+            return "stop"
+        if token_id in p.stop_token_ids and grammar.accepting:
+            return "stop"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        if seq.num_output_tokens >= p.max_tokens:
+            if grammar.accepting or seq.num_output_tokens >= p.max_tokens + CLOSE_MAX_TOKENS:
+                return "length"
+            grammar.closing = True
         if seq.prefill_only:
             return "prefilled"
         return None
@@ -316,6 +357,7 @@ class LLMEngine:
         seq.status = Status.IMPORTING
         self._attach_output_state(seq)
         seq.token_ids.extend(output_token_ids)
+        self.guide.attach(seq)  # replays the output tokens through the grammar
         assert seq.detokenizer is not None
         seq.text, _ = seq.stop_checker.feed(seq.detokenizer.push(output_token_ids), final=False)
         self.seqs[request_id] = seq
