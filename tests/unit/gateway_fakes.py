@@ -28,6 +28,9 @@ class CharTokenizer:
     def token_text(self, token_id: int) -> str:
         return chr(token_id - 10)
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(t - 10) for t in ids if t >= 10)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
