@@ -2,7 +2,9 @@
 
 An embedded nats-server (JetStream, temporary directory), the router, prefill and decode
 workers, the gateway, and the KV-cache and facilities services unless told not to. Ctrl-C (or
-SIGTERM) stops everything; children also die with this process (PR_SET_PDEATHSIG).
+SIGTERM) stops everything; children also die with this process (PR_SET_PDEATHSIG). A service
+that crashes is restarted with backoff (services/launch/supervise.py); one that keeps failing
+right after its start stops the stack with its log.
 """
 
 from __future__ import annotations
@@ -102,8 +104,9 @@ def run(args: argparse.Namespace) -> int:
         if not _wait_ready(stack, stop, args.ready_timeout):
             return 130 if stop.is_set() else 1
         _banner(stack)
-        while not stop.wait(1.0):
-            stack.check_alive()
+        while not stop.wait(0.5):
+            for name in stack.supervise():
+                print(f"{name} exited; restarted it (log: {stack.log_dir / name}.log)", flush=True)
         print("\nStopping ...", flush=True)
         return 0
     except StackError as exc:
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 def _wait_ready(stack: LocalStack, stop: threading.Event, timeout: float) -> bool:
     waited = 0.0
     while not stop.is_set():
-        stack.check_alive()
+        stack.supervise()
         body = stack.ready()
         if body is not None and stack.all_workers_registered(body):
             return True

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tokenyard.bus.embedded import free_port, nats_server_binary
 from tokenyard.services.launch.procs import ChildProcess
+from tokenyard.services.launch.supervise import GaveUp, RestartPolicy, Supervisor
 
 
 class StackError(RuntimeError):
@@ -48,6 +49,7 @@ class StackConfig:
     router_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
     gateway_env: dict[str, str] = field(default_factory=dict)
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 def require_module(module: str) -> None:
@@ -88,6 +90,9 @@ class LocalStack:
         # Where an operator injects faults (empty when the facilities service is not run).
         self.facilities_url = ""
         self.facilities_admin_token = ""
+        self.supervisor = Supervisor(config.restart_policy)
+        # Each service's ops HTTP server (/health, /ready, /metrics), by process name.
+        self.ops_urls: dict[str, str] = {}
 
     @property
     def gateway_url(self) -> str:
@@ -104,7 +109,11 @@ class LocalStack:
             self._spawn(
                 "router",
                 "tokenyard.services.router",
-                {"TOKENYARD_ROUTER_NATS_URL": self.nats_url, **self.config.router_env},
+                {
+                    "TOKENYARD_ROUTER_NATS_URL": self.nats_url,
+                    "TOKENYARD_ROUTER_OPS_PORT": self._ops_port("router"),
+                    **self.config.router_env,
+                },
             )
             self._start_kvcache()  # before the workers: they are told where it is
             if self.config.aggregated:
@@ -129,7 +138,7 @@ class LocalStack:
         store.mkdir()
         argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)]
         proc = ChildProcess("nats", argv, env={}, log_path=self.log_dir / "nats.log").start()
-        self.procs.append(proc)
+        self._watch(proc)
         self.nats_url = f"nats://127.0.0.1:{port}"
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -154,6 +163,7 @@ class LocalStack:
             "TOKENYARD_WORKER_NATS_URL": self.nats_url,
             "TOKENYARD_WORKER_ROLE": role,
             "TOKENYARD_WORKER_WORKER_ID": worker_id,
+            "TOKENYARD_WORKER_OPS_PORT": self._ops_port(worker_id),
             **({"TOKENYARD_WORKER_ENGINE": self.config.engine} if self.config.engine else {}),
             **({"TOKENYARD_WORKER_MODEL": self.config.model} if self.config.model else {}),
             **(
@@ -188,7 +198,12 @@ class LocalStack:
         if self.config.kvcache:
             port = free_port()
             self._spawn(
-                "kvcache", "tokenyard.services.kvcache", {"TOKENYARD_KVCACHE_PORT": str(port)}
+                "kvcache",
+                "tokenyard.services.kvcache",
+                {
+                    "TOKENYARD_KVCACHE_PORT": str(port),
+                    "TOKENYARD_KVCACHE_OPS_PORT": self._ops_port("kvcache"),
+                },
             )
             self.kvcache_endpoint = f"127.0.0.1:{port}"
 
@@ -209,13 +224,23 @@ class LocalStack:
         self.facilities_url = f"http://127.0.0.1:{port}"
         self.facilities_admin_token = token
 
+    def _ops_port(self, name: str) -> str:
+        """A free port for one service's ops server, remembered in `ops_urls`."""
+        port = free_port()
+        self.ops_urls[name] = f"http://127.0.0.1:{port}"
+        return str(port)
+
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> ChildProcess:
         require_module(module)
         proc = ChildProcess.python_module(
             name, module, env=env, log_path=self.log_dir / f"{name}.log"
         ).start()
-        self.procs.append(proc)
+        self._watch(proc)
         return proc
+
+    def _watch(self, proc: ChildProcess) -> None:
+        self.procs.append(proc)
+        self.supervisor.watch(proc)
 
     # --- waiting -------------------------------------------------------------------------
 
@@ -257,6 +282,15 @@ class LocalStack:
             raise StackError(
                 f"{', '.join(p.name for p in dead)} exited\n{self.describe_failures()}"
             )
+
+    def supervise(self) -> list[str]:
+        """Restart any service that died (NATS on its port and JetStream directory, so
+        streams and consumers survive); returns the names restarted. A service that keeps
+        failing right after its start is a StackError, with its log."""
+        try:
+            return self.supervisor.poll(self.procs)
+        except GaveUp as exc:
+            raise StackError(str(exc)) from None
 
     def describe_failures(self) -> str:
         parts = []

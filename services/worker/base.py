@@ -24,6 +24,7 @@ from tokenyard.services.worker.admission import AdmissionGate
 from tokenyard.services.worker.convert import engine_params
 from tokenyard.services.worker.engine_loop import EngineLoop
 from tokenyard.services.worker.kv import KVPort
+from tokenyard.services.worker.metrics import WorkerMetrics, since_arrival_s
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.services.worker.stream import TokenStream
 from tokenyard.v1 import serving_pb2 as pb
@@ -54,6 +55,7 @@ class WorkerBase:
         self.jobs: dict[str, asyncio.Future[bool | None]] = {}
         self.stopping = asyncio.Event()
         self._kv_seq = 0
+        self.metrics = WorkerMetrics(self.worker_id, settings.role, self.model_id)
         self._loop_task: asyncio.Task[None]
         self._tokens_at = (time.monotonic(), 0)
 
@@ -101,7 +103,12 @@ class WorkerBase:
     # --- running requests --------------------------------------------------------------
 
     def new_stream(
-        self, request_id: str, *, start_index: int = 0, cached_tokens: int | None = None
+        self,
+        request_id: str,
+        *,
+        start_index: int = 0,
+        cached_tokens: int | None = None,
+        arrival_unix_ns: int = 0,
     ) -> TokenStream:
         stream = TokenStream(
             self.bus,
@@ -110,6 +117,9 @@ class WorkerBase:
             self.decode_text,
             start_index=start_index,
             cached_tokens=cached_tokens,
+            timer=self.metrics.timer(
+                first_token_here=start_index == 0, arrival_unix_ns=arrival_unix_ns
+            ),
         )
         self.streams[request_id] = stream
         stream.done.add_done_callback(lambda _: self.streams.pop(request_id, None))
@@ -122,11 +132,13 @@ class WorkerBase:
         params: pb.SamplingParams,
         *,
         prefill_only: bool = False,
+        arrival_unix_ns: int = 0,
     ) -> TokenStream:
         """Run a request (or just its prefill) here; returns its stream once it has ended."""
-        stream = self.new_stream(request_id)
+        stream = self.new_stream(request_id, arrival_unix_ns=arrival_unix_ns)
         if not await self._admit(stream):
             return stream  # cancelled or handed back while it waited
+        self.metrics.on_prompt(len(prompt), since_arrival_s(arrival_unix_ns))
         try:
             await self.loop.add(
                 request_id,
@@ -172,7 +184,10 @@ class WorkerBase:
             params,
         )
         stream = self.new_stream(
-            rid, start_index=len(handoff.output_token_ids), cached_tokens=handoff.num_cached_tokens
+            rid,
+            start_index=len(handoff.output_token_ids),
+            cached_tokens=handoff.num_cached_tokens,
+            arrival_unix_ns=handoff.arrival_unix_ns,
         )
         stream.output_token_ids.extend(handoff.output_token_ids)
         self.loop.sinks[rid] = stream
@@ -252,6 +267,7 @@ class WorkerBase:
 
     async def heartbeat(self) -> pb.WorkerHeartbeat:
         stats = await self.loop.call(self.engine.stats)
+        self.metrics.on_stats(stats)
         now, generated = time.monotonic(), self.loop.tokens_generated
         then, before = self._tokens_at
         self._tokens_at = (now, generated)

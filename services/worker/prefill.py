@@ -171,7 +171,13 @@ class PrefillHandler:
         aggregated = job.decode_worker_id in ("", self.w.worker_id) or job.params.max_tokens == 1
         prompt = list(job.prompt_token_ids)
         fetched = await self.cache.fetch(rid, prompt)
-        stream = await self.w.generate(rid, prompt, job.params, prefill_only=not aggregated)
+        stream = await self.w.generate(
+            rid,
+            prompt,
+            job.params,
+            prefill_only=not aggregated,
+            arrival_unix_ns=job.arrival_unix_ns,
+        )
         reason = await stream.done
         if reason == HANDED_BACK:
             return False

@@ -9,6 +9,7 @@ from typing import Any
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.services.worker.convert import error_chunk, token_chunk
+from tokenyard.services.worker.metrics import RequestTimer
 
 # A stream ended by a stopping worker without telling the gateway: someone else continues it.
 HANDED_BACK = "handed-back"
@@ -27,6 +28,7 @@ class TokenStream:
         *,
         start_index: int = 0,
         cached_tokens: int | None = None,
+        timer: RequestTimer | None = None,
     ) -> None:
         self.bus = bus
         self.worker_id = worker_id
@@ -35,6 +37,7 @@ class TokenStream:
         self.next_index = start_index
         self.cached_tokens = cached_tokens
         self.output_token_ids: list[int] = []
+        self.timer = timer
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def on_output(self, out: Any) -> None:
@@ -49,6 +52,8 @@ class TokenStream:
             self.cached_tokens = out.num_cached_tokens
         self.next_index += len(out.new_token_ids)
         self.output_token_ids.extend(out.new_token_ids)
+        if self.timer is not None:
+            self.timer.on_tokens(len(out.new_token_ids))
         await self.bus.publish(subjects.tokens(self.request_id), chunk)
         if out.finished:
             self._finish(out.finish_reason or "stop")
@@ -70,5 +75,9 @@ class TokenStream:
         self._finish(HANDED_BACK)
 
     def _finish(self, reason: str) -> None:
-        if not self.done.done():
-            self.done.set_result(reason)
+        if self.done.done():
+            return
+        # "prefilled" and handed-back requests end on another worker, which counts them.
+        if self.timer is not None and reason not in ("prefilled", HANDED_BACK):
+            self.timer.on_finish(reason)
+        self.done.set_result(reason)

@@ -28,7 +28,8 @@ from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import mooncake
 from tokenyard.kv.transfer.common import (
     TRANSFER_BYTES,
-    TRANSFERS,
+    TRANSFER_FAILURES,
+    TRANSFER_SECONDS,
     KVTransferError,
     TransferResult,
     block_crc32,
@@ -98,7 +99,7 @@ class KVTransferClient:
                 )
         except Exception as exc:
             outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
-            TRANSFERS.labels(attempt.transport, outcome).inc()
+            TRANSFER_FAILURES.labels(attempt.transport, outcome).inc()
             await self._abort(stub, request_id, f"{outcome}: {exc}")
             if isinstance(exc, KVTransferError):
                 raise
@@ -109,7 +110,7 @@ class KVTransferClient:
         transport = attempt.transport
         seconds = time.perf_counter() - started
         nbytes = len(src_block_ids) * self.layout.block_nbytes
-        TRANSFERS.labels(transport, "ok").inc()
+        TRANSFER_SECONDS.labels(transport).observe(seconds)
         TRANSFER_BYTES.labels(transport).inc(nbytes)
         log.info(
             "KV pull %s: %d blocks, %.1f MB via %s in %.3f s",
