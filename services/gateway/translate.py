@@ -270,7 +270,9 @@ def chat_guidance(
     if (field := guided_field_spec(_guided_fields(request))) is not None:
         specs.append(field)
     if forced:
-        specs.append(("tool_choice", tools.call_grammar(fns, forced, request.parallel_tool_calls)))
+        # A named function is called once, as OpenAI does; `required` may call several.
+        parallel = request.parallel_tool_calls and request.tool_choice == "required"
+        specs.append(("tool_choice", tools.call_grammar(fns, forced, parallel)))
     if len(specs) > 1:
         names = " and ".join(name for name, _ in specs)
         raise invalid(f"{names} cannot be combined: each constrains the whole output", specs[1][0])
