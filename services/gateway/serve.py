@@ -81,9 +81,10 @@ class Generation:
 
     async def serve(self, request: Request, model: str) -> Response:
         # One trace per request: the bus carries this span's context to router and workers.
-        with _tracer.start_as_current_span(
-            f"gateway.{self.route}", attributes={"request_id": self.fmt.rid}
-        ):
+        attributes = {"request_id": self.fmt.rid}
+        if self.prepared.user:
+            attributes["enduser.id"] = self.prepared.user  # OpenTelemetry's name for it
+        with _tracer.start_as_current_span(f"gateway.{self.route}", attributes=attributes):
             self.streams.append(await self._submit(model, 0))
         self.state.metrics.in_flight.inc()
         handed_off = False  # once the SSE generator owns the streams, it cleans up

@@ -57,6 +57,7 @@ class Prepared:
     best_of: int = 1  # sequences generated; the n with the highest logprob are returned
     echo: str = ""  # completions: the prompt's text, before each choice's
     tool_names: frozenset[str] = frozenset()  # parse calls to these out of the output
+    user: str = ""  # the caller's end user, recorded on the request's trace span
 
 
 # --- prompts ------------------------------------------------------------------------------
@@ -346,4 +347,5 @@ def _prepared(
         best_of=best_of or request.n,
         echo=echo,
         tool_names=tool_names,
+        user=request.user or "",
     )

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -102,6 +104,16 @@ class Grammar:
         return self.matcher.is_accepting()
 
 
+@dataclass
+class MaskStats:
+    """What the masks cost: computing them (on the mask thread, beside the forward pass)
+    and the main thread's wait for them after the forward pass (the part that adds latency)."""
+
+    num_masks: int = 0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+
+
 class Guide:
     """Builds grammars for one tokenizer and computes a step's masks off the main thread."""
 
@@ -112,6 +124,7 @@ class Guide:
         self._executor: llguidance.LLExecutor | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guided-mask")
         self._closer_ids: torch.Tensor | None = None
+        self.stats = MaskStats()
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -151,14 +164,17 @@ class Guide:
         jobs = [(g.matcher, j) for j, (_, g) in enumerate(rows)]
         future = self._pool.submit(self._fill, jobs, bitmask)
         closers = self._closers() if any(g.closing for _, g in rows) else None
-        return PendingMasks(future, rows, bitmask, closers)
+        return PendingMasks(future, rows, bitmask, closers, self.stats)
 
     def _fill(self, jobs: list[tuple[llguidance.LLMatcher, int]], bitmask: torch.Tensor) -> None:
         # bitmask: [rows, ceil(vocab / 32)] int32, bit t of row j set = token t allowed
         assert self._executor is not None
+        start = time.perf_counter()
         self._executor.unsafe_compute_mask_ptr(
             jobs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
         )
+        self.stats.compute_s += time.perf_counter() - start
+        self.stats.num_masks += len(jobs)
 
     def _closers(self) -> torch.Tensor:
         """[vocab] bool: tokens made only of closing quotes and brackets (and spaces)."""
@@ -184,16 +200,20 @@ class PendingMasks:
         rows: list[tuple[Sequence, Grammar]],
         bitmask: torch.Tensor,
         closers: torch.Tensor | None,
+        stats: MaskStats | None = None,
     ) -> None:
         self._future, self._rows, self._bitmask = future, rows, bitmask
-        self._closers = closers
+        self._closers, self._stats = closers, stats
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits: [B, vocab], row i for seqs[i] -> a copy with each guided row's disallowed
         tokens at -inf, and each closing row reduced to its one preferred token."""
         if self._future is None:
             return logits
+        start = time.perf_counter()
         self._future.result()
+        if self._stats is not None:
+            self._stats.wait_s += time.perf_counter() - start
         logits = logits.clone()
         position = {id(s): i for i, s in enumerate(seqs)}
         index = torch.tensor([position[id(s)] for s, _ in self._rows], dtype=torch.long)
