@@ -2,14 +2,14 @@
 
     python benchmarks/structured.py --out benchmarks/results/structured.json
 
-At concurrency 1 (requests one after another) and 8 (eight at once), each request asks for
+At concurrency 1 (one request at a time) and 8 (eight at once), each request asks for
 at most MAX_TOKENS tokens at temperature 0: output tok/s over the wall time, TTFT (from
 add_request to the first token), and for the guided runs what the grammar masks cost:
 their compute time per token (on the mask thread, beside the forward pass) and the main
 thread's wait for them after the forward pass (the only part that can add latency).
 Free-text requests ignore EOS and stop at MAX_TOKENS; guided ones stop where the JSON ends,
-so tok/s (not totals) is what compares. Both modes run in the same process, one after the
-other, so they share the machine's state; on a shared machine compare the ratio.
+so tok/s (not totals) is what compares. Both modes run in the same process, their waves
+alternating, so they share the machine's state; on a shared machine compare the ratios.
 """
 
 from __future__ import annotations
@@ -61,47 +61,66 @@ def run_wave(engine: LLMEngine, wave: list[str], guided: bool, tag: str) -> tupl
     return tokens, list(first.values())
 
 
-def measure(engine: LLMEngine, guided: bool, concurrency: int) -> dict:
-    waves = [
-        CITIES[i : i + concurrency]
-        for i in range(0, len(CITIES[: max(2, concurrency)]), concurrency)
-    ]
-    stats = engine.guide.stats
-    masks0, compute0, wait0 = stats.num_masks, stats.compute_s, stats.wait_s
-    start = time.perf_counter()
-    tokens, ttfts = 0, []
-    for w, wave in enumerate(waves):
-        n, t = run_wave(engine, wave, guided, f"{'g' if guided else 'f'}{concurrency}.{w}.")
-        tokens += n
-        ttfts += t
-    wall = time.perf_counter() - start
-    result = {
-        "mode": "json_schema" if guided else "free_text",
-        "concurrency": concurrency,
-        "requests": sum(len(w) for w in waves),
-        "output_tokens": tokens,
-        "wall_s": round(wall, 3),
-        "output_tok_s": round(tokens / wall, 2),
-        "ttft_mean_s": round(sum(ttfts) / len(ttfts), 4),
-    }
-    masks = stats.num_masks - masks0
-    if masks:
-        result["mask_compute_us_per_token"] = round((stats.compute_s - compute0) / masks * 1e6, 1)
-        result["mask_wait_us_per_token"] = round((stats.wait_s - wait0) / masks * 1e6, 1)
-    return result
+class Tally:
+    """One mode at one concurrency, summed over its rounds."""
+
+    def __init__(self, guided: bool, concurrency: int) -> None:
+        self.guided, self.concurrency = guided, concurrency
+        self.requests = self.tokens = 0
+        self.wall = 0.0
+        self.ttfts: list[float] = []
+        self.masks, self.compute_s, self.wait_s = 0, 0.0, 0.0
+
+    def run(self, engine: LLMEngine, wave: list[str], tag: str) -> None:
+        stats = engine.guide.stats
+        masks0, compute0, wait0 = stats.num_masks, stats.compute_s, stats.wait_s
+        start = time.perf_counter()
+        tokens, ttfts = run_wave(engine, wave, self.guided, tag)
+        self.wall += time.perf_counter() - start
+        self.requests += len(wave)
+        self.tokens += tokens
+        self.ttfts += ttfts
+        self.masks += stats.num_masks - masks0
+        self.compute_s += stats.compute_s - compute0
+        self.wait_s += stats.wait_s - wait0
+
+    def report(self) -> dict:
+        out = {
+            "mode": "json_schema" if self.guided else "free_text",
+            "concurrency": self.concurrency,
+            "requests": self.requests,
+            "output_tokens": self.tokens,
+            "wall_s": round(self.wall, 3),
+            "output_tok_s": round(self.tokens / self.wall, 2),
+            "ttft_mean_s": round(sum(self.ttfts) / len(self.ttfts), 4),
+        }
+        if self.masks:
+            out["mask_compute_us_per_token"] = round(self.compute_s / self.masks * 1e6, 1)
+            out["mask_wait_us_per_token"] = round(self.wait_s / self.masks * 1e6, 1)
+        return out
+
+
+def measure(engine: LLMEngine, concurrency: int, rounds: int) -> list[dict]:
+    """Free and guided waves alternate, so both modes see the same machine (it may be shared)."""
+    free, guided = Tally(False, concurrency), Tally(True, concurrency)
+    for r in range(rounds):
+        wave = [CITIES[(r * concurrency + i) % len(CITIES)] for i in range(concurrency)]
+        free.run(engine, wave, f"f{concurrency}.{r}.")
+        guided.run(engine, wave, f"g{concurrency}.{r}.")
+    return [free.report(), guided.report()]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/structured.json"))
+    parser.add_argument("--rounds", type=int, default=3, help="waves per mode and concurrency")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig())
     run_wave(engine, CITIES[:1], True, "warm")  # builds the llguidance tokenizer once
     results = []
     for concurrency in CONCURRENCY:
-        for guided in (False, True):
-            results.append(measure(engine, guided, concurrency))
-            print(json.dumps(results[-1]))
+        results += measure(engine, concurrency, args.rounds)
+        print(json.dumps(results[-2:]))
     ratios = {
         f"c{c}_json_over_free_tok_s": round(
             next(r for r in results if r["concurrency"] == c and r["mode"] == "json_schema")[
@@ -119,6 +138,8 @@ def main() -> None:
         "model": engine.model_id,
         "machine": platform.processor() or platform.machine(),
         "max_tokens": MAX_TOKENS,
+        "rounds": args.rounds,
+        "note": "machine shared with other jobs while measured: compare the ratios",
         "results": results,
         "ratios": ratios,
     }

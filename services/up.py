@@ -14,6 +14,7 @@ import signal
 import threading
 from pathlib import Path
 
+from tokenyard.services.keys import default_keys_url
 from tokenyard.services.launch.stack import LocalStack, StackConfig, StackError
 
 
@@ -58,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-dir", type=Path, help="keep service logs here (default: a temporary dir)"
     )
     parser.add_argument(
+        "--require-keys",
+        action="store_true",
+        help="the gateway takes only API keys made with `tokenyard keys create` "
+        "(per-key limits counted in a private Redis)",
+    )
+    parser.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for the workers"
     )
 
@@ -76,6 +83,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         kvcache=not args.no_kvcache,
         facilities=not args.no_facilities,
         log_dir=args.log_dir,
+        keys_db_url=default_keys_url() if args.require_keys else None,
         worker_env={
             "TOKENYARD_WORKER_DTYPE": args.dtype,
             **(

@@ -40,9 +40,7 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: object
-    ) -> str: ...
+    def encode_chat(self, messages: list[dict], **variables: object) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -102,11 +100,11 @@ def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> lis
     native = request.tools and tools.template_knows_tools(getattr(tokenizer, "chat_template", None))
     extra = {"tools": request.tools} if native else {}
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        # NOTE: not encode(apply_chat_template(...)): that would parse role markers a user
+        # typed into their message as real ones.
+        return tokenizer.encode_chat(messages, **extra)
     except ValueError as exc:  # no template, or one that refuses these roles
         raise invalid(f"cannot render the chat template: {exc}", "messages") from exc
-    # NOTE: the template already holds the special tokens; the engine encodes it the same way.
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:

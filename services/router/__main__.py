@@ -7,6 +7,7 @@ import logging
 from contextlib import AsyncExitStack
 
 from tokenyard.bus import subjects
+from tokenyard.bus.auth import redact
 from tokenyard.bus.nats import Bus
 from tokenyard.http_server import ops_server
 from tokenyard.lifecycle import run_until_signalled
@@ -44,7 +45,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         ops = await stack.enter_async_context(
             ops_server(settings.ops_host, settings.ops_port, ready=lambda: _not_ready(bus))
         )
-        log.info("router ready on %s; ops on %s", settings.nats_url, ops.url)
+        log.info("router ready on %s; ops on %s", redact(settings.nats_url), ops.url)
         await stop.wait()
         log.info("router stopping")
 

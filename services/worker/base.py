@@ -11,12 +11,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from nats.aio.msg import Msg
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
+from tokenyard.engine.contract import Engine
+from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.facilities.tracker import RackStateTracker
 from tokenyard.fleet import FleetView
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
@@ -36,7 +37,9 @@ CANCELLED_TTL_S = 300.0  # remember cancelled ids this long (their job may still
 
 
 class WorkerBase:
-    def __init__(self, settings: WorkerSettings, bus: Bus, engine: Any, params_cls: Any) -> None:
+    def __init__(
+        self, settings: WorkerSettings, bus: Bus, engine: Engine, params_cls: type[SamplingParams]
+    ) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
         self.bus = bus
@@ -61,10 +64,10 @@ class WorkerBase:
 
     @property
     def model_id(self) -> str:
-        return str(self.engine.model_id)
+        return self.engine.model_id
 
     def decode_text(self, ids: list[int]) -> str:
-        return str(self.engine.tokenizer.decode(ids))
+        return self.engine.tokenizer.decode(ids)
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         await self.kv.start()
@@ -266,7 +269,7 @@ class WorkerBase:
         return self.fleet.alive(worker_id, time.monotonic())
 
     async def heartbeat(self) -> pb.WorkerHeartbeat:
-        stats = await self.loop.call(self.engine.stats)
+        stats = await self.loop.stats()
         self.metrics.on_stats(stats)
         now, generated = time.monotonic(), self.loop.tokens_generated
         then, before = self._tokens_at
@@ -285,11 +288,9 @@ class WorkerBase:
             kv_endpoint=self.kv.endpoint,
             host=self.settings.host,
             sent_unix_ms=int(time.time() * 1000),
-            block_size=int(
-                getattr(self.engine, "block_size", 0) or _layout_block_size(self.engine)
-            ),
+            block_size=self.engine.block_size,
             heartbeat_interval_ms=int(self.settings.heartbeat_interval_s * 1000),
-            max_model_len=int(self.engine.max_model_len),
+            max_model_len=self.engine.max_model_len,
         )
 
     async def _heartbeats(self) -> None:
@@ -318,8 +319,3 @@ class WorkerBase:
                 seq=self._kv_seq,
             )
             await self.bus.publish(subjects.kv_events(self.worker_id), event)
-
-
-def _layout_block_size(engine: Any) -> int:
-    layout = getattr(engine, "layout", None)
-    return int(layout.block_size) if layout is not None else 16

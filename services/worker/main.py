@@ -14,6 +14,8 @@ import os
 from typing import Any
 
 from tokenyard.bus.nats import Bus
+from tokenyard.engine.contract import Engine
+from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.fleet.roles import ROLES, Role
 from tokenyard.http_server import ReadyFlag, ops_server
 from tokenyard.lifecycle import run_until_signalled
@@ -33,18 +35,17 @@ def shared_pool(layout: Any, num_blocks: int) -> Any:
     return pool
 
 
-def build_engine(settings: WorkerSettings) -> tuple[Any, Any]:
+def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]]:
     """The engine and its SamplingParams class."""
     if settings.engine == "fake":
-        from tokenyard.engine.sampling_params import SamplingParams as Params
         from tokenyard.services.worker.fake_engine import FakeEngine
 
-        return FakeEngine(max_num_seqs=settings.max_num_seqs, step_s=settings.fake_step_s), Params
+        fake = FakeEngine(max_num_seqs=settings.max_num_seqs, step_s=settings.fake_step_s)
+        return fake, SamplingParams
     from tokenyard.engine.config import EngineConfig
     from tokenyard.engine.llm_engine import LLMEngine
-    from tokenyard.engine.sampling_params import SamplingParams
 
-    optional = {
+    optional: dict[str, Any] = {
         "dtype": settings.dtype,
         "quantization": settings.quantization,
         "max_num_batched_tokens": settings.max_num_batched_tokens,

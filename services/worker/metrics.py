@@ -13,6 +13,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from tokenyard.engine.outputs import EngineStats
+
 LABELS = ("worker", "role", "model")
 # vLLM's request-latency buckets, cut at two minutes.
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 120)
@@ -73,17 +75,13 @@ class WorkerMetrics:
     def child(self, metric: Any) -> Any:
         return metric.labels(**self.labels)
 
-    def on_stats(self, stats: Any) -> None:
+    def on_stats(self, stats: EngineStats) -> None:
         """Engine stats (cumulative counters) from a heartbeat."""
         self.child(RUNNING).set(stats.num_running)
         self.child(WAITING).set(stats.num_waiting)
         used = stats.num_blocks - stats.num_free_blocks
         self.child(KV_USAGE).set(used / stats.num_blocks if stats.num_blocks else 0.0)
-        totals = (
-            getattr(stats, "prefix_cache_queries", 0),
-            getattr(stats, "prefix_cache_hits", 0),
-            getattr(stats, "num_preemptions", 0),
-        )
+        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
         for metric, now, before in zip(
             (PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS), totals, self._engine_totals, strict=True
         ):

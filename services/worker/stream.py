@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
+from tokenyard.engine.outputs import RequestOutput
 from tokenyard.services.worker.convert import error_chunk, token_chunk
 from tokenyard.services.worker.metrics import RequestTimer
+from tokenyard.v1 import serving_pb2 as pb
 
 # A stream ended by a stopping worker without telling the gateway: someone else continues it.
 HANDED_BACK = "handed-back"
@@ -40,7 +41,7 @@ class TokenStream:
         self.timer = timer
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
-    async def on_output(self, out: Any) -> None:
+    async def on_output(self, out: RequestOutput) -> None:
         chunk = token_chunk(
             out,
             index=self.next_index,
@@ -58,14 +59,16 @@ class TokenStream:
         if out.finished:
             self._finish(out.finish_reason or "stop")
 
-    async def fail(self, code: int, message: str) -> None:
+    async def fail(self, code: pb.Error.Code, message: str) -> None:
         chunk = error_chunk(self.request_id, self.next_index, self.worker_id, code, message)
         await self.bus.publish(subjects.tokens(self.request_id), chunk)
         self._finish("error")
 
     async def aborted(self) -> None:
         """The request was cancelled: tell the gateway it ended (it may still be listening)."""
-        chunk = error_chunk(self.request_id, self.next_index, self.worker_id, 0, "")
+        chunk = error_chunk(
+            self.request_id, self.next_index, self.worker_id, pb.Error.CODE_UNSPECIFIED, ""
+        )
         chunk.finish_reason = "abort"
         chunk.ClearField("error")
         await self.bus.publish(subjects.tokens(self.request_id), chunk)

@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 import torch
 
+from tokenyard.grpc_security import open_channel
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import mooncake
@@ -279,7 +280,7 @@ class KVTransferClient:
 
     def _channel(self, endpoint: str) -> _Channel:
         if endpoint not in self._channels:
-            channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
+            channel = open_channel(endpoint, GRPC_OPTIONS)
             # ReadBlocks without a deserializer: messages arrive as bytes for wire.py.
             read_blocks = channel.unary_stream(
                 READ_BLOCKS, request_serializer=kv_pb2.ReadBlocksRequest.SerializeToString
