@@ -62,7 +62,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 class Generation:
     """Drives one request through the backend and records its metrics.
 
-    With `n` (or `best_of`) > 1 each choice is its own sequence on the workers, `rid.i` for
+    With `n` (or `best_of`) > 1 each choice is its own sequence on the workers, `rid-i` for
     i > 0. The first is sent alone; the others follow once its first token is back, when its
     prompt's KV is in the prefix cache (the router sends them to the same worker by prefix
     overlap), so the prompt is computed once and shared.
@@ -73,7 +73,9 @@ class Generation:
     ) -> None:
         self.state, self.route, self.prepared, self.fmt = state, route, prepared, fmt
         self.accs = [Accumulator() for _ in range(prepared.best_of)]
-        self.rids = [fmt.rid] + [f"{fmt.rid}.{i}" for i in range(1, prepared.best_of)]
+        # NOTE: "-", not ".": a request id is one token of a NATS subject (ty.tokens.<id>),
+        # and the bus permissions grant `ty.tokens.*`.
+        self.rids = [fmt.rid] + [f"{fmt.rid}-{i}" for i in range(1, prepared.best_of)]
         self.streams: list[TokenStream] = []
         self.t0 = time.perf_counter()
         self.first_token_at: float | None = None

@@ -87,7 +87,7 @@ def test_n_choices_whole_and_streamed_with_summed_usage(oai, backend):
     assert all(c.message.content == "Hello world" for c in out.choices)
     assert out.usage.completion_tokens == 3 * 11 and out.usage.prompt_tokens == 5
     rids = [s[0] for s in backend.submitted]
-    assert rids[1:] == [f"{rids[0]}.1", f"{rids[0]}.2"]
+    assert rids[1:] == [f"{rids[0]}-1", f"{rids[0]}-2"]
     assert [s[3].seed for s in backend.submitted] == [7, 8, 9]  # a seed of its own per choice
     stream = oai.chat.completions.create(
         model=MODEL, messages=ASK, n=2, stream=True, stream_options={"include_usage": True}
