@@ -14,6 +14,7 @@ import signal
 import threading
 from pathlib import Path
 
+from tokenyard.engine.spec.config import SpeculativeConfig
 from tokenyard.services.keys import default_keys_url
 from tokenyard.services.launch.stack import LocalStack, StackConfig, StackError
 
@@ -47,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model's own Q4_1 weights, 2.5x bf16's single-stream decode speed on a CPU)",
     )
     parser.add_argument(
+        "--speculative",
+        metavar="JSON",
+        help="speculative decoding on the decode workers, vLLM's speculative_config: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "draft", "model": null, "quantization": "int4"}\' (a self-draft needs '
+        "--quantization none)",
+    )
+    parser.add_argument(
         "--nats-url", help="use this NATS (with JetStream) instead of an embedded one"
     )
     parser.add_argument(
@@ -72,6 +81,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from(args: argparse.Namespace) -> StackConfig:
     if args.prefill < 1 or args.decode < 0:
         raise SystemExit("--prefill must be at least 1 and --decode at least 0")
+    speculative = {}
+    if args.speculative:
+        try:
+            spec = SpeculativeConfig.parse(args.speculative)
+        except ValueError as exc:
+            raise SystemExit(f"--speculative: {exc}") from exc
+        if spec.method == "draft" and spec.model is None and args.quantization != "none":
+            raise SystemExit(
+                "--speculative: a self-draft (model null) drafts with an int4 copy of the "
+                "target, so the target must not be quantized: add --quantization none"
+            )
+        speculative = {"TOKENYARD_WORKER_SPECULATIVE": args.speculative}
     return StackConfig(
         port=args.port,
         host=args.host,
@@ -91,6 +112,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
                 if args.quantization == "none"
                 else {"TOKENYARD_WORKER_QUANTIZATION": args.quantization}
             ),
+            **speculative,
         },
     )
 

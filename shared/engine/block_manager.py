@@ -137,6 +137,17 @@ class BlockManager:
         for _ in range(self._blocks_short(seq, num_new_tokens)):
             seq.block_table.append(self._take_fresh())
 
+    def trim(self, seq: Sequence) -> None:
+        """Free blocks past the sequence's last token: slots reserved for drafted tokens that
+        the target rejected (speculative decoding's rollback)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash is None, "a drafted slot was shared"
+            block.ref_count = 0
+            self.free[block.block_id] = None
+            self.free.move_to_end(block.block_id, last=False)  # holds nothing: reuse it first
+
     def _blocks_short(self, seq: Sequence, num_new_tokens: int) -> int:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         return max(0, need - len(seq.block_table))
@@ -174,6 +185,7 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        seq.num_draft_computed = 0
 
     def drain_events(self) -> list[tuple[str, int]]:
         events, self.events = self.events, []

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from tokenyard.engine.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +32,10 @@ class EngineConfig:
     # layout.pool_shape(num_blocks). None = private memory; workers pass a shared-memory
     # allocator so a peer on the same host can read blocks without a copy through a socket.
     kv_pool_factory: Callable[[KVLayout, int], torch.Tensor] | None = None
+    # Speculative decoding, in vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4}
+    # or {"method": "draft", "model": None, "quantization": "int4"} (tokenyard.engine.spec).
+    # A dict or its JSON text is parsed into a SpeculativeConfig here.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -42,3 +48,5 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

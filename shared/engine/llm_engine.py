@@ -33,8 +33,9 @@ from tokenyard.engine.outputs import (
 )
 from tokenyard.engine.sampler import chosen_logprobs, sample
 from tokenyard.engine.sampling_params import SamplingParams
-from tokenyard.engine.scheduler import Scheduler
+from tokenyard.engine.scheduler import ScheduledSeq, Scheduler
 from tokenyard.engine.sequence import Sequence, Status
+from tokenyard.engine.spec.speculator import build_speculator
 from tokenyard.engine.stop import StopChecker
 from tokenyard.models.loader import LoadedModel, load_model
 from tokenyard.models.tokenizer import IncrementalDetokenizer
@@ -80,6 +81,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.kv_cache, config.block_size)
         self.guide = Guide(self.tokenizer, self.model_config.vocab_size)
+        self.speculator = build_speculator(
+            config, self.runner, self.block_manager, self.max_model_len
+        )
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         log.info("engine ready: %s, %s", self.model_id, self.memory.describe())
@@ -149,7 +153,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        return EngineStats(
+        stats = EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_free_blocks=bm.num_free_blocks,
@@ -158,6 +162,14 @@ class LLMEngine:
             prefix_cache_queries=bm.stats.queries,
             num_preemptions=self.scheduler.num_preemptions,
         )
+        if self.speculator is not None:
+            spec = self.speculator.stats
+            stats.spec_num_drafts = spec.num_drafts
+            stats.spec_draft_tokens = spec.num_draft_tokens
+            stats.spec_accepted_tokens = spec.num_accepted_tokens
+            stats.spec_acceptance_rate = spec.acceptance_rate
+            stats.spec_mean_accepted_length = spec.mean_accepted_length
+        return stats
 
     def drain_kv_events(self) -> list[tuple[str, list[int]]]:
         """KV block events since the last call, grouped into runs of the same kind."""
@@ -182,24 +194,63 @@ class LLMEngine:
             s.seq.num_computed_tokens += s.num_tokens
             self.block_manager.register_computed(s.seq)
         self._record_prompt_logprobs(result)
-        if not result.completing:
-            return []
+        outputs = self._sample(result, masks) if result.completing else []
+        if self.speculator is not None:
+            # NOTE: drafts skip the grammar and the logit edits, so those requests get none.
+            self.speculator.propose([s for s in self.scheduler.running if not _processed(s)])
+        return outputs
+
+    def _sample(self, result: StepLogits, masks: PendingMasks) -> list[RequestOutput]:
         seqs = [s.seq for s in result.completing]
-        tokens, logprobs = self._sample(result.logits, seqs, masks)
+        plain = [i for i, s in enumerate(result.completing) if not s.spec_token_ids]
+        if len(plain) == len(seqs):
+            tokens, logprobs = self._sample_rows(result.logits, seqs, masks)
+            return [
+                self._append_token(seq, t, lp)
+                for seq, t, lp in zip(seqs, tokens, logprobs, strict=True)
+            ]
+        emitted: list[tuple[list[int], list[TokenLogprob | None]]] = [([], [])] * len(seqs)
+        if plain:
+            rows = [seqs[i] for i in plain]
+            tokens, logprobs = self._sample_rows(result.logits[plain], rows, masks)
+            for i, t, lp in zip(plain, tokens, logprobs, strict=True):
+                emitted[i] = ([t], [lp])
+        assert self.speculator is not None
+        for i, s in enumerate(result.completing):
+            if s.spec_token_ids:
+                emitted[i] = self.speculator.verify(s, result.logits[i], result.spec_logits[i])
         return [
-            self._append_token(seq, t, lp)
-            for seq, t, lp in zip(seqs, tokens, logprobs, strict=True)
+            self._append_tokens(s, tokens, logprobs)
+            for s, (tokens, logprobs) in zip(result.completing, emitted, strict=True)
         ]
 
-    def _sample(
+    def _sample_rows(
         self, raw: torch.Tensor, seqs: list[Sequence], masks: PendingMasks
     ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token per row: grammar masks and logit edits first, then the sampler."""
         logits = masks.apply(raw, seqs)
         logits = apply_processors(logits, seqs, self.tokenizer.eos_token_ids)
         tokens, logprobs = sample(logits, seqs)
         if logits is not raw:  # logprobs come from the model's own distribution
             logprobs = chosen_logprobs(raw, tokens, [s.params.logprobs for s in seqs])
         return tokens, logprobs
+
+    def _append_tokens(
+        self, s: ScheduledSeq, tokens: list[int], logprobs: list[TokenLogprob | None]
+    ) -> RequestOutput:
+        """Append a verified run of tokens (up to the first that finishes the sequence); the
+        K/V of every token but the newest is then computed, and slots past it rolled back."""
+        seq = s.seq
+        outs = []
+        for t, lp in zip(tokens, logprobs, strict=True):
+            outs.append(self._append_token(seq, t, lp))
+            if outs[-1].finished:
+                break
+        if s.spec_token_ids and seq.status == Status.RUNNING:
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.block_manager.register_computed(seq)
+            self.block_manager.trim(seq)
+        return _merge(outs)
 
     def _append_token(
         self, seq: Sequence, token_id: int, logprob: TokenLogprob | None
@@ -376,3 +427,28 @@ class LLMEngine:
             self.block_manager.register_computed(seq)
         self.block_manager.free_sequence(seq)
         seq.status = Status.FINISHED
+
+
+def _merge(outs: list[RequestOutput]) -> RequestOutput:
+    """One output for several tokens of one sequence in one step."""
+    last = outs[-1]
+    if len(outs) == 1:
+        return last
+    logprobs = [lp for o in outs for lp in (o.logprobs or [])]
+    return RequestOutput(
+        request_id=last.request_id,
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outs),
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=last.num_cached_tokens,
+        logprobs=logprobs or None,
+    )
+
+
+def _processed(seq: Sequence) -> bool:
+    """A request whose logits are edited before sampling (a grammar, logit_bias, min_tokens)."""
+    p = seq.params
+    return seq.grammar is not None or bool(p.logit_bias) or p.min_tokens > 0

@@ -42,6 +42,12 @@ class EngineStats:
     prefix_cache_hits: int  # prompt tokens served from the prefix cache
     prefix_cache_queries: int  # prompt tokens looked up
     num_preemptions: int
+    # Speculative decoding (zero when off): verifications, drafted tokens verified, and kept.
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0  # accepted / drafted
+    spec_mean_accepted_length: float = 0.0  # tokens emitted per verification, the bonus included
 
 
 @dataclass

@@ -56,6 +56,10 @@ class Sequence:
         self.text = ""  # output text released to the caller so far
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] = []
+        # Speculative decoding: tokens drafted for the next step, and how many of this
+        # sequence's tokens have K/V in the draft model's pool (same block table).
+        self.spec_token_ids: list[int] = []
+        self.num_draft_computed = 0
 
     @property
     def num_tokens(self) -> int:

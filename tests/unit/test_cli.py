@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -41,8 +42,34 @@ def test_up_takes_the_options_the_readme_names(capsys):
         "--no-kvcache",
         "--no-facilities",
         "--log-dir",
+        "--speculative",
     ):
         assert option in out, option
+
+
+def test_up_passes_speculative_config_to_the_workers():
+    from tokenyard.services import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    spec = '{"method": "draft", "model": null, "quantization": "int4"}'
+    config = up.config_from(parser.parse_args(["--quantization", "none", "--speculative", spec]))
+    assert config.worker_env["TOKENYARD_WORKER_SPECULATIVE"] == spec
+    assert "TOKENYARD_WORKER_SPECULATIVE" not in up.config_from(parser.parse_args([])).worker_env
+    with pytest.raises(SystemExit, match="--speculative: speculative method must be one of"):
+        up.config_from(parser.parse_args(["--speculative", '{"method": "eagle"}']))
+    with pytest.raises(SystemExit, match="add --quantization none"):
+        up.config_from(parser.parse_args(["--speculative", spec]))  # default int4 target
+
+
+def test_worker_settings_refuse_a_bad_speculative_config():
+    from pydantic import ValidationError
+
+    from tokenyard.services.worker.settings import WorkerSettings
+
+    assert WorkerSettings(speculative='{"method": "ngram"}').speculative == '{"method": "ngram"}'
+    with pytest.raises(ValidationError, match="not valid JSON"):
+        WorkerSettings(speculative="{ngram")
 
 
 def test_up_without_a_facilities_inventory_says_why_and_starts_nothing(tmp_path):
