@@ -20,6 +20,8 @@ import torch
 from tokenyard.engine.block_manager import BlockManager
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.contract import Prompt
+from tokenyard.engine.guided import CLOSE_MAX_TOKENS, Guide, PendingMasks
+from tokenyard.engine.logits_processors import apply_processors
 from tokenyard.engine.memory import build_model_and_pool
 from tokenyard.engine.model_runner import ModelRunner, StepLogits
 from tokenyard.engine.outputs import (
@@ -78,6 +80,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.runner = ModelRunner(model, self.kv_cache, config.block_size)
+        self.guide = Guide(self.tokenizer, self.model_config.vocab_size)
         self.speculator = build_speculator(
             config, self.runner, self.block_manager, self.max_model_len
         )
@@ -129,8 +132,10 @@ class LLMEngine:
             )
 
     def _attach_output_state(self, seq: Sequence) -> None:
+        """Detokenizer, stop checker and grammar, caught up with the output tokens it has."""
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids)
         seq.stop_checker = StopChecker(seq.params.stop, seq.params.include_stop_str_in_output)
+        self.guide.attach(seq)
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
@@ -182,28 +187,32 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        # Grammar masks are computed on another thread while the model runs.
+        masks = self.guide.begin([s.seq for s in batch if s.completes])
         result = self.runner.run(batch)
         for s in batch:
             s.seq.num_computed_tokens += s.num_tokens
             self.block_manager.register_computed(s.seq)
         self._record_prompt_logprobs(result)
-        outputs = self._sample(result) if result.completing else []
+        outputs = self._sample(result, masks) if result.completing else []
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            # NOTE: drafts skip the grammar and the logit edits, so those requests get none.
+            self.speculator.propose([s for s in self.scheduler.running if not _processed(s)])
         return outputs
 
-    def _sample(self, result: StepLogits) -> list[RequestOutput]:
+    def _sample(self, result: StepLogits, masks: PendingMasks) -> list[RequestOutput]:
         seqs = [s.seq for s in result.completing]
         plain = [i for i, s in enumerate(result.completing) if not s.spec_token_ids]
         if len(plain) == len(seqs):
-            tokens, logprobs = sample(result.logits, seqs)
+            tokens, logprobs = self._sample_rows(result.logits, seqs, masks)
             return [
                 self._append_token(seq, t, lp)
                 for seq, t, lp in zip(seqs, tokens, logprobs, strict=True)
             ]
         emitted: list[tuple[list[int], list[TokenLogprob | None]]] = [([], [])] * len(seqs)
         if plain:
-            tokens, logprobs = sample(result.logits[plain], [seqs[i] for i in plain])
+            rows = [seqs[i] for i in plain]
+            tokens, logprobs = self._sample_rows(result.logits[plain], rows, masks)
             for i, t, lp in zip(plain, tokens, logprobs, strict=True):
                 emitted[i] = ([t], [lp])
         assert self.speculator is not None
@@ -214,6 +223,17 @@ class LLMEngine:
             self._append_tokens(s, tokens, logprobs)
             for s, (tokens, logprobs) in zip(result.completing, emitted, strict=True)
         ]
+
+    def _sample_rows(
+        self, raw: torch.Tensor, seqs: list[Sequence], masks: PendingMasks
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token per row: grammar masks and logit edits first, then the sampler."""
+        logits = masks.apply(raw, seqs)
+        logits = apply_processors(logits, seqs, self.tokenizer.eos_token_ids)
+        tokens, logprobs = sample(logits, seqs)
+        if logits is not raw:  # logprobs come from the model's own distribution
+            logprobs = chosen_logprobs(raw, tokens, [s.params.logprobs for s in seqs])
+        return tokens, logprobs
 
     def _append_tokens(
         self, s: ScheduledSeq, tokens: list[int], logprobs: list[TokenLogprob | None]
@@ -236,6 +256,7 @@ class LLMEngine:
         self, seq: Sequence, token_id: int, logprob: TokenLogprob | None
     ) -> RequestOutput:
         seq.token_ids.append(token_id)
+        self.guide.advance(seq, token_id)
         if logprob is not None:
             seq.logprobs.append(logprob)
         reason = self._finish_reason(seq, token_id)
@@ -263,12 +284,35 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         p = seq.params
+        if seq.grammar is not None:
+            return self._guided_finish_reason(seq, token_id)
         if token_id in p.stop_token_ids:
             return "stop"
         if not p.ignore_eos and token_id in self.tokenizer.eos_token_ids:
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
+        if seq.prefill_only:
+            return "prefilled"
+        return None
+
+    def _guided_finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        """A guided sequence ends when its grammar does; past max_tokens it closes what is
+        open first (guided.py), so its output still parses."""
+        grammar, p = seq.grammar, seq.params
+        assert grammar is not None
+        if grammar.closing and grammar.accepting:
+            return "length"
+        if grammar.done or token_id in self.tokenizer.eos_token_ids:
+            return "stop"
+        if token_id in p.stop_token_ids and grammar.accepting:
+            return "stop"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        if seq.num_output_tokens >= p.max_tokens:
+            if grammar.accepting or seq.num_output_tokens >= p.max_tokens + CLOSE_MAX_TOKENS:
+                return "length"
+            grammar.closing = True
         if seq.prefill_only:
             return "prefilled"
         return None
@@ -343,6 +387,7 @@ class LLMEngine:
         seq.status = Status.IMPORTING
         self._attach_output_state(seq)
         seq.token_ids.extend(output_token_ids)
+        self.guide.attach(seq)  # replays the output tokens through the grammar
         assert seq.detokenizer is not None and seq.stop_checker is not None
         seq.text, _ = seq.stop_checker.feed(seq.detokenizer.push(output_token_ids), final=False)
         self.seqs[request_id] = seq
@@ -411,3 +456,9 @@ def _merge(outs: list[RequestOutput]) -> RequestOutput:
         num_cached_tokens=last.num_cached_tokens,
         logprobs=logprobs or None,
     )
+
+
+def _processed(seq: Sequence) -> bool:
+    """A request whose logits are edited before sampling (a grammar, logit_bias, min_tokens)."""
+    p = seq.params
+    return seq.grammar is not None or bool(p.logit_bias) or p.min_tokens > 0

@@ -15,6 +15,7 @@ from tokenyard.engine.outputs import TokenLogprob
 from tokenyard.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tokenyard.engine.guided import Grammar
     from tokenyard.engine.stop import StopChecker
     from tokenyard.models.tokenizer import IncrementalDetokenizer
 
@@ -51,6 +52,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.detokenizer: IncrementalDetokenizer | None = None
         self.stop_checker: StopChecker | None = None
+        self.grammar: Grammar | None = None  # guided decoding's state (engine/guided.py)
         self.text = ""  # output text released to the caller so far
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] = []

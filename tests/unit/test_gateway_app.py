@@ -117,7 +117,10 @@ def assert_error(response, status: int, param: str | None = None) -> dict:
     ("body", "param"),
     [
         ({**CHAT, "messages": []}, "messages"),
-        ({**CHAT, "n": 2}, "n"),
+        ({**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+        ({**CHAT, "tool_choice": "required"}, "tool_choice"),
+        ({**CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
+        ({**CHAT, "guided_regex": "(["}, "guided_regex"),
         ({**CHAT, "temperature": 5}, "temperature"),
         ({**CHAT, "top_p": -1}, "top_p"),
         ({**CHAT, "max_tokens": 0}, "max_tokens"),
@@ -226,7 +229,7 @@ def test_ready_reports_workers(backend, http):
 
 def test_metrics_count_requests_and_tokens(oai, http):
     oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-    http.post("/v1/chat/completions", json={**CHAT, "n": 3})
+    http.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required"})
     text = http.get("/metrics").text
     assert 'tokenyard_gateway_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
     assert 'tokenyard_gateway_requests_total{route="/v1/chat/completions",status="400"} 1.0' in text

@@ -39,5 +39,7 @@ async def create_chat_completion(
         tokenizer=state.tokenizer,
         logprobs=body.logprobs,
         include_usage=prepared.include_usage,
+        n=prepared.n,
+        tool_names=prepared.tool_names,
     )
     return await Generation(state, "chat", prepared, fmt).serve(request, body.model)

@@ -36,5 +36,7 @@ async def create_completion(
         tokenizer=state.tokenizer,
         logprobs=body.logprobs is not None,
         include_usage=prepared.include_usage,
+        n=prepared.n,
+        echo=prepared.echo,
     )
     return await Generation(state, "completions", prepared, fmt).serve(request, body.model)
