@@ -17,6 +17,7 @@ from tokenyard.models.attention import AttnMetadata, paged_attention
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.fused import add_rms_norm, rotary_, silu_and_mul
 from tokenyard.models.module import LeanModule
+from tokenyard.models.quantize import fp32_linear
 
 
 class RMSNorm(LeanModule):
@@ -175,7 +176,8 @@ class LlamaForCausalLM(LeanModule):
         return self.norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """hidden [T, hidden] -> fp32 logits [T, vocab]."""
+        return fp32_linear(self.lm_head, hidden)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights, fusing q/k/v and gate/up into this model's fused layers."""

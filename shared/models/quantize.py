@@ -104,9 +104,37 @@ class QuantizedLinear(LeanModule):
             x.dtype
         )
 
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] -> fp32 [M, out], never rounded to x's dtype (the output projection's logits).
+
+        int8 runs the C++ GEMV, whose fp32 accumulators are returned as they are, 16 rows at a
+        time up to the dense threshold; bigger steps take the dense matmul's result upcast.
+        """
+        kernels = cpu_kernels.ops_for(x)
+        if (
+            self.bits != 8
+            or kernels is None
+            or (self.dense is not None and x.shape[0] > DENSE_ABOVE_ROWS[self.bits])
+        ):
+            return self(x).float()
+        xf = x.float().contiguous()
+        y = torch.cat(
+            [kernels.int8_linear(rows, self.qweight, self.scales) for rows in xf.split(16)]
+        )
+        return y + self.bias if self.bias is not None else y
+
     def quantized_bytes(self) -> int:
         """What one small-batch step reads of this layer's weights."""
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+
+
+def fp32_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) in fp32. NOTE: bf16 logits of the top candidates tie often enough (8 bits of
+    mantissa at magnitudes near 20 is a step of 0.125) that greedy answers flipped with the
+    step's shape; a quantized output projection returns its fp32 accumulators instead."""
+    if isinstance(layer, QuantizedLinear):
+        return layer.forward_fp32(x)
+    return layer(x).float()
 
 
 def int4_fits(linear: nn.Linear) -> bool:

@@ -81,3 +81,18 @@ def test_quantize_swaps_every_linear_and_keeps_lm_head_int8():
         quantize(model, "int3")
     with pytest.raises(ValueError, match="divisible"):
         QuantizedLinear(nn.Linear(48, 8), 4)
+
+
+def test_quantized_output_projection_keeps_fp32_logits():
+    """bf16 activations in, fp32 logits out: the int8 accumulators are not rounded to bf16."""
+    linear = _linear(out_features=64, in_features=64, bias=False).to(torch.bfloat16)
+    layer = QuantizedLinear(linear, 8)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    logits = q.fp32_linear(layer, x)
+    assert logits.dtype == torch.float32
+    exact = x.float() @ (layer.qweight.float() * layer.scales[:, None]).T
+    if cpu_kernels.ops() is not None:
+        assert torch.allclose(logits, exact, atol=1e-4)
+        assert not torch.equal(logits, logits.bfloat16().float())  # more than bf16's 8 bits
+    # a dense output projection gives its result upcast
+    assert q.fp32_linear(linear, x).dtype == torch.float32
