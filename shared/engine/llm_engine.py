@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,7 @@ from tokenyard.engine.scheduler import Scheduler
 from tokenyard.engine.sequence import Sequence, Status, TokenLogprob
 from tokenyard.engine.stop import StopChecker
 from tokenyard.models.loader import LoadedModel, load_model
+from tokenyard.models.moe import moe_blocks
 from tokenyard.models.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class EngineStats:
     prefix_cache_hits: int  # prompt tokens served from the prefix cache
     prefix_cache_queries: int  # prompt tokens looked up
     num_preemptions: int
+    # MoE load balance: tokens routed to each expert so far, [moe layer][expert] ([] if dense)
+    expert_tokens: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -178,6 +181,7 @@ class LLMEngine:
             prefix_cache_hits=bm.stats.hits,
             prefix_cache_queries=bm.stats.queries,
             num_preemptions=self.scheduler.num_preemptions,
+            expert_tokens=[b.tokens_per_expert.tolist() for b in moe_blocks(self.runner.model)],
         )
 
     def drain_kv_events(self) -> list[tuple[str, list[int]]]:
