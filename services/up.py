@@ -39,9 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default="int4",
-        choices=["int4", "int8", "none"],
+        choices=["int4", "int8", "fp8", "none"],
         help="weight-only quantization for small decode batches (default int4: the default "
         "model's own Q4_1 weights, 2.5x bf16's single-stream decode speed on a CPU)",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant workers: a request gets the same tokens whatever else runs "
+        "beside it, at a cost in speed (docs/precision.md; needs int4 or int8)",
     )
     parser.add_argument(
         "--nats-url", help="use this NATS (with JetStream) instead of an embedded one"
@@ -63,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from(args: argparse.Namespace) -> StackConfig:
     if args.prefill < 1 or args.decode < 0:
         raise SystemExit("--prefill must be at least 1 and --decode at least 0")
+    if args.deterministic and args.quantization not in ("int4", "int8"):
+        raise SystemExit("--deterministic needs --quantization int4 or int8")
     return StackConfig(
         port=args.port,
         host=args.host,
@@ -81,6 +89,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
                 if args.quantization == "none"
                 else {"TOKENYARD_WORKER_QUANTIZATION": args.quantization}
             ),
+            **({"TOKENYARD_WORKER_DETERMINISTIC": "1"} if args.deterministic else {}),
         },
     )
 

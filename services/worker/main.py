@@ -50,6 +50,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Any, Any]:
         "kv_cache_bytes": settings.kv_cache_bytes,
         "max_model_len": settings.max_model_len,
         "num_threads": settings.num_threads,
+        "deterministic": settings.deterministic or None,
     }
     if settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
         optional["kv_pool_factory"] = shared_pool

@@ -34,8 +34,9 @@ class WorkerSettings(BaseSettings):
     fake_step_s: float = 0.005  # the fake engine's time per step
     dtype: str | None = None
     quantization: str | None = (
-        None  # None | "int8" | "int4": weight-only (tokenyard.models.quantize)
+        None  # None | "int8" | "int4" | "fp8": weight-only (tokenyard.models.quantize)
     )
+    deterministic: bool = False  # batch-invariant steps (EngineConfig.deterministic)
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None
     kv_cache_bytes: int | None = None

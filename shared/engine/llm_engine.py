@@ -106,7 +106,9 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size)
+        self.runner = ModelRunner(
+            model, self.kv_cache, config.block_size, per_token_attention=config.deterministic
+        )
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         log.info("engine ready: %s, %s", self.model_id, self.memory.describe())

@@ -12,7 +12,7 @@ from tokenyard.kv.layout import KVLayout
 from tokenyard.models.llama import LlamaForCausalLM
 from tokenyard.models.loader import LoadedModel
 from tokenyard.models.moe import SparseMoeBlock, moe_blocks
-from tokenyard.models.quantize import QuantizedLinear, quantize
+from tokenyard.models.quantize import Fp8Linear, QuantizedLinear, quantize
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
@@ -67,7 +67,7 @@ def build_model_and_pool(
     model.load_weights(loaded.weights)
     model.to(dtype)
     if config.quantization:
-        quantize(model, config.quantization)
+        quantize(model, config.quantization, keep_dense=not config.deterministic)
     layout = KVLayout(
         model_id=loaded.model_id,
         dtype=config.dtype,
@@ -117,7 +117,7 @@ def _decode_read_bytes(module: torch.nn.Module) -> int:
         return experts * module.top_k // len(module.experts) + shared + routers
     bias = getattr(module, "bias", None)
     bias_bytes = bias.numel() * bias.element_size() if bias is not None else 0
-    if isinstance(module, QuantizedLinear):
+    if isinstance(module, (QuantizedLinear, Fp8Linear)):
         return module.quantized_bytes() + bias_bytes
     if isinstance(module, torch.nn.Linear):
         return module.weight.numel() * module.weight.element_size() + bias_bytes

@@ -25,10 +25,20 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        per_token_attention: bool = False,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, H_kv, D]
         self.block_size = block_size
+        # Deterministic mode: every token, prompt tokens too, attends as a decode row of its
+        # own (one query over its context), so a token's attention is the same computation
+        # whether it arrives in a prefill chunk of any size, after a cache hit, or decoding.
+        self.per_token_attention = per_token_attention
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> StepLogits:
@@ -75,9 +85,10 @@ class ModelRunner:
             slot_blocks.extend(seq.block_table[p // bs] for p in range(start, end))
             last_rows[id(s)] = row + s.num_tokens - 1
             n_blocks = -(-end // bs)
-            if s.num_tokens == 1:
-                decode_tables.append(seq.block_table[:n_blocks])
-                decode_lens.append(end)
+            if s.num_tokens == 1 or self.per_token_attention:
+                for p in range(start + 1, end + 1):  # p: the context length of each token
+                    decode_tables.append(seq.block_table[: -(-p // bs)])
+                    decode_lens.append(p)
             else:
                 block_ids = torch.tensor(seq.block_table[:n_blocks], dtype=torch.long)
                 prefills.append(PrefillSpan(row, s.num_tokens, end, block_ids))

@@ -53,3 +53,17 @@ def test_up_without_a_facilities_inventory_says_why_and_starts_nothing(tmp_path)
     assert done.returncode == 1
     assert f"{missing} does not exist" in done.stdout and "--no-facilities" in done.stdout
     assert "Starting Tokenyard" not in done.stdout  # printed once every service is started
+
+
+def test_up_deterministic_reaches_the_workers():
+    import argparse
+
+    from tokenyard.services import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    config = up.config_from(parser.parse_args(["--deterministic"]))
+    assert config.worker_env["TOKENYARD_WORKER_DETERMINISTIC"] == "1"
+    assert "TOKENYARD_WORKER_DETERMINISTIC" not in up.config_from(parser.parse_args([])).worker_env
+    with pytest.raises(SystemExit, match="needs --quantization"):
+        up.config_from(parser.parse_args(["--deterministic", "--quantization", "none"]))
