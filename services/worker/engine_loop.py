@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
+from tokenyard.engine.contract import Engine
+from tokenyard.engine.outputs import RequestOutput
+from tokenyard.engine.sampling_params import SamplingParams
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -28,20 +32,23 @@ IDLE_SLEEP_S = 0.002
 
 
 class Sink(Protocol):
-    async def on_output(self, out: Any) -> None: ...
+    async def on_output(self, out: RequestOutput) -> None: ...
 
 
 @dataclass
 class StepResult:
-    outputs: list[Any]
+    outputs: list[RequestOutput]
     kv_events: list[tuple[str, list[int]]]
     has_unfinished: bool
     seconds: float
+    stats: Any = None  # the engine's stats right after the step
 
 
 class EngineLoop:
     def __init__(
-        self, engine: Any, on_kv_events: Callable[[list[tuple[str, list[int]]]], Any] | None = None
+        self,
+        engine: Engine,
+        on_kv_events: Callable[[list[tuple[str, list[int]]]], Any] | None = None,
     ) -> None:
         self.engine = engine
         self.sinks: dict[str, Sink] = {}
@@ -49,6 +56,8 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._on_kv_events = on_kv_events
         self.tokens_generated = 0
+        self._stepping = False
+        self._last_stats: Any = None
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -61,7 +70,7 @@ class EngineLoop:
         self,
         request_id: str,
         prompt: list[int],
-        params: Any,
+        params: SamplingParams,
         sink: Sink,
         *,
         prefill_only: bool = False,
@@ -81,13 +90,28 @@ class EngineLoop:
         self.sinks.pop(request_id, None)
         return bool(await self.call(self.engine.abort, request_id))
 
+    async def stats(self) -> Any:
+        """The engine's stats without queueing behind a step: while one runs, the snapshot
+        taken after the previous step; a fresh read otherwise.
+
+        NOTE: heartbeats come from here. Waiting for the engine thread made a worker busy
+        with a long step (a big prefill, a batch of resumed sequences) miss its heartbeats
+        and be declared dead while it was working."""
+        if self._stepping and self._last_stats is not None:
+            return self._last_stats
+        self._last_stats = await self.call(self.engine.stats)
+        return self._last_stats
+
     def _step(self) -> StepResult:
         started = time.perf_counter()
         outputs = self.engine.step()
-        drain = getattr(self.engine, "drain_kv_events", None)
-        events = drain() if drain is not None else []
+        events = self.engine.drain_kv_events()
         return StepResult(
-            outputs, events, self.engine.has_unfinished(), time.perf_counter() - started
+            outputs,
+            events,
+            self.engine.has_unfinished(),
+            time.perf_counter() - started,
+            self.engine.stats(),
         )
 
     async def run(self) -> None:
@@ -96,7 +120,12 @@ class EngineLoop:
             await self._wake.wait()
             self._wake.clear()
             while True:
-                result = await self.call(self._step)
+                self._stepping = True
+                try:
+                    result = await self.call(self._step)
+                finally:
+                    self._stepping = False
+                self._last_stats = result.stats
                 await self._dispatch(result)
                 if not result.has_unfinished:
                     break
