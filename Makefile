@@ -43,7 +43,7 @@ lint: setup
 # mypy with `tokenyard.*` resolved across shared/, services/ and kernels/ (plain `mypy` reads
 # those imports as Any: see scripts/package_view.py). Clean for the packages listed; the rest
 # of the tree still has errors, so this is not yet part of lint.
-TYPECHECKED := tokenyard.engine tokenyard.kv tokenyard.bus tokenyard.services.worker
+TYPECHECKED := tokenyard.engine tokenyard.kv tokenyard.bus tokenyard.kernels tokenyard.services.worker tokenyard.services.launch
 typecheck: setup
 	$(PY) scripts/package_view.py build/package-view
 	MYPYPATH=build/package-view $(VENV)/bin/mypy --follow-imports=silent $(addprefix -p ,$(TYPECHECKED))

@@ -1,1 +1,1 @@
-"""Kernels with pure-torch twins: C++ for CPUs (`tokenyard.kernels.cpu`), Triton for GPUs (none yet)."""
+"""Kernels with pure-torch twins: C++ for CPUs (`tokenyard.kernels.cpu`), Triton for GPUs (`tokenyard.kernels.triton`)."""

@@ -14,8 +14,11 @@ import signal
 import threading
 from pathlib import Path
 
+from tokenyard.bus.auth import redact
+from tokenyard.engine.spec.config import SpeculativeConfig
 from tokenyard.services.keys import default_keys_url
 from tokenyard.services.launch.stack import LocalStack, StackConfig, StackError
+from tokenyard.services.telemetry.settings import DEFAULT_PORT as TELEMETRY_PORT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,10 +44,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        default="int4",
         choices=["int4", "int8", "fp8", "none"],
-        help="weight-only quantization for small decode batches (default int4: the default "
-        "model's own Q4_1 weights, 2.5x bf16's single-stream decode speed on a CPU)",
+        help="weight-only quantization for small decode batches (default on a CPU int4: the "
+        "default model's own Q4_1 weights, 2.5x bf16's single-stream decode speed; on a GPU "
+        "none, the only choice there so far)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where workers run the model (cuda: worker k takes GPU k modulo the GPU count)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        metavar="F",
+        help="on cuda: the share of its GPU each worker may use; workers sharing a GPU split it",
+    )
+    parser.add_argument(
+        "--speculative",
+        metavar="JSON",
+        help="speculative decoding on the decode workers, vLLM's speculative_config: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "draft", "model": null, "quantization": "int4"}\' (a self-draft needs '
+        "--quantization none)",
     )
     parser.add_argument(
         "--deterministic",
@@ -60,6 +84,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-facilities", action="store_true", help="do not start the facilities service"
+    )
+    parser.add_argument(
+        "--no-telemetry", action="store_true", help="do not start the telemetry service (console)"
+    )
+    parser.add_argument(
+        "--console-port",
+        type=int,
+        default=TELEMETRY_PORT,
+        help=f"the ops console's port (default {TELEMETRY_PORT}; 0 = any free port)",
     )
     parser.add_argument(
         "--log-dir", type=Path, help="keep service logs here (default: a temporary dir)"
@@ -78,7 +111,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from(args: argparse.Namespace) -> StackConfig:
     if args.prefill < 1 or args.decode < 0:
         raise SystemExit("--prefill must be at least 1 and --decode at least 0")
-    if args.deterministic and args.quantization not in ("int4", "int8"):
+    speculative = {}
+    if args.speculative:
+        try:
+            spec = SpeculativeConfig.parse(args.speculative)
+        except ValueError as exc:
+            raise SystemExit(f"--speculative: {exc}") from exc
+        if spec.method == "draft" and spec.model is None and args.quantization != "none":
+            raise SystemExit(
+                "--speculative: a self-draft (model null) drafts with an int4 copy of the "
+                "target, so the target must not be quantized: add --quantization none"
+            )
+        speculative = {"TOKENYARD_WORKER_SPECULATIVE": args.speculative}
+    quantization = args.quantization or ("int4" if args.device == "cpu" else "none")
+    if args.deterministic and quantization not in ("int4", "int8"):
         raise SystemExit("--deterministic needs --quantization int4 or int8")
     return StackConfig(
         port=args.port,
@@ -90,18 +136,26 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         model=args.model,
         kvcache=not args.no_kvcache,
         facilities=not args.no_facilities,
+        telemetry=not args.no_telemetry,
+        console_port=args.console_port or None,
         log_dir=args.log_dir,
         keys_db_url=default_keys_url() if args.require_keys else None,
         worker_env={
             "TOKENYARD_WORKER_DTYPE": args.dtype,
-            **(
-                {}
-                if args.quantization == "none"
-                else {"TOKENYARD_WORKER_QUANTIZATION": args.quantization}
-            ),
+            **_quantization_env(args),
+            **speculative,
             **({"TOKENYARD_WORKER_DETERMINISTIC": "1"} if args.deterministic else {}),
         },
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
+
+
+def _quantization_env(args: argparse.Namespace) -> dict[str, str]:
+    quantization = args.quantization or ("int4" if args.device == "cpu" else "none")
+    if args.device != "cpu" and quantization != "none":
+        raise SystemExit(f"--quantization {quantization} runs on the CPU only; drop it for cuda")
+    return {} if quantization == "none" else {"TOKENYARD_WORKER_QUANTIZATION": quantization}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         stack.start()
         print(
-            f"Starting Tokenyard (NATS {stack.nats_url}; logs in {stack.log_dir}) ...", flush=True
+            f"Starting Tokenyard (NATS {redact(stack.nats_url)}; logs in {stack.log_dir}) ...",
+            flush=True,
         )
         if not _wait_ready(stack, stop, args.ready_timeout):
             return 130 if stop.is_set() else 1
@@ -167,4 +222,6 @@ def _banner(stack: LocalStack) -> None:
             f"  curl -XPOST {fac}/v1/admin/racks/rack-a/faults -H 'Authorization: Bearer {token}' \\\n"
             "    -H 'Content-Type: application/json' -d '{\"kind\": \"pump_failure\"}'"
         )
+    if stack.console_url:
+        print(f"console: {stack.console_url}  (admin token: {stack.console_admin_token})")
     print("Ctrl-C stops everything.", flush=True)

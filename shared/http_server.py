@@ -25,6 +25,7 @@ from fastapi import APIRouter, FastAPI, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
+SHUTDOWN_GRACE_S = 3  # seconds
 # The reason the service cannot take work now, or None when it can.
 Readiness = Callable[[], str | None]
 
@@ -109,7 +110,11 @@ class Served:
 async def serve_app(app: FastAPI, host: str, port: int) -> AsyncIterator[Served]:
     """Serve `app` on host:port while the block runs; stops (and closes the socket) after."""
     sock = bind(host, port)
-    server = QuietServer(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    # NOTE: a bounded graceful stop: open event streams (the console's) never end by themselves.
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+    )
+    server = QuietServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"http:{host}:{port}")
     try:
         while not server.started and not task.done():

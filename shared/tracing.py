@@ -46,3 +46,32 @@ def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
 
 def extract_context(headers: Mapping[str, str] | None) -> Context:
     return propagate.extract(dict(headers or {})) if headers else context.get_current()
+
+
+# Attribute names. The GenAI ones follow OpenTelemetry's semantic conventions for
+# generative AI; REQUEST_ID is on every span of a request, so its id finds its trace.
+REQUEST_ID = "tokenyard.request_id"
+WORKER_ID = "tokenyard.worker_id"
+GEN_AI_OPERATION = "gen_ai.operation.name"
+GEN_AI_PROVIDER = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_TTFT = "gen_ai.server.time_to_first_token"
+
+
+def grpc_metadata() -> tuple[tuple[str, str], ...]:
+    """The current trace context as gRPC call metadata (W3C traceparent/tracestate)."""
+    return tuple(inject_headers().items())
+
+
+def grpc_context(servicer_context: object) -> Context:
+    """The caller's trace context from a gRPC servicer context's invocation metadata."""
+    metadata = servicer_context.invocation_metadata() or ()  # type: ignore[attr-defined]
+    return propagate.extract({str(k): str(v) for k, v in metadata})

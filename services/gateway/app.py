@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenyard.services.gateway.backend import NatsBackend
@@ -19,8 +21,10 @@ from tokenyard.services.gateway.keys import KeyStore
 from tokenyard.services.gateway.openapi import install_openapi
 from tokenyard.services.gateway.ratelimit import make_limiter
 from tokenyard.services.gateway.routes import chat, completions, health, models
+from tokenyard.services.gateway.serve import REQUEST_ID_SCOPE_KEY
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.services.gateway.state import GatewayState
+from tokenyard.span_bus import spans_to_bus
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,8 @@ async def build_state(settings: GatewaySettings, stack: AsyncExitStack) -> Gatew
     backend = NatsBackend(settings)
     await backend.start()
     stack.push_async_callback(backend.stop)
+    assert backend.bus is not None
+    await stack.enter_async_context(spans_to_bus(backend.bus, "gateway"))
     limiter = make_limiter(settings.rate_limit_rps, settings.rate_limit_burst, settings.redis_url)
     stack.push_async_callback(limiter.close)
     minute_limits = make_minute_limits(settings.redis_url)
@@ -93,6 +99,26 @@ class CountRequests:
                 state.metrics.requests.labels(path, str(status[0])).inc()
 
 
+class RequestIdHeader:
+    """`x-request-id` on every response: a generating route's request id (the one that finds
+    its trace in the telemetry service), else the caller's own, else a fresh one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                rid = scope.get(REQUEST_ID_SCOPE_KEY) or Headers(scope=scope).get("x-request-id")
+                MutableHeaders(scope=message)["x-request-id"] = rid or uuid.uuid4().hex
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> FastAPI:
     """The gateway app; `state` replaces NATS, tokenizer and limiter (tests pass fakes)."""
 
@@ -121,4 +147,5 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
 
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
     app.add_middleware(CountRequests)
+    app.add_middleware(RequestIdHeader)
     return app

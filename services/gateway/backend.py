@@ -25,7 +25,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.fleet import FleetView, resume_candidates
-from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes
+from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes, salted_root
 from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.responses import ChunkOrderer
 from tokenyard.services.gateway.settings import GatewaySettings
@@ -216,7 +216,9 @@ class NatsBackend:
             first_connect_timeout=self.settings.connect_timeout_s,
         )
         self.bus = bus
-        await bus.ensure_work_queue(subjects.PREFILL_STREAM, PREFILL_SUBJECTS)
+        await bus.ensure_work_queue(
+            subjects.PREFILL_STREAM, PREFILL_SUBJECTS, replicas=self.settings.jetstream_replicas
+        )
         await bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self._on_heartbeat)
 
     async def stop(self) -> None:
@@ -251,7 +253,7 @@ class NatsBackend:
 
         sub = await bus.subscribe(subjects.tokens(rid), pb.TokenChunk, on_chunk)
         try:
-            placement = await self._route(bus, rid, model, prompt_ids)
+            placement = await self._route(bus, rid, model, prompt_ids, params.cache_salt)
             job = pb.PrefillJob(
                 request_id=rid,
                 model=model,
@@ -307,12 +309,16 @@ class NatsBackend:
             log.info("decode worker %s refused to resume %s: %s", worker_id, rid, ack.message)
         return None
 
-    async def _route(self, bus: Bus, rid: str, model: str, prompt_ids: list[int]) -> pb.Placement:
+    async def _route(
+        self, bus: Bus, rid: str, model: str, prompt_ids: list[int], cache_salt: str = ""
+    ) -> pb.Placement:
         request = pb.RouteRequest(
             request_id=rid,
             model=model,
             num_prompt_tokens=len(prompt_ids),
-            block_hashes=prefix_block_hashes(prompt_ids, self.settings.block_size),
+            block_hashes=prefix_block_hashes(
+                prompt_ids, self.settings.block_size, salted_root(cache_salt)
+            ),
             hash_version=HASH_SPEC_VERSION,
         )
         retry = self.settings.retry_after_s

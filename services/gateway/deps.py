@@ -70,8 +70,17 @@ async def admit(state: State, caller: Annotated[Identity, Depends(authenticate)]
     return caller
 
 
-async def charge_tokens(state: GatewayState, caller: Identity, prepared: Prepared) -> None:
-    """Tokens per minute, charged up front: the prompt plus what may be generated."""
+def cache_salt(caller: Identity, requested: str | None) -> str:
+    """The salt a request's prefix hashes start from: the key's tenant first (one tenant
+    can never name another's namespace), then whatever the request adds."""
+    tenant = f"tenant:{caller.key.tenant}" if caller.key else ""
+    return "|".join(part for part in (tenant, requested or "") if part)
+
+
+async def admit_prepared(state: GatewayState, caller: Identity, prepared: Prepared) -> None:
+    """What depends on who asks, once the prompt is known: the cache salt, and tokens per
+    minute, charged up front: the prompt plus what may be generated."""
+    prepared.params.cache_salt = cache_salt(caller, prepared.cache_salt)
     tpm = caller.key.tokens_per_minute if caller.key else None
     if tpm is None:
         return

@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from tokenyard.services.gateway import tools
 from tokenyard.services.gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -23,7 +24,11 @@ from tokenyard.services.gateway.schemas import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    FunctionCall,
+    FunctionCallDelta,
     PromptTokensDetails,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
@@ -85,13 +90,31 @@ class Accumulator:
             self.finish_reason = finish_reason(chunk.finish_reason)
 
     def usage(self, num_prompt_tokens: int) -> Usage:
-        prompt = self.num_prompt_tokens or num_prompt_tokens
-        return Usage(
-            prompt_tokens=prompt,
-            completion_tokens=self.num_output_tokens,
-            total_tokens=prompt + self.num_output_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
-        )
+        return usage([self], num_prompt_tokens)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs)
+
+
+def usage(accs: list[Accumulator], num_prompt_tokens: int) -> Usage:
+    """The prompt counts once (its KV is shared by every choice); completions add up."""
+    prompt = max((a.num_prompt_tokens for a in accs), default=0) or num_prompt_tokens
+    completion = sum(a.num_output_tokens for a in accs)
+    cached = max((a.num_cached_tokens for a in accs), default=0)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def best(accs: list[Accumulator], n: int) -> list[Accumulator]:
+    """best_of: the n sequences with the highest cumulative logprob, in that order."""
+    if len(accs) == n:
+        return accs
+    return sorted(accs, key=lambda a: a.cumulative_logprob, reverse=True)[:n]
 
 
 def finish_reason(reason: str) -> str:
@@ -152,6 +175,10 @@ class ChatFormat:
     tokenizer: Tokenizer
     logprobs: bool
     include_usage: bool
+    n: int = 1
+    tool_names: frozenset[str] = frozenset()
+    _parsers: dict[int, tools.ToolStreamParser] = field(default_factory=dict)
+    _called: set[int] = field(default_factory=set)
 
     def _chunk(self, choice: ChatChunkChoice | None, usage: Usage | None = None) -> str:
         body = ChatCompletionChunk(
@@ -164,41 +191,86 @@ class ChatFormat:
         data = body.model_dump(exclude=None if self.include_usage else {"usage"})
         for c in data["choices"]:  # OpenAI sends only the delta's present fields
             c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+            for call in c["delta"].get("tool_calls", []):
+                call["function"] = {k: v for k, v in call["function"].items() if v is not None}
         return sse(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
 
     def start(self) -> Iterator[str]:
-        yield self._chunk(
-            ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))
+        for i in range(self.n):
+            yield self._chunk(
+                ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+            )
+
+    def events(self, chunk: pb.TokenChunk, index: int = 0) -> Iterator[str]:
+        text, calls = chunk.text, []
+        if self.tool_names:
+            parser = self._parsers.setdefault(index, tools.ToolStreamParser(set(self.tool_names)))
+            text, calls = parser.feed(chunk.text)
+            if chunk.finished:
+                text += parser.flush()
+        if text or chunk.logprobs:
+            lps = chat_logprobs(list(chunk.logprobs), self.tokenizer) if self.logprobs else None
+            delta = DeltaMessage(content=text)
+            yield self._chunk(ChatChunkChoice(index=index, delta=delta, logprobs=lps))
+        if calls:
+            yield self._chunk(ChatChunkChoice(index=index, delta=self._call_delta(index, calls)))
+        if chunk.finished:
+            reason = self._reason(finish_reason(chunk.finish_reason), index in self._called)
+            delta = DeltaMessage()
+            yield self._chunk(ChatChunkChoice(index=index, delta=delta, finish_reason=reason))
+
+    def _call_delta(self, index: int, calls: list[tools.ToolCall]) -> DeltaMessage:
+        first = self._parsers[index].num_calls - len(calls)
+        self._called.add(index)
+        return DeltaMessage(
+            tool_calls=[
+                ToolCallDelta(
+                    index=first + k,
+                    id=c.id,
+                    type="function",
+                    function=FunctionCallDelta(name=c.name, arguments=c.arguments),
+                )
+                for k, c in enumerate(calls)
+            ]
         )
 
-    def events(self, chunk: pb.TokenChunk) -> Iterator[str]:
-        if chunk.text or chunk.logprobs:
-            lps = chat_logprobs(list(chunk.logprobs), self.tokenizer) if self.logprobs else None
-            delta = DeltaMessage(content=chunk.text)
-            yield self._chunk(ChatChunkChoice(index=0, delta=delta, logprobs=lps))
-        if chunk.finished:
-            reason = finish_reason(chunk.finish_reason)
-            yield self._chunk(ChatChunkChoice(index=0, delta=DeltaMessage(), finish_reason=reason))
+    @staticmethod
+    def _reason(reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if called and reason == "stop" else reason
 
-    def end(self, acc: Accumulator, num_prompt_tokens: int) -> Iterator[str]:
+    def end(self, accs: list[Accumulator], num_prompt_tokens: int) -> Iterator[str]:
         if self.include_usage:
-            yield self._chunk(None, acc.usage(num_prompt_tokens))
+            yield self._chunk(None, usage(accs, num_prompt_tokens))
         yield DONE_EVENT
 
-    def complete(self, acc: Accumulator, num_prompt_tokens: int) -> ChatCompletionResponse:
-        lps = chat_logprobs(acc.logprobs, self.tokenizer) if self.logprobs else None
-        choice = ChatChoice(
-            index=0,
-            message=AssistantMessage(content="".join(acc.text)),
-            logprobs=lps,
-            finish_reason=acc.finish_reason,
-        )
+    def complete(self, accs: list[Accumulator], num_prompt_tokens: int) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=self.rid,
             created=self.created,
             model=self.model,
-            choices=[choice],
-            usage=acc.usage(num_prompt_tokens),
+            choices=[self._choice(i, acc) for i, acc in enumerate(accs)],
+            usage=usage(accs, num_prompt_tokens),
+        )
+
+    def _choice(self, index: int, acc: Accumulator) -> ChatChoice:
+        lps = chat_logprobs(acc.logprobs, self.tokenizer) if self.logprobs else None
+        content: str | None = "".join(acc.text)
+        calls: list[tools.ToolCall] = []
+        if self.tool_names:
+            content, calls = tools.parse(content or "", set(self.tool_names))
+        message = AssistantMessage(
+            content=content,
+            tool_calls=[
+                ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                for c in calls
+            ]
+            or None,
+        )
+        return ChatChoice(
+            index=index,
+            message=message,
+            logprobs=lps,
+            finish_reason=self._reason(acc.finish_reason, bool(calls)),
         )
 
 
@@ -213,7 +285,9 @@ class CompletionFormat:
     tokenizer: Tokenizer
     logprobs: bool
     include_usage: bool
-    _offset: int = 0
+    n: int = 1
+    echo: str = ""
+    _offsets: dict[int, int] = field(default_factory=dict)
 
     def _event(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         body = CompletionResponse(
@@ -222,36 +296,45 @@ class CompletionFormat:
         return sse(body.model_dump_json(exclude=None if self.include_usage else {"usage"}))
 
     def start(self) -> Iterator[str]:
-        return iter(())
+        if self.echo:
+            for i in range(self.n):
+                self._offsets[i] = len(self.echo)
+                yield self._event([CompletionChoice(index=i, text=self.echo, finish_reason=None)])
 
-    def events(self, chunk: pb.TokenChunk) -> Iterator[str]:
+    def events(self, chunk: pb.TokenChunk, index: int = 0) -> Iterator[str]:
         if not (chunk.text or chunk.logprobs or chunk.finished):
             return
+        offset = self._offsets.get(index, 0)
         lps = None
         if self.logprobs:
-            lps = completion_logprobs(list(chunk.logprobs), self.tokenizer, self._offset)
-        self._offset += len(chunk.text)
+            lps = completion_logprobs(list(chunk.logprobs), self.tokenizer, offset)
+        self._offsets[index] = offset + len(chunk.text)
         reason = finish_reason(chunk.finish_reason) if chunk.finished else None
         yield self._event(
-            [CompletionChoice(index=0, text=chunk.text, logprobs=lps, finish_reason=reason)]
+            [CompletionChoice(index=index, text=chunk.text, logprobs=lps, finish_reason=reason)]
         )
 
-    def end(self, acc: Accumulator, num_prompt_tokens: int) -> Iterator[str]:
+    def end(self, accs: list[Accumulator], num_prompt_tokens: int) -> Iterator[str]:
         if self.include_usage:
-            yield self._event([], acc.usage(num_prompt_tokens))
+            yield self._event([], usage(accs, num_prompt_tokens))
         yield DONE_EVENT
 
-    def complete(self, acc: Accumulator, num_prompt_tokens: int) -> CompletionResponse:
-        lps = completion_logprobs(acc.logprobs, self.tokenizer) if self.logprobs else None
-        choice = CompletionChoice(
-            index=0, text="".join(acc.text), logprobs=lps, finish_reason=acc.finish_reason
-        )
+    def complete(self, accs: list[Accumulator], num_prompt_tokens: int) -> CompletionResponse:
+        choices = []
+        for i, acc in enumerate(best(accs, self.n)):
+            lps = None
+            if self.logprobs:
+                lps = completion_logprobs(acc.logprobs, self.tokenizer, len(self.echo))
+            text = self.echo + "".join(acc.text)
+            choices.append(
+                CompletionChoice(index=i, text=text, logprobs=lps, finish_reason=acc.finish_reason)
+            )
         return CompletionResponse(
             id=self.rid,
             created=self.created,
             model=self.model,
-            choices=[choice],
-            usage=acc.usage(num_prompt_tokens),
+            choices=choices,
+            usage=usage(accs, num_prompt_tokens),
         )
 
 

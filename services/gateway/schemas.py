@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from tokenyard.api_errors import ErrorDetail, ErrorResponse  # noqa: F401  (part of this API's schemas)
 
@@ -25,6 +33,7 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_NAME_CHARS = 256
+MAX_CHOICES = 256  # guided_choice
 
 
 def valid_unicode(value: str) -> str:
@@ -57,6 +66,14 @@ TokenCount = Annotated[int, Field(ge=1, le=UINT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 
 
+def _json_text(value: dict | None) -> dict | None:
+    _unicode_everywhere(value)
+    return value
+
+
+JsonObject = Annotated[dict, AfterValidator(_json_text)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -80,15 +97,26 @@ class SamplingFields(_Body):
     frequency_penalty: Penalty = 0.0
     seed: int | None = None
     user: Name | None = None
-    logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)]
+        | None
+    ) = None
     # vLLM's extensions
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] = -1
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
     ignore_eos: bool = False
+    # Only requests with the same salt share cached prefixes (vLLM's field). A caller with
+    # an API key is always inside its tenant's own namespace, whatever it sends here.
+    cache_salt: Name | None = None
     stop_token_ids: Annotated[
         list[Annotated[int, Field(ge=0, le=UINT32_MAX)]], Field(max_length=MAX_STOP_TOKEN_IDS)
     ] = Field(default_factory=list)
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0
+    guided_json: Text | JsonObject | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(max_length=MAX_CHOICES)] | None = None
+    guided_grammar: Text | None = None  # Lark, as llguidance reads it
 
 
 # --- chat ---------------------------------------------------------------------------------
@@ -99,11 +127,23 @@ class TextPart(_Body):
     text: Text
 
 
+class FunctionCall(_Body):
+    name: Name
+    arguments: Text  # JSON text
+
+
+class ToolCall(_Body):
+    id: Name
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: Name | None = None
-    tool_call_id: Name | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Name | None = None  # a tool result answers this call
 
     @model_validator(mode="after")
     def _tool_answers_name_their_call(self) -> ChatMessage:
@@ -112,20 +152,14 @@ class ChatMessage(_Body):
         return self
 
 
-def _json_text(value: dict | None) -> dict | None:
-    _unicode_everywhere(value)
-    return value
-
-
-JsonObject = Annotated[dict, AfterValidator(_json_text)]
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: Annotated[list[JsonObject], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Name | JsonObject | None = None
+    parallel_tool_calls: bool = True
     response_format: JsonObject | None = None
 
 
@@ -146,9 +180,18 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_calls(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # OpenAI leaves `tool_calls` out of a message that makes none.
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
 class ChatChoice(BaseModel):
@@ -178,9 +221,22 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -205,7 +261,7 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    # A string, a list of one string, or token ids (one prompt per request: n=1 and no batches).
+    # A string, a list of one string, or token ids (one prompt per request: no batches).
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: TokenCount | None = 16  # OpenAI's default for this endpoint
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

@@ -16,7 +16,9 @@ from typing import TypeVar
 import anyio
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import propagate, trace
 
+from tokenyard import tracing
 from tokenyard.services.gateway.backend import TokenStream
 from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.responses import Accumulator, ResponseFormat
@@ -32,6 +34,11 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.25
 # Status logged for a request whose client left before the answer (nginx's convention).
 CLIENT_CLOSED = 499
+# Where a generating route leaves its request id for the x-request-id response header.
+REQUEST_ID_SCOPE_KEY = "tokenyard.request_id"
+# OpenTelemetry GenAI operation names of our routes.
+OPERATIONS = {"chat": "chat", "completions": "text_completion"}
+_UINT64 = 1 << 64
 
 
 class ClientGone(Exception):
@@ -59,66 +66,101 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 class Generation:
-    """Drives one request through the backend and records its metrics."""
+    """Drives one request through the backend and records its metrics.
+
+    With `n` (or `best_of`) > 1 each choice is its own sequence on the workers, `rid-i` for
+    i > 0. The first is sent alone; the others follow once its first token is back, when its
+    prompt's KV is in the prefix cache (the router sends them to the same worker by prefix
+    overlap), so the prompt is computed once and shared.
+    """
 
     def __init__(
         self, state: GatewayState, route: str, prepared: Prepared, fmt: ResponseFormat
     ) -> None:
         self.state, self.route, self.prepared, self.fmt = state, route, prepared, fmt
-        self.acc = Accumulator()
+        self.accs = [Accumulator() for _ in range(prepared.best_of)]
+        # NOTE: "-", not ".": a request id is one token of a NATS subject (ty.tokens.<id>),
+        # and the bus permissions grant `ty.tokens.*`.
+        self.rids = [fmt.rid] + [f"{fmt.rid}-{i}" for i in range(1, prepared.best_of)]
+        self.streams: list[TokenStream] = []
         self.t0 = time.perf_counter()
         self.first_token_at: float | None = None
         self.done = False
 
     async def serve(self, request: Request, model: str) -> Response:
-        rid, backend = self.fmt.rid, self.state.backend
-        # One trace per request: the bus carries this span's context to router and workers.
-        with _tracer.start_as_current_span(f"gateway.{self.route}", attributes={"request_id": rid}):
-            stream = await backend.submit(
-                rid, model, self.prepared.prompt_ids, self.prepared.params
-            )
-        self.state.metrics.in_flight.inc()
-        handed_off = False  # once the SSE generator owns the stream, it cleans up
+        request.scope[REQUEST_ID_SCOPE_KEY] = self.fmt.rid
+        # One trace per request (every choice in it): the bus carries this span's context to
+        # router and workers. The span lasts until the answer's last byte (ended in _observe).
+        self.span = _tracer.start_span(
+            f"{OPERATIONS.get(self.route, self.route)} {model}",
+            # The caller's trace when it sent a traceparent, else a new one.
+            context=propagate.extract(dict(request.headers)),
+            kind=trace.SpanKind.SERVER,
+            attributes=self._request_attributes(model),
+        )
         try:
+            self.streams.append(await self._submit(model, 0))
+        except BaseException as exc:
+            self.span.record_exception(exc)
+            self.span.set_status(trace.StatusCode.ERROR, str(exc))
+            self.span.end()
+            raise
+        self.state.metrics.in_flight.inc()
+        handed_off = False  # once the SSE generator owns the streams, it cleans up
+        try:
+            # The first chunk decides the status: a worker's refusal is still a 4xx here.
+            first = await until_disconnect(request, anext(self.streams[0]))
+            for i in range(1, self.prepared.best_of):
+                self.streams.append(await self._submit(model, i))
             if self.prepared.stream:
-                # The first chunk decides the status: a worker's refusal is still a 4xx here.
-                first = await until_disconnect(request, anext(stream))
                 handed_off = True
-                return StreamingResponse(
-                    self._sse(request, first, stream), media_type="text/event-stream"
-                )
-            await until_disconnect(request, self._collect(stream))
-            body = self.fmt.complete(self.acc, len(self.prepared.prompt_ids))
+                return StreamingResponse(self._sse(request, first), media_type="text/event-stream")
+            self._add(0, first)
+            await until_disconnect(request, self._collect())
+            body = self.fmt.complete(self.accs, len(self.prepared.prompt_ids))
             return JSONResponse(body.model_dump())
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         finally:
             if not handed_off:
-                await self._finish(stream)
+                await self._finish()
 
-    async def _collect(self, stream: TokenStream) -> None:
-        async for chunk in stream:
-            self._add(chunk)
+    async def _submit(self, model: str, index: int) -> TokenStream:
+        params = self.prepared.params
+        if index and params.HasField("seed"):
+            # Seeded sampling depends on (seed, position): each choice needs a seed of its own.
+            params = pb.SamplingParams()
+            params.CopyFrom(self.prepared.params)
+            params.seed = (params.seed + index) % _UINT64
+        with trace.use_span(self.span, end_on_exit=False):
+            return await self.state.backend.submit(
+                self.rids[index], model, self.prepared.prompt_ids, params
+            )
+
+    async def _collect(self) -> None:
+        async for index, chunk in _merged(self.streams):
+            self._add(index, chunk)
         self.done = True
 
-    def _add(self, chunk: pb.TokenChunk) -> None:
+    def _add(self, index: int, chunk: pb.TokenChunk) -> None:
         if self.first_token_at is None and chunk.token_ids:
             self.first_token_at = time.perf_counter()
             self.state.metrics.ttft.labels(self.route).observe(self.first_token_at - self.t0)
-        self.acc.add(chunk)
+        self.accs[index].add(chunk)
 
-    async def _sse(
-        self, request: Request, first: pb.TokenChunk, stream: TokenStream
-    ) -> AsyncIterator[str]:
+    async def _sse(self, request: Request, first: pb.TokenChunk) -> AsyncIterator[str]:
         try:
             for event in self.fmt.start():
                 yield event
-            async for chunk in _prepend(first, _watched(request, stream)):
-                self._add(chunk)
-                for event in self.fmt.events(chunk):
+            self._add(0, first)
+            for event in self.fmt.events(first, 0):
+                yield event
+            async for index, chunk in _merged(self.streams, request):
+                self._add(index, chunk)
+                for event in self.fmt.events(chunk, index):
                     yield event
             self.done = True
-            for event in self.fmt.end(self.acc, len(self.prepared.prompt_ids)):
+            for event in self.fmt.end(self.accs, len(self.prepared.prompt_ids)):
                 yield event
         except OpenAIError as exc:
             # NOTE: the 200 status line is already sent; the error travels as the last event.
@@ -129,25 +171,98 @@ class Generation:
         except ClientGone:
             log.info("client left request %s; cancelling it", self.fmt.rid)
         finally:
-            await self._finish(stream)
+            await self._finish()
 
-    async def _finish(self, stream: TokenStream) -> None:
+    async def _finish(self) -> None:
         # Shielded: this also runs while the server cancels a stream whose client left.
         with anyio.CancelScope(shield=True):
             if not self.done:
                 self.state.metrics.cancelled.inc()
-                await self.state.backend.cancel(self.fmt.rid, "client disconnected")
-            await stream.close()
+                for rid in self.rids[: len(self.streams)]:
+                    await self.state.backend.cancel(rid, "client disconnected")
+            for stream in self.streams:
+                await stream.close()
             self._observe()
 
+    def _request_attributes(self, model: str) -> dict[str, str | int | float]:
+        params = self.prepared.params
+        user = {"enduser.id": self.prepared.user} if self.prepared.user else {}
+        return {
+            **user,  # OpenTelemetry's name for the caller's end user
+            "gen_ai.request.choice.count": self.prepared.n,
+            tracing.REQUEST_ID: self.fmt.rid,
+            tracing.GEN_AI_OPERATION: OPERATIONS.get(self.route, self.route),
+            tracing.GEN_AI_PROVIDER: "tokenyard",
+            tracing.GEN_AI_REQUEST_MODEL: model,
+            tracing.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
+            tracing.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
+            tracing.GEN_AI_REQUEST_TOP_P: params.top_p,
+            tracing.GEN_AI_RESPONSE_ID: self.fmt.rid,
+            "gen_ai.request.stream": self.prepared.stream,
+        }
+
+    def _end_span(self) -> None:
+        accs, span = self.accs, self.span
+        span.set_attribute(tracing.GEN_AI_USAGE_INPUT_TOKENS, len(self.prepared.prompt_ids))
+        span.set_attribute(
+            tracing.GEN_AI_USAGE_OUTPUT_TOKENS, sum(a.num_output_tokens for a in accs)
+        )
+        span.set_attribute("tokenyard.cached_tokens", max(a.num_cached_tokens for a in accs))
+        reasons = [a.finish_reason for a in accs if a.finish_reason]
+        if reasons:
+            span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH_REASONS, reasons)
+        if self.first_token_at is not None:
+            span.set_attribute(tracing.GEN_AI_TTFT, self.first_token_at - self.t0)
+        if not self.done:
+            span.set_status(trace.StatusCode.ERROR, "client disconnected")
+        span.end()
+
     def _observe(self) -> None:
+        self._end_span()
         m = self.state.metrics
         m.in_flight.dec()
         if self.done:
             m.e2e.labels(self.route).observe(time.perf_counter() - self.t0)
         m.prompt_tokens.inc(len(self.prepared.prompt_ids))
-        m.completion_tokens.inc(self.acc.num_output_tokens)
-        m.cached_tokens.inc(self.acc.num_cached_tokens)
+        m.completion_tokens.inc(sum(a.num_output_tokens for a in self.accs))
+        m.cached_tokens.inc(max(a.num_cached_tokens for a in self.accs))
+
+
+async def _merged(
+    streams: list[TokenStream], request: Request | None = None
+) -> AsyncIterator[tuple[int, pb.TokenChunk]]:
+    """(choice index, chunk) from every stream, as they come; one stream needs no tasks."""
+    if len(streams) == 1:
+        source = _watched(request, streams[0]) if request else streams[0]
+        async for chunk in source:
+            yield 0, chunk
+        return
+    queue: asyncio.Queue[tuple[int, pb.TokenChunk | None | BaseException]] = asyncio.Queue()
+
+    async def pump(index: int, stream: TokenStream) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((index, chunk))
+            queue.put_nowait((index, None))
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            get = queue.get()
+            index, item = await (until_disconnect(request, get) if request else get)
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                open_streams -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _watched(request: Request, stream: TokenStream) -> AsyncIterator[pb.TokenChunk]:
@@ -164,9 +279,3 @@ async def _watched(request: Request, stream: TokenStream) -> AsyncIterator[pb.To
                 yield await until_disconnect(request, anext(stream))
         except StopAsyncIteration:
             return
-
-
-async def _prepend(first: pb.TokenChunk, rest: TokenStream) -> AsyncIterator[pb.TokenChunk]:
-    yield first
-    async for chunk in rest:
-        yield chunk

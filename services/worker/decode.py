@@ -14,12 +14,16 @@ import time
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry import trace
 
 from tokenyard.bus import subjects
 from tokenyard.fleet import resume_candidates
 from tokenyard.services.worker.base import WorkerBase
+from tokenyard.services.worker.stream import TokenStream
+from tokenyard.tracing import GEN_AI_USAGE_OUTPUT_TOKENS, REQUEST_ID, WORKER_ID, tracer
 from tokenyard.v1 import serving_pb2 as pb
 
+_tracer = tracer("tokenyard.worker")
 log = logging.getLogger(__name__)
 
 
@@ -60,10 +64,16 @@ class DecodeHandler:
         self.handoffs[rid] = handoff
         stream.done.add_done_callback(lambda _: self.handoffs.pop(rid, None))
         await self.bus.reply(msg, pb.HandoffAck(request_id=rid, accepted=True))
-        kv_ok = await self.w.kv.pull(handoff.kv_endpoint, rid, list(handoff.src_block_ids), dst)
+        attributes = {REQUEST_ID: rid, WORKER_ID: self.w.worker_id}
+        with _tracer.start_as_current_span("kv_transfer", attributes=attributes) as span:
+            kv_ok = await self.w.kv.pull(handoff.kv_endpoint, rid, list(handoff.src_block_ids), dst)
+            span.set_attributes({"kv.blocks": len(dst), "tokenyard.kv_ok": kv_ok})
         if stream.done.done():  # cancelled while we pulled
             return
-        await self.w.commit(rid, kv_ok=kv_ok)
+        decode = _tracer.start_span("decode", attributes=attributes)
+        stream.done.add_done_callback(lambda done: _end_decode_span(decode, stream, done))
+        with trace.use_span(decode):
+            await self.w.commit(rid, kv_ok=kv_ok)
 
     async def stop_taking(self) -> None:
         if self._sub is not None:
@@ -109,3 +119,9 @@ class DecodeHandler:
                 )
                 return True
         return False
+
+
+def _end_decode_span(span: trace.Span, stream: TokenStream, done: asyncio.Future[str]) -> None:
+    span.set_attribute(GEN_AI_USAGE_OUTPUT_TOKENS, len(stream.output_token_ids))
+    span.set_attribute("tokenyard.finish_reason", done.result() if not done.cancelled() else "")
+    span.end()

@@ -168,6 +168,8 @@ class FakeEngine:
         params: SamplingParams,
     ) -> list[int]:
         self._check_new(request_id)
+        if not prompt_token_ids or not output_token_ids:  # as the real engine
+            raise ValueError("an imported sequence needs its prompt and at least its first token")
         blocks = self._allocate(len(prompt_token_ids) + params.max_tokens)
         seq = _Seq(
             list(prompt_token_ids), params, False, blocks, list(output_token_ids), committed=False
@@ -199,10 +201,12 @@ class FakeEngine:
     def cached_block_ids(self, hashes: list[int]) -> list[tuple[int, int]]:
         return []
 
-    def reserve_prefix(self, request_id: str, token_ids: list[int]) -> list[int]:
+    def reserve_prefix(
+        self, request_id: str, token_ids: list[int], cache_salt: str = ""
+    ) -> list[int]:
         self._check_new(request_id)
         blocks = self._allocate(len(token_ids))
-        params = SamplingParams(max_tokens=1)
+        params = SamplingParams(max_tokens=1, cache_salt=cache_salt)
         self._seqs[request_id] = _Seq(list(token_ids), params, False, blocks, committed=False)
         return blocks
 

@@ -44,11 +44,14 @@ class KVPort:
                 layout,
                 on_release=self._on_release,
                 host=self.settings.host,
+                advertise_host=self.settings.advertised_host,
                 port=self.settings.kv_port,
             )
             self.endpoint = await self._server.start()
         if self.settings.decodes:
-            self._client = KVTransferClient(pool, layout)
+            self._client = KVTransferClient(
+                pool, layout, advertise_host=self.settings.advertised_host
+            )
 
     async def stop(self) -> None:
         if self._client is not None:
@@ -140,14 +143,16 @@ class KVCachePort:
             await self._client.close()
             self._client = None
 
-    async def fetch(self, request_id: str, prompt: list[int]) -> int:
+    async def fetch(self, request_id: str, prompt: list[int], cache_salt: str = "") -> int:
         """Seed the engine with the cached prefix of ``prompt``; returns its tokens (0 = miss)."""
         if self._client is None:
             return 0
         from tokenyard.kv.store.engine_bridge import fetch_prefix
 
         try:
-            n = await fetch_prefix(self.loop.engine, self._client, prompt, call=self.loop.call)
+            n = await fetch_prefix(
+                self.loop.engine, self._client, prompt, call=self.loop.call, cache_salt=cache_salt
+            )
         except Exception as exc:  # no free blocks, the service gone: compute it all instead
             log.warning("KV-cache fetch for %s failed (%s); computing", request_id, exc)
             return 0
@@ -155,7 +160,9 @@ class KVCachePort:
             log.info("KV-cache hit for %s: %d prompt tokens fetched", request_id, n)
         return n
 
-    async def offload(self, request_id: str, prompt: list[int], skip_tokens: int = 0) -> None:
+    async def offload(
+        self, request_id: str, prompt: list[int], skip_tokens: int = 0, cache_salt: str = ""
+    ) -> None:
         """Write the prompt's full blocks past ``skip_tokens`` through to the service.
 
         Call while the blocks are still in the engine's prefix cache (right after the
@@ -163,12 +170,12 @@ class KVCachePort:
         in the background."""
         if self._client is None:
             return
-        from tokenyard.kv.hashing import prefix_block_hashes
+        from tokenyard.kv.hashing import prefix_block_hashes, salted_root
         from tokenyard.kv.store.engine_bridge import snapshot_stored_blocks
 
         engine = self.loop.engine
         bs = engine.block_size
-        hashes = prefix_block_hashes(prompt, bs)[skip_tokens // bs :]
+        hashes = prefix_block_hashes(prompt, bs, salted_root(cache_salt))[skip_tokens // bs :]
         if not hashes:
             return
         try:

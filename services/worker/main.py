@@ -13,6 +13,9 @@ import logging
 import os
 from typing import Any
 
+from nats.aio.msg import Msg
+
+from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.engine.contract import Engine
 from tokenyard.engine.sampling_params import SamplingParams
@@ -23,7 +26,9 @@ from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.decode import DecodeHandler
 from tokenyard.services.worker.prefill import PrefillHandler
 from tokenyard.services.worker.settings import WorkerSettings
+from tokenyard.span_bus import spans_to_bus
 from tokenyard.tracing import setup_tracing
+from tokenyard.v1 import serving_pb2 as pb
 
 log = logging.getLogger("tokenyard.worker")
 
@@ -53,12 +58,18 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         "max_model_len": settings.max_model_len,
         "num_threads": settings.num_threads,
         "deterministic": settings.deterministic or None,
+        "speculative_config": settings.speculative if settings.decodes else None,
     }
-    if settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
+    # A shared-memory pool is host memory: for a CPU engine only.
+    cpu = settings.device == "cpu"
+    if cpu and settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
         optional["kv_pool_factory"] = shared_pool
     config = EngineConfig(
         model=settings.model,
         max_num_seqs=settings.max_num_seqs,
+        device=settings.device,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        tensor_parallel_size=settings.tensor_parallel_size,
         **{k: v for k, v in optional.items() if v is not None},
     )
     return LLMEngine(config), SamplingParams
@@ -78,12 +89,20 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, ready: Ready
     worker = WorkerBase(settings, bus, engine, params_cls)
     prefill = PrefillHandler(worker) if settings.prefills else None
     decode = DecodeHandler(worker) if settings.decodes else None
+
+    async def on_drain(req: pb.DrainRequest, msg: Msg) -> None:
+        """An operator's drain: the graceful stop of SIGTERM, asked over NATS."""
+        log.warning("worker %s draining: %s", settings.worker_id, req.reason or "no reason")
+        await bus.reply(msg, pb.DrainReply(accepted=True, message="draining, then exiting"))
+        stop.set()
+
     try:
-        async with asyncio.TaskGroup() as tg:
+        async with spans_to_bus(bus, settings.worker_id), asyncio.TaskGroup() as tg:
             await worker.start(tg)
             for handler in (decode, prefill):
                 if handler is not None:
                     await handler.start(tg)
+            await bus.subscribe(subjects.drain(settings.worker_id), pb.DrainRequest, on_drain)
             ready.set(None)
             log.info(
                 "worker %s (%s, %s) ready; KV endpoint %r",

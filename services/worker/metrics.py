@@ -35,6 +35,17 @@ EXPERT_TOKENS = Counter(
     "Tokens routed to each expert of each MoE layer (load balance)",
     (*LABELS, "layer", "expert"),
 )
+# Speculative decoding, as vLLM counts it: acceptance rate = accepted / draft tokens, mean
+# accepted length = (accepted + drafts) / drafts (the target's own token counted).
+SPEC_DRAFTS = Counter(
+    "tokenyard:spec_decode_num_drafts", "Verifications of drafted tokens (one per sequence)", LABELS
+)
+SPEC_DRAFT_TOKENS = Counter(
+    "tokenyard:spec_decode_num_draft_tokens", "Drafted tokens verified", LABELS
+)
+SPEC_ACCEPTED_TOKENS = Counter(
+    "tokenyard:spec_decode_num_accepted_tokens", "Drafted tokens the target kept", LABELS
+)
 PROMPT_TOKENS = Counter("tokenyard:prompt_tokens", "Prompt tokens prefilled here", LABELS)
 GENERATION_TOKENS = Counter(
     "tokenyard:generation_tokens", "Tokens generated and streamed here", LABELS
@@ -75,7 +86,8 @@ class WorkerMetrics:
 
     def __init__(self, worker: str, role: str, model: str) -> None:
         self.labels = {"worker": worker, "role": role, "model": model}
-        self._engine_totals = (0, 0, 0)  # prefix queries, prefix hits, preemptions
+        # prefix queries, prefix hits, preemptions, drafts, draft tokens, accepted tokens
+        self._engine_totals = (0, 0, 0, 0, 0, 0)
         self._expert_totals: list[list[int]] = []  # [moe layer][expert]
 
     def child(self, metric: Any) -> Any:
@@ -87,10 +99,23 @@ class WorkerMetrics:
         self.child(WAITING).set(stats.num_waiting)
         used = stats.num_blocks - stats.num_free_blocks
         self.child(KV_USAGE).set(used / stats.num_blocks if stats.num_blocks else 0.0)
-        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
-        for metric, now, before in zip(
-            (PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS), totals, self._engine_totals, strict=True
-        ):
+        totals = (
+            stats.prefix_cache_queries,
+            stats.prefix_cache_hits,
+            stats.num_preemptions,
+            stats.spec_num_drafts,
+            stats.spec_draft_tokens,
+            stats.spec_accepted_tokens,
+        )
+        counters = (
+            PREFIX_QUERIES,
+            PREFIX_HITS,
+            PREEMPTIONS,
+            SPEC_DRAFTS,
+            SPEC_DRAFT_TOKENS,
+            SPEC_ACCEPTED_TOKENS,
+        )
+        for metric, now, before in zip(counters, totals, self._engine_totals, strict=True):
             if now > before:
                 self.child(metric).inc(now - before)
         self._engine_totals = totals

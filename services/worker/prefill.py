@@ -17,8 +17,10 @@ from tokenyard.services.worker.convert import error_chunk
 from tokenyard.services.worker.kv import KVCachePort
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.services.worker.stream import HANDED_BACK
+from tokenyard.tracing import REQUEST_ID, tracer
 from tokenyard.v1 import serving_pb2 as pb
 
+_tracer = tracer("tokenyard.worker")
 log = logging.getLogger(__name__)
 
 CONSUMER_PREFIX = "prefill-"
@@ -35,6 +37,7 @@ def queue_spec(settings: WorkerSettings) -> WorkQueueSpec:
         max_in_flight=settings.max_num_seqs,
         # Until we have heard everyone's heartbeat, every peer looks gone.
         adopt_after_s=3 * settings.heartbeat_interval_s,
+        replicas=settings.jetstream_replicas,
     )
 
 
@@ -88,7 +91,9 @@ class PrefillHandler:
             return True
         aggregated = job.decode_worker_id in ("", self.w.worker_id) or job.params.max_tokens == 1
         prompt = list(job.prompt_token_ids)
-        fetched = await self.cache.fetch(rid, prompt)
+        with _tracer.start_as_current_span("kvcache.fetch", attributes={REQUEST_ID: rid}) as span:
+            fetched = await self.cache.fetch(rid, prompt, job.params.cache_salt)
+            span.set_attribute("tokenyard.fetched_tokens", fetched)
         stream = await self.w.generate(
             rid,
             prompt,
@@ -101,7 +106,9 @@ class PrefillHandler:
             return False
         if reason in ("prefilled", "stop", "length"):
             # Its blocks are still in the prefix cache (held, or freed but not yet evicted).
-            await self.cache.offload(rid, prompt, skip_tokens=fetched)
+            await self.cache.offload(
+                rid, prompt, skip_tokens=fetched, cache_salt=job.params.cache_salt
+            )
         if reason != "prefilled":
             return True
         await self._hand_off(job, stream.cached_tokens or 0)
@@ -126,7 +133,12 @@ class PrefillHandler:
             num_cached_tokens=cached_tokens,
             arrival_unix_ns=job.arrival_unix_ns,
         )
-        accepted = await self._send(job.decode_worker_id, handoff)
+        with _tracer.start_as_current_span(
+            "handoff",
+            attributes={REQUEST_ID: rid, "tokenyard.decode_worker": job.decode_worker_id},
+        ) as span:
+            accepted = await self._send(job.decode_worker_id, handoff)
+            span.set_attribute("tokenyard.accepted", accepted)
         if not endpoint or not accepted:
             await self.w.kv.end_hold(rid, "not pulled")
         if not accepted and self.w.is_cancelled(rid):

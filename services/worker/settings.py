@@ -10,7 +10,9 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tokenyard.engine.spec.config import SpeculativeConfig
 from tokenyard.fleet.roles import Role, can_decode, can_prefill
+from tokenyard.net import advertise_address, is_wildcard
 
 DEFAULT_OPS_PORT = 8092
 
@@ -29,6 +31,8 @@ class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENYARD_WORKER_")
 
     nats_url: str = "nats://127.0.0.1:4222"
+    # Copies of the prefill work queue on a NATS cluster; the same as the gateway's.
+    jetstream_replicas: int = Field(default=1, ge=1, le=5)
     worker_id: str = Field(default_factory=default_worker_id)
     role: Role = "both"
     model: str | None = None  # a GGUF file or HF folder; None = the default model
@@ -39,13 +43,22 @@ class WorkerSettings(BaseSettings):
         None  # None | "int8" | "int4" | "fp8": weight-only (tokenyard.models.quantize)
     )
     deterministic: bool = False  # batch-invariant steps (EngineConfig.deterministic)
+    # Speculative decoding, vLLM's speculative_config as JSON, e.g. {"method": "ngram"};
+    # decode-capable workers use it (tokenyard.engine.spec), prefill-only ones ignore it.
+    speculative: str | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
     num_threads: int | None = None  # torch threads; None = torch's default
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:<index>"
+    gpu_memory_utilization: float = 0.9  # on CUDA: this worker's share of the device
+    tensor_parallel_size: int = 1
     heartbeat_interval_s: float = 1.0
-    host: str = "127.0.0.1"  # where the KV transfer server listens
+    host: str = "127.0.0.1"  # where the KV transfer server listens (0.0.0.0: everywhere)
+    # Where other workers reach this one (its KV endpoint). Empty: the bound address, or,
+    # bound to 0.0.0.0, this host's own address (tokenyard.net); Kubernetes sets the pod IP.
+    advertise_host: str = ""
     kv_port: int = 0  # 0 = any free port
     kv_transfer: bool = True  # False: decode workers always recompute the prompt
     # Prefill side: keep the KV pool in shared memory, so a decode worker on this host
@@ -73,6 +86,27 @@ class WorkerSettings(BaseSettings):
         if not value or sanitize_worker_id(value) != value:
             raise ValueError(f"worker_id {value!r} may hold only letters, digits, '-' and '_'")
         return value
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative_parses(cls, value: str | None) -> str | None:
+        if value:
+            SpeculativeConfig.parse(value)  # a bad config fails at start, with the reason
+        return value or None
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _reachable(cls, value: str) -> str:
+        if value and is_wildcard(value):
+            raise ValueError(
+                f"advertise_host {value!r} is a bind-everywhere address, not one to dial"
+            )
+        return value
+
+    @property
+    def advertised_host(self) -> str:
+        """The address in this worker's KV endpoint and heartbeats; never 0.0.0.0."""
+        return advertise_address(self.host, self.advertise_host)
 
     @property
     def prefills(self) -> bool:

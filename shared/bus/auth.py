@@ -52,7 +52,7 @@ class NatsUser:
 def router() -> NatsUser:
     return NatsUser(
         "router",
-        publish=[],
+        publish=[subjects.telemetry_spans("router")],
         subscribe=[
             subjects.HEARTBEATS_ALL,
             subjects.KV_EVENTS_ALL,
@@ -73,6 +73,7 @@ def gateway(name: str = "gateway") -> NatsUser:
             f"{subjects.PREFILL_JOBS}.>",
             DECODE_JOBS_ANY,
             subjects.CANCEL_ALL,
+            subjects.telemetry_spans("gateway"),
             *PREFILL_JS_API,
         ],
         subscribe=[subjects.tokens("*"), subjects.HEARTBEATS_ALL, INBOX],
@@ -90,10 +91,12 @@ def worker(role: str, worker_id: str) -> NatsUser:
             subjects.tokens("*"),
             DECODE_JOBS_ANY,
             PREFILL_JS_ACK,
+            subjects.telemetry_spans(worker_id),
             *PREFILL_JS_API,
         ],
         subscribe=[
             subjects.decode_jobs(worker_id),
+            subjects.drain(worker_id),
             subjects.CANCEL_ALL,
             subjects.FACILITIES_STATE_ALL,
             subjects.HEARTBEATS_ALL,
@@ -113,10 +116,11 @@ def facilities() -> NatsUser:
 
 
 def telemetry() -> NatsUser:
-    """Reads what the fleet says about itself; publishes nothing."""
+    """Reads what the fleet says about itself (spans included); publishes only the console's
+    drain requests to workers."""
     return NatsUser(
         "telemetry",
-        publish=[],
+        publish=[subjects.drain("*")],
         subscribe=[
             subjects.HEARTBEATS_ALL,
             subjects.KV_EVENTS_ALL,

@@ -59,3 +59,16 @@ def facilities_state(rack: str) -> str:
 
 
 FACILITIES_STATE_ALL = f"{PREFIX}.facilities.state.*"
+
+
+def telemetry_spans(service: str) -> str:
+    """Finished spans (an OTLP ExportTraceServiceRequest) from one service process."""
+    return f"{PREFIX}.telemetry.spans.{service}"
+
+
+TELEMETRY_SPANS_ALL = f"{PREFIX}.telemetry.spans.*"
+
+
+def drain(worker_id: str) -> str:
+    """Request/reply: stop taking work, finish what runs, exit (the console's drain)."""
+    return f"{PREFIX}.drain.{worker_id}"

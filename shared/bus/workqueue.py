@@ -36,8 +36,10 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo
 from nats.js.errors import BadRequestError, NotFoundError
+from opentelemetry import context
 
 from tokenyard.bus.nats import Bus, BusError, parse
+from tokenyard.tracing import extract_context
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class WorkQueueSpec:
     # A consumer nobody pulls from (its worker gone, nobody adopted it) goes away by itself
     # instead of piling up on a long-lived NATS.
     consumer_inactive_s: float = 3600.0
+    replicas: int = 1  # copies of the stream on a NATS cluster (3 on a 3-node cluster)
 
     def consumer_name(self, worker_id: str) -> str:
         return f"{self.consumer_prefix}{worker_id}"
@@ -129,7 +132,9 @@ class WorkQueue(Generic[M]):
         """Create the stream and our consumer (or reuse them), then consume and adopt."""
         self._tg = tg
         self._started = time.monotonic()
-        await self.bus.ensure_work_queue(self.spec.stream, self.spec.subjects)
+        await self.bus.ensure_work_queue(
+            self.spec.stream, self.spec.subjects, replicas=self.spec.replicas
+        )
         config = self.spec.consumer_config(self.worker_id)
         try:
             await self.bus.js.add_consumer(self.spec.stream, config)
@@ -189,6 +194,8 @@ class WorkQueue(Generic[M]):
             self._slots.release()
             return
         delivery = Delivery(job, msg.metadata.num_delivered or 1, self.spec.max_deliver, adopted)
+        # The job runs in the trace its publisher put in the headers, as Bus.subscribe does.
+        token = context.attach(extract_context(msg.headers))
         try:
             async with self._in_progress(msg):
                 outcome = await self.handler.run(delivery)
@@ -202,6 +209,7 @@ class WorkQueue(Generic[M]):
             )
             await self._failed(delivery, msg, exc)
         finally:
+            context.detach(token)
             self._slots.release()
 
     async def _failed(self, delivery: Delivery[M], msg: Msg, exc: Exception) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from tokenyard.engine.outputs import NoFreeBlocks
 from tokenyard.engine.sequence import Sequence
-from tokenyard.kv.hashing import ROOT_HASH, block_hash
+from tokenyard.kv.hashing import block_hash, salted_root
 
 
 @dataclass
@@ -71,7 +71,7 @@ class BlockManager:
         # At least one token must run through the model to produce logits, so a block holding
         # the last token is never taken from the cache (and a shared block is never written).
         n_cacheable = (seq.num_tokens - 1) // self.block_size
-        parent = ROOT_HASH
+        parent = salted_root(seq.params.cache_salt)
         cache_hit = self.enable_prefix_caching and use_cache
         for i in range(self.blocks_needed(seq.num_tokens)):
             block_id = None
@@ -137,6 +137,17 @@ class BlockManager:
         for _ in range(self._blocks_short(seq, num_new_tokens)):
             seq.block_table.append(self._take_fresh())
 
+    def trim(self, seq: Sequence) -> None:
+        """Free blocks past the sequence's last token: slots reserved for drafted tokens that
+        the target rejected (speculative decoding's rollback)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash is None, "a drafted slot was shared"
+            block.ref_count = 0
+            self.free[block.block_id] = None
+            self.free.move_to_end(block.block_id, last=False)  # holds nothing: reuse it first
+
     def _blocks_short(self, seq: Sequence, num_new_tokens: int) -> int:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         return max(0, need - len(seq.block_table))
@@ -148,7 +159,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         n_full = seq.num_computed_tokens // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        parent = seq.block_hashes[-1] if seq.block_hashes else salted_root(seq.params.cache_salt)
         for i in range(len(seq.block_hashes), n_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = block_hash(parent, tokens)
@@ -174,6 +185,7 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        seq.num_draft_computed = 0
 
     def drain_events(self) -> list[tuple[str, int]]:
         events, self.events = self.events, []

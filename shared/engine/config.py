@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from tokenyard.engine.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -22,7 +24,12 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # the per-step token budget (chunked prefill)
     max_model_len: int | None = None  # None = the model's context length, capped at 8192
-    kv_cache_bytes: int = 512 * 1024**2  # the KV pool's memory budget
+    # The KV pool's size. None: 512 MiB on a CPU; on a GPU, what gpu_memory_utilization of
+    # the device leaves once weights and buffers are in (as vLLM sizes it).
+    kv_cache_bytes: int | None = None
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:<index>": weights, KV pool and kernels
+    gpu_memory_utilization: float = 0.9  # on CUDA: the share of the device this engine may use
+    tensor_parallel_size: int = 1  # ranks one model is split over (only 1 is built so far)
     enable_prefix_caching: bool = True
     # Batch-invariant steps: a request's tokens do not depend on its batch neighbours, prefix
     # cache hits, chunking, preemption or a prefill-to-decode hand-off. Every row runs the
@@ -35,6 +42,10 @@ class EngineConfig:
     # layout.pool_shape(num_blocks). None = private memory; workers pass a shared-memory
     # allocator so a peer on the same host can read blocks without a copy through a socket.
     kv_pool_factory: Callable[[KVLayout, int], torch.Tensor] | None = None
+    # Speculative decoding, in vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4}
+    # or {"method": "draft", "model": None, "quantization": "int4"} (tokenyard.engine.spec).
+    # A dict or its JSON text is parsed into a SpeculativeConfig here.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -52,3 +63,32 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+            if self.deterministic:
+                # A verification pass changes a step's row count and so its kernels' inputs.
+                raise ValueError("deterministic mode runs without speculative decoding")
+        self._check_device()
+
+    def _check_device(self) -> None:
+        kind, _, index = self.device.partition(":")
+        if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not "
+                "built yet; run one rank per worker (tensor_parallel_size=1)"
+            )
+        if kind == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+            if index and int(index) >= torch.cuda.device_count():
+                raise ValueError(
+                    f"device {self.device!r}: only {torch.cuda.device_count()} CUDA devices"
+                )

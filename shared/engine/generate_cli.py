@@ -23,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["int8", "int4", "fp8"],
         help="weight-only quantization (int4 is the default model's own Q4_1 precision)",
     )
+    parser.add_argument(
+        "--speculative",
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +36,12 @@ def run(args: argparse.Namespace) -> int:
     from tokenyard.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(
-        EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization)
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            speculative_config=args.speculative,
+        )
     )
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed

@@ -20,6 +20,8 @@ import torch
 from tokenyard.engine.block_manager import BlockManager
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.contract import Prompt
+from tokenyard.engine.guided import CLOSE_MAX_TOKENS, Guide, PendingMasks
+from tokenyard.engine.logits_processors import apply_processors
 from tokenyard.engine.memory import build_model_and_pool
 from tokenyard.engine.model_runner import ModelRunner, StepLogits
 from tokenyard.engine.outputs import (
@@ -31,8 +33,9 @@ from tokenyard.engine.outputs import (
 )
 from tokenyard.engine.sampler import chosen_logprobs, sample
 from tokenyard.engine.sampling_params import SamplingParams
-from tokenyard.engine.scheduler import Scheduler
+from tokenyard.engine.scheduler import ScheduledSeq, Scheduler
 from tokenyard.engine.sequence import Sequence, Status
+from tokenyard.engine.spec.speculator import build_speculator
 from tokenyard.engine.stop import StopChecker
 from tokenyard.models.loader import LoadedModel, load_model
 from tokenyard.models.moe import moe_blocks
@@ -79,6 +82,10 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             model, self.kv_cache, config.block_size, per_token_attention=config.deterministic
+        )
+        self.guide = Guide(self.tokenizer, self.model_config.vocab_size)
+        self.speculator = build_speculator(
+            config, self.runner, self.block_manager, self.max_model_len
         )
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
@@ -128,8 +135,10 @@ class LLMEngine:
             )
 
     def _attach_output_state(self, seq: Sequence) -> None:
+        """Detokenizer, stop checker and grammar, caught up with the output tokens it has."""
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids)
         seq.stop_checker = StopChecker(seq.params.stop, seq.params.include_stop_str_in_output)
+        self.guide.attach(seq)
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
@@ -147,7 +156,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        return EngineStats(
+        stats = EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_free_blocks=bm.num_free_blocks,
@@ -157,6 +166,14 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             expert_tokens=[b.tokens_per_expert.tolist() for b in moe_blocks(self.runner.model)],
         )
+        if self.speculator is not None:
+            spec = self.speculator.stats
+            stats.spec_num_drafts = spec.num_drafts
+            stats.spec_draft_tokens = spec.num_draft_tokens
+            stats.spec_accepted_tokens = spec.num_accepted_tokens
+            stats.spec_acceptance_rate = spec.acceptance_rate
+            stats.spec_mean_accepted_length = spec.mean_accepted_length
+        return stats
 
     def drain_kv_events(self) -> list[tuple[str, list[int]]]:
         """KV block events since the last call, grouped into runs of the same kind."""
@@ -174,24 +191,76 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        # Grammar masks are computed on another thread while the model runs.
+        masks = self.guide.begin([s.seq for s in batch if s.completes])
         result = self.runner.run(batch)
         for s in batch:
             s.seq.num_computed_tokens += s.num_tokens
             self.block_manager.register_computed(s.seq)
         self._record_prompt_logprobs(result)
-        if not result.completing:
-            return []
+        outputs = self._sample(result, masks) if result.completing else []
+        if self.speculator is not None:
+            # NOTE: drafts skip the grammar and the logit edits, so those requests get none.
+            self.speculator.propose([s for s in self.scheduler.running if not _processed(s)])
+        return outputs
+
+    def _sample(self, result: StepLogits, masks: PendingMasks) -> list[RequestOutput]:
         seqs = [s.seq for s in result.completing]
-        tokens, logprobs = sample(result.logits, seqs)
+        plain = [i for i, s in enumerate(result.completing) if not s.spec_token_ids]
+        if len(plain) == len(seqs):
+            tokens, logprobs = self._sample_rows(result.logits, seqs, masks)
+            return [
+                self._append_token(seq, t, lp)
+                for seq, t, lp in zip(seqs, tokens, logprobs, strict=True)
+            ]
+        emitted: list[tuple[list[int], list[TokenLogprob | None]]] = [([], [])] * len(seqs)
+        if plain:
+            rows = [seqs[i] for i in plain]
+            tokens, logprobs = self._sample_rows(result.logits[plain], rows, masks)
+            for i, t, lp in zip(plain, tokens, logprobs, strict=True):
+                emitted[i] = ([t], [lp])
+        assert self.speculator is not None
+        for i, s in enumerate(result.completing):
+            if s.spec_token_ids:
+                emitted[i] = self.speculator.verify(s, result.logits[i], result.spec_logits[i])
         return [
-            self._append_token(seq, t, lp)
-            for seq, t, lp in zip(seqs, tokens, logprobs, strict=True)
+            self._append_tokens(s, tokens, logprobs)
+            for s, (tokens, logprobs) in zip(result.completing, emitted, strict=True)
         ]
+
+    def _sample_rows(
+        self, raw: torch.Tensor, seqs: list[Sequence], masks: PendingMasks
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token per row: grammar masks and logit edits first, then the sampler."""
+        logits = masks.apply(raw, seqs)
+        logits = apply_processors(logits, seqs, self.tokenizer.eos_token_ids)
+        tokens, logprobs = sample(logits, seqs)
+        if logits is not raw:  # logprobs come from the model's own distribution
+            logprobs = chosen_logprobs(raw, tokens, [s.params.logprobs for s in seqs])
+        return tokens, logprobs
+
+    def _append_tokens(
+        self, s: ScheduledSeq, tokens: list[int], logprobs: list[TokenLogprob | None]
+    ) -> RequestOutput:
+        """Append a verified run of tokens (up to the first that finishes the sequence); the
+        K/V of every token but the newest is then computed, and slots past it rolled back."""
+        seq = s.seq
+        outs = []
+        for t, lp in zip(tokens, logprobs, strict=True):
+            outs.append(self._append_token(seq, t, lp))
+            if outs[-1].finished:
+                break
+        if s.spec_token_ids and seq.status == Status.RUNNING:
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.block_manager.register_computed(seq)
+            self.block_manager.trim(seq)
+        return _merge(outs)
 
     def _append_token(
         self, seq: Sequence, token_id: int, logprob: TokenLogprob | None
     ) -> RequestOutput:
         seq.token_ids.append(token_id)
+        self.guide.advance(seq, token_id)
         if logprob is not None:
             seq.logprobs.append(logprob)
         reason = self._finish_reason(seq, token_id)
@@ -219,12 +288,35 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         p = seq.params
+        if seq.grammar is not None:
+            return self._guided_finish_reason(seq, token_id)
         if token_id in p.stop_token_ids:
             return "stop"
         if not p.ignore_eos and token_id in self.tokenizer.eos_token_ids:
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
+        if seq.prefill_only:
+            return "prefilled"
+        return None
+
+    def _guided_finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        """A guided sequence ends when its grammar does; past max_tokens it closes what is
+        open first (guided.py), so its output still parses."""
+        grammar, p = seq.grammar, seq.params
+        assert grammar is not None
+        if grammar.closing and grammar.accepting:
+            return "length"
+        if grammar.done or token_id in self.tokenizer.eos_token_ids:
+            return "stop"
+        if token_id in p.stop_token_ids and grammar.accepting:
+            return "stop"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        if seq.num_output_tokens >= p.max_tokens:
+            if grammar.accepting or seq.num_output_tokens >= p.max_tokens + CLOSE_MAX_TOKENS:
+                return "length"
+            grammar.closing = True
         if seq.prefill_only:
             return "prefilled"
         return None
@@ -285,6 +377,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids or not output_token_ids:
             raise ValueError("an imported sequence needs its prompt and at least its first token")
+        # NOTE: a hand-off comes off the bus, not through add_request's checks: an id past the
+        # vocabulary would fail inside a later step and take every other sequence with it.
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in (*prompt_token_ids, *output_token_ids)):
+            raise ValueError(f"token ids must be in [0, {vocab})")
         self._check_length(len(prompt_token_ids))
         seq = Sequence(request_id, prompt_token_ids, params, arrival=next(self._arrivals))
         self.block_manager.allocate_fresh(
@@ -294,6 +391,7 @@ class LLMEngine:
         seq.status = Status.IMPORTING
         self._attach_output_state(seq)
         seq.token_ids.extend(output_token_ids)
+        self.guide.attach(seq)  # replays the output tokens through the grammar
         assert seq.detokenizer is not None and seq.stop_checker is not None
         seq.text, _ = seq.stop_checker.feed(seq.detokenizer.push(output_token_ids), final=False)
         self.seqs[request_id] = seq
@@ -315,14 +413,19 @@ class LLMEngine:
         cached = self.block_manager.cached
         return [(h, cached[h]) for h in hashes if h in cached]
 
-    def reserve_prefix(self, request_id: str, token_ids: list[int]) -> list[int]:
+    def reserve_prefix(
+        self, request_id: str, token_ids: list[int], cache_salt: str = ""
+    ) -> list[int]:
         """Blocks for a prefix of whole blocks; :meth:`commit_prefix` names or drops them."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not token_ids or len(token_ids) % self.block_size:
             raise ValueError(f"a prefix is whole blocks of {self.block_size} tokens")
         seq = Sequence(
-            request_id, token_ids, SamplingParams(max_tokens=1), arrival=next(self._arrivals)
+            request_id,
+            token_ids,
+            SamplingParams(max_tokens=1, cache_salt=cache_salt),
+            arrival=next(self._arrivals),
         )
         self.block_manager.allocate_fresh(seq, self.block_manager.blocks_needed(len(token_ids)))
         seq.num_computed_tokens = len(token_ids)
@@ -338,3 +441,28 @@ class LLMEngine:
             self.block_manager.register_computed(seq)
         self.block_manager.free_sequence(seq)
         seq.status = Status.FINISHED
+
+
+def _merge(outs: list[RequestOutput]) -> RequestOutput:
+    """One output for several tokens of one sequence in one step."""
+    last = outs[-1]
+    if len(outs) == 1:
+        return last
+    logprobs = [lp for o in outs for lp in (o.logprobs or [])]
+    return RequestOutput(
+        request_id=last.request_id,
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outs),
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=last.num_cached_tokens,
+        logprobs=logprobs or None,
+    )
+
+
+def _processed(seq: Sequence) -> bool:
+    """A request whose logits are edited before sampling (a grammar, logit_bias, min_tokens)."""
+    p = seq.params
+    return seq.grammar is not None or bool(p.logit_bias) or p.min_tokens > 0

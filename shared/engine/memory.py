@@ -61,11 +61,18 @@ def build_model_and_pool(
     max_positions = min(
         config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
     )
+    device = torch.device(config.device)
+    if device.type == "cuda" and config.quantization:
+        raise ValueError("quantization runs on the CPU only so far; use device='cpu' with it")
+    if device.type == "cuda" and config.kv_pool_factory is not None:
+        raise ValueError("a kv_pool_factory (shared-memory KV pool) is for device='cpu' only")
     with torch.device("meta"):  # no time spent initialising weights we overwrite anyway
         model = LlamaForCausalLM(mc, max_positions)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     model.load_weights(loaded.weights)
     model.to(dtype)
+    if model.rope is not None and device.type != "cpu":  # plain attributes: not moved by .to()
+        model.rope.cos, model.rope.sin = model.rope.cos.to(device), model.rope.sin.to(device)
     if config.quantization:
         quantize(model, config.quantization, keep_dense=not config.deterministic)
     layout = KVLayout(
@@ -76,19 +83,26 @@ def build_model_and_pool(
         num_kv_heads=mc.num_key_value_heads,
         head_dim=mc.head_dim,
     )
-    num_blocks = config.kv_cache_bytes // layout.block_nbytes
+    weights_bytes = _weights_bytes(model)
+    buffers_bytes = _buffers_bytes(model, config, dtype)
+    free = total = own = 0
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        own = torch.cuda.memory_reserved(device)  # our weights and tables, so far
+    kv_bytes = kv_cache_budget(config, buffers_bytes=buffers_bytes, own=own, free=free, total=total)
+    num_blocks = kv_bytes // layout.block_nbytes
     if num_blocks < 2:
-        raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds fewer than 2 KV blocks")
+        raise ValueError(f"a KV budget of {kv_bytes} bytes holds fewer than 2 KV blocks")
     if config.kv_pool_factory is None:
-        kv_cache = torch.zeros(layout.pool_shape(num_blocks), dtype=dtype)
+        kv_cache = torch.zeros(layout.pool_shape(num_blocks), dtype=dtype, device=device)
     else:
         kv_cache = config.kv_pool_factory(layout, num_blocks)
         assert kv_cache.shape == layout.pool_shape(num_blocks) and kv_cache.dtype == dtype
         assert kv_cache.is_contiguous()
     report = MemoryReport(
-        weights_bytes=_weights_bytes(model),
+        weights_bytes=weights_bytes,
         kv_cache_bytes=kv_cache.numel() * kv_cache.element_size(),
-        buffers_bytes=_buffers_bytes(model, config, dtype),
+        buffers_bytes=buffers_bytes,
         num_blocks=num_blocks,
         block_nbytes=layout.block_nbytes,
         decode_read_bytes=_decode_read_bytes(model),
@@ -97,6 +111,34 @@ def build_model_and_pool(
         experts_per_token=mc.num_experts_per_tok,
     )
     return model, kv_cache, layout, report
+
+
+DEFAULT_CPU_KV_BYTES = 512 * 1024**2
+
+
+def kv_cache_budget(
+    config: EngineConfig, *, buffers_bytes: int, own: int, free: int, total: int
+) -> int:
+    """Bytes for the KV pool: ``kv_cache_bytes`` when set; else 512 MiB on a CPU.
+
+    On a GPU (as vLLM sizes it): this engine's share of the device,
+    ``gpu_memory_utilization * total``, less what it already holds there (``own``: weights,
+    tables) and its step's buffers; and never more than is free now, less the buffers. Two
+    engines on one device therefore each take a utilization below 0.5."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if not config.device.startswith("cuda"):
+        return DEFAULT_CPU_KV_BYTES
+    share = int(total * config.gpu_memory_utilization) - own - buffers_bytes
+    budget = min(share, free - buffers_bytes)
+    if budget <= 0:
+        gib = 1024**3
+        raise ValueError(
+            f"no room for a KV cache on {config.device}: gpu_memory_utilization "
+            f"{config.gpu_memory_utilization} of {total / gib:.1f} GiB, {own / gib:.2f} GiB of "
+            f"weights, {buffers_bytes / gib:.2f} GiB of buffers, {free / gib:.1f} GiB free"
+        )
+    return budget
 
 
 def _weights_bytes(model: torch.nn.Module) -> int:

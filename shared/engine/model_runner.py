@@ -5,7 +5,8 @@ It owns the model and the KV pool; it knows nothing of requests' lifecycles.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +23,18 @@ class StepLogits:
     completing: list[ScheduledSeq]
     # per sequence that asked for prompt logprobs: (first prompt position, logits [n, vocab])
     prompt_rows: list[tuple[ScheduledSeq, int, torch.Tensor]]
+    # per completing sequence, in the same order: [k, vocab] logits of the rows after its k
+    # speculative tokens (k = 0 when it had none)
+    spec_logits: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class InputSpan:
+    """Consecutive tokens of one sequence that one forward pass computes."""
+
+    token_ids: list[int]
+    start: int  # the position of the first
+    block_table: list[int]  # covers every position up to start + len(token_ids)
 
 
 class ModelRunner:
@@ -43,67 +56,123 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> StepLogits:
         # Decode rows (one token each) first, so they form one batched attention call.
-        batch = sorted(batch, key=lambda s: s.num_tokens != 1)
-        input_ids, positions, meta, last_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta, self.kv_cache)  # [T, hidden]
-        completing = [s for s in batch if s.completes]
-        rows = torch.tensor([last_rows[id(s)] for s in completing], dtype=torch.long)
-        logits = self.model.logits(hidden[rows]) if completing else hidden.new_empty(0, 0)
+        batch = sorted(batch, key=lambda s: s.num_tokens + len(s.spec_token_ids) != 1)
+        hidden, ends = self.forward([_span(s) for s in batch])  # [T, hidden]
+        completing = [i for i, s in enumerate(batch) if s.completes]
+        # Per completing sequence: the row of its last token, then one row per speculative
+        # token after it (rows [end - k, end]).
+        ks = [len(batch[i].spec_token_ids) for i in completing]
+        rows = [
+            r for i, k in zip(completing, ks, strict=True) for r in range(ends[i] - k, ends[i] + 1)
+        ]
+        logits = self.model.logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
+        # NOTE: sampling runs on the host: the logits of the completing rows only come back.
+        logits = logits.cpu()
+        starts = list(itertools.accumulate((k + 1 for k in ks), initial=0))[:-1]
+        spec_logits = [logits[f + 1 : f + 1 + k] for f, k in zip(starts, ks, strict=True)]
         prompt_rows = []
-        for s in batch:
+        for s, end in zip(batch, ends, strict=True):
             if (
                 s.seq.params.prompt_logprobs is not None
                 and s.seq.num_computed_tokens < s.seq.num_prompt_tokens
             ):
-                end = last_rows[id(s)] + 1
+                assert not s.spec_token_ids, "drafts only follow a sequence's prompt"
                 prompt_rows.append(
                     (
                         s,
                         s.seq.num_computed_tokens,
-                        self.model.logits(hidden[end - s.num_tokens : end]),
+                        self.model.logits(hidden[end + 1 - s.num_tokens : end + 1]).cpu(),
                     )
                 )
-        return StepLogits(logits, completing, prompt_rows)
+        if any(ks):
+            logits = logits[starts]
+        return StepLogits(logits, [batch[i] for i in completing], prompt_rows, spec_logits)
 
-    def _prepare(
-        self, batch: list[ScheduledSeq]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, dict[int, int]]:
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slot_blocks: list[int] = []
-        prefills: list[PrefillSpan] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        last_rows: dict[int, int] = {}
-        for s in batch:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_tokens
-            row = len(ids)
-            ids.extend(seq.token_ids[start:end])
-            pos.extend(range(start, end))
-            slot_blocks.extend(seq.block_table[p // bs] for p in range(start, end))
-            last_rows[id(s)] = row + s.num_tokens - 1
-            n_blocks = -(-end // bs)
-            if s.num_tokens == 1 or self.per_token_attention:
-                for p in range(start + 1, end + 1):  # p: the context length of each token
-                    decode_tables.append(seq.block_table[: -(-p // bs)])
-                    decode_lens.append(p)
-            else:
-                block_ids = torch.tensor(seq.block_table[:n_blocks], dtype=torch.long)
-                prefills.append(PrefillSpan(row, s.num_tokens, end, block_ids))
-        positions = torch.tensor(pos, dtype=torch.long)
-        meta = AttnMetadata(
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long),
-            slot_offsets=positions % bs,
-            num_decode=len(decode_tables),
-            prefills=prefills,
-            block_size=bs,
+    @torch.inference_mode()
+    def forward(self, spans: list[InputSpan]) -> tuple[torch.Tensor, list[int]]:
+        """Run the spans (single-token spans first) -> (hidden [T, hidden], each span's last row)."""
+        input_ids, positions, meta, ends = _prepare(
+            spans, self.block_size, self.per_token_attention
         )
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            meta.decode_block_tables = torch.tensor(
-                [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long
+        if self.kv_cache.device.type != "cpu":
+            input_ids, positions, meta = _to_device(
+                self.kv_cache.device, input_ids, positions, meta
             )
-            meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
-        return torch.tensor(ids, dtype=torch.long), positions, meta, last_rows
+        return self.model(input_ids, positions, meta, self.kv_cache), ends
+
+
+def _span(s: ScheduledSeq) -> InputSpan:
+    start = s.seq.num_computed_tokens
+    tokens = s.seq.token_ids[start : start + s.num_tokens] + s.spec_token_ids
+    return InputSpan(tokens, start, s.seq.block_table)
+
+
+def _prepare(
+    spans: list[InputSpan], bs: int, per_token: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, list[int]]:
+    ids: list[int] = []
+    pos: list[int] = []
+    slot_blocks: list[int] = []
+    prefills: list[PrefillSpan] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    ends: list[int] = []
+    for span in spans:
+        start, n = span.start, len(span.token_ids)
+        end = start + n
+        row = len(ids)
+        ids.extend(span.token_ids)
+        pos.extend(range(start, end))
+        slot_blocks.extend(span.block_table[p // bs] for p in range(start, end))
+        ends.append(row + n - 1)
+        n_blocks = -(-end // bs)
+        if n == 1 or per_token:
+            assert not prefills, "single-token spans must come first"
+            for p in range(start + 1, end + 1):  # p: the context length of each token
+                decode_tables.append(span.block_table[: -(-p // bs)])
+                decode_lens.append(p)
+        else:
+            block_ids = torch.tensor(span.block_table[:n_blocks], dtype=torch.long)
+            prefills.append(PrefillSpan(row, n, end, block_ids))
+    positions = torch.tensor(pos, dtype=torch.long)
+    meta = AttnMetadata(
+        slot_blocks=torch.tensor(slot_blocks, dtype=torch.long),
+        slot_offsets=positions % bs,
+        num_decode=len(decode_tables),
+        prefills=prefills,
+        block_size=bs,
+    )
+    if decode_tables:
+        width = max(len(t) for t in decode_tables)
+        meta.decode_block_tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long
+        )
+        meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long), positions, meta, ends
+
+
+def _to_device(
+    device: torch.device, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata
+) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
+    """A step's inputs, built on the host, moved to the pool's device in one pass."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    moved = AttnMetadata(
+        slot_blocks=move(meta.slot_blocks),
+        slot_offsets=move(meta.slot_offsets),
+        num_decode=meta.num_decode,
+        decode_block_tables=None
+        if meta.decode_block_tables is None
+        else move(meta.decode_block_tables),
+        decode_context_lens=None
+        if meta.decode_context_lens is None
+        else move(meta.decode_context_lens),
+        prefills=[
+            PrefillSpan(p.start, p.num_tokens, p.context_len, move(p.block_ids))
+            for p in meta.prefills
+        ],
+        block_size=meta.block_size,
+    )
+    return move(input_ids), move(positions), moved

@@ -35,7 +35,7 @@ def sample(
         tokens[greedy] = logits[greedy].argmax(dim=-1)
     rest = [i for i, p in enumerate(params) if not p.greedy]
     if rest:
-        probs = _filtered_probs(logits[rest], [params[i] for i in rest])
+        probs = filtered_probs(logits[rest], [params[i] for i in rest])
         tokens[rest] = _draw(probs, [seqs[i] for i in rest])
     token_list = tokens.tolist()
     return token_list, chosen_logprobs(raw, token_list, [p.logprobs for p in params])
@@ -81,7 +81,7 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     return logits
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
     logits = logits / temps
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
@@ -116,13 +116,17 @@ def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     # row, each seeded row is reproducible on its own.
     noise = torch.empty_like(probs)
     for i, seq in enumerate(seqs):
-        seed = seq.params.seed
-        if seed is None:
-            noise[i].exponential_()
-        else:
-            g = torch.Generator().manual_seed(_step_seed(seed, seq.num_output_tokens))
-            noise[i].exponential_(generator=g)
+        noise[i].exponential_(generator=request_generator(seq))
     return (probs / noise).argmax(dim=-1)
+
+
+def request_generator(seq: Sequence, stream: int = 0) -> torch.Generator | None:
+    """The generator of a seeded request's next draw (None: the global one, unseeded).
+    Another `stream` gives an independent generator for the same step (a draft model's)."""
+    if seq.params.seed is None:
+        return None
+    seed = _step_seed(seq.params.seed, seq.num_output_tokens) ^ (stream * _SEED_MIX)
+    return torch.Generator().manual_seed(seed & ((1 << 63) - 1))
 
 
 def _step_seed(seed: int, position: int) -> int:

@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+GUIDED_KINDS: tuple[GuidedKind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """What the output must follow (engine/guided.py). `value`: the JSON schema text, the
+    regex, the Lark grammar, or the JSON list of choices; empty for json_object."""
+
+    kind: GuidedKind
+    value: str = ""
 
 
 @dataclass
@@ -22,6 +35,11 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the chosen token's; N: and the top N
     prompt_logprobs: int | None = None  # same, for every prompt token after the first
     include_stop_str_in_output: bool = False
+    # Prefix-cache namespace: only sequences with the same salt share cached blocks.
+    cache_salt: str = ""
+    min_tokens: int = 0  # EOS and stop token ids are held back until this many are out
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    guided: GuidedSpec | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +67,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:
                 raise ValueError(f"{name} must be between 0 and 20, got {value}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 

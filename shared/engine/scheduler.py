@@ -11,7 +11,7 @@ the queue is first come, first served and a preempted sequence keeps its place.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenyard.engine.block_manager import BlockManager
 from tokenyard.engine.sequence import Sequence, Status
@@ -21,6 +21,9 @@ from tokenyard.engine.sequence import Sequence, Status
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens of this sequence computed in this step
+    # Drafted tokens verified after the last one (tokenyard.engine.spec); their K/V is
+    # written too, and rolled back past the first one the target rejects.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes(self) -> bool:
@@ -62,7 +65,8 @@ class Scheduler:
             if seq.status != Status.RUNNING:
                 continue  # preempted below in this same loop
             n = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.can_append(seq, n):
+            spec = _spec_tokens(seq, n, budget)
+            while not self.block_manager.can_append(seq, n + len(spec)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -70,9 +74,9 @@ class Scheduler:
                     break
             if seq.status != Status.RUNNING:
                 continue
-            self.block_manager.append_slots(seq, n)
-            batch.append(ScheduledSeq(seq, n))
-            budget -= n
+            self.block_manager.append_slots(seq, n + len(spec))
+            batch.append(ScheduledSeq(seq, n, spec))
+            budget -= n + len(spec)
         # waiting: none admitted in a step that had to preempt, or it would thrash
         while (
             self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs
@@ -91,6 +95,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.spec_token_ids = []
         self.block_manager.free_sequence(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -106,3 +111,11 @@ class Scheduler:
             self.block_manager.free_sequence(seq)
         seq.status = Status.HELD if keep_blocks else Status.FINISHED
         seq.finish_reason = reason
+
+
+def _spec_tokens(seq: Sequence, n: int, budget: int) -> list[int]:
+    """The sequence's drafted tokens, taken for this step when they fit its budget."""
+    spec, seq.spec_token_ids = seq.spec_token_ids, []
+    if n != seq.num_uncomputed_tokens or n + len(spec) > budget:
+        return []
+    return spec

@@ -15,6 +15,7 @@ from tokenyard.engine.outputs import TokenLogprob
 from tokenyard.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tokenyard.engine.guided import Grammar
     from tokenyard.engine.stop import StopChecker
     from tokenyard.models.tokenizer import IncrementalDetokenizer
 
@@ -51,9 +52,14 @@ class Sequence:
         self.finish_reason: str | None = None
         self.detokenizer: IncrementalDetokenizer | None = None
         self.stop_checker: StopChecker | None = None
+        self.grammar: Grammar | None = None  # guided decoding's state (engine/guided.py)
         self.text = ""  # output text released to the caller so far
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] = []
+        # Speculative decoding: tokens drafted for the next step, and how many of this
+        # sequence's tokens have K/V in the draft model's pool (same block table).
+        self.spec_token_ids: list[int] = []
+        self.num_draft_computed = 0
 
     @property
     def num_tokens(self) -> int:

@@ -43,8 +43,11 @@ class KVEngine(Protocol):
         """(hash, block id) for each of ``hashes`` whose block is in the prefix cache now."""
         ...
 
-    def reserve_prefix(self, request_id: str, token_ids: list[int]) -> list[int]:
-        """Fresh blocks for a prefix of whole blocks whose KV is written from outside.
+    def reserve_prefix(
+        self, request_id: str, token_ids: list[int], cache_salt: str = ""
+    ) -> list[int]:
+        """Fresh blocks for a prefix of whole blocks whose KV is written from outside,
+        named under ``cache_salt``'s prefix root once committed.
 
         No step touches them until :meth:`commit_prefix`; raises NoFreeBlocks when full."""
         ...

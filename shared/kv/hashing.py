@@ -31,10 +31,22 @@ def block_hash(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Hashes of every *full* block of ``token_ids``, chained from the root."""
+def salted_root(salt: str) -> int:
+    """The parent of a sequence's first block: ROOT_HASH without a salt, else one of the
+    salt's own, so sequences with different salts (tenants) never share a cached block
+    and cannot probe or poison each other's prefixes (vLLM's ``cache_salt``)."""
+    if not salt:
+        return ROOT_HASH
+    h = hashlib.blake2b(salt.encode(), digest_size=8, person=b"ty-cache-salt")
+    return int.from_bytes(h.digest(), "little")
+
+
+def prefix_block_hashes(
+    token_ids: Sequence[int], block_size: int, root: int = ROOT_HASH
+) -> list[int]:
+    """Hashes of every *full* block of ``token_ids``, chained from ``root``."""
     hashes: list[int] = []
-    parent = ROOT_HASH
+    parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = block_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)

@@ -59,6 +59,8 @@ def paged_attention(
     meta: AttnMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
+    if q.is_cuda:
+        return _paged_attention_triton(q, k, v, kv_layer, meta, scale)
     kernels = cpu_kernels.ops_for(q)
     if kernels is not None:
         kernels.write_kv(
@@ -115,6 +117,47 @@ def paged_attention(
             scale,
         )  # [1, H, n, D]
         out[rows] = o[0].transpose(0, 1)
+    return out
+
+
+def _paged_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttnMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The same step on a GPU: every piece a Triton kernel reading the pool in place."""
+    from tokenyard.kernels.triton import decode_attention, kv_write, prefill_attention
+
+    q = q.contiguous()
+    kv_write.write_kv(k.contiguous(), v.contiguous(), kv_layer, meta.slot_blocks, meta.slot_offsets)
+    out = torch.empty_like(q)
+    if meta.num_decode:
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        out[: meta.num_decode] = decode_attention.decode_attention(
+            q[: meta.num_decode],
+            kv_layer,
+            meta.decode_block_tables.contiguous(),
+            meta.decode_context_lens,
+            scale,
+        )
+    if meta.prefills:
+        spans = meta.prefills
+        width = max(len(s.block_ids) for s in spans)
+        tables = torch.zeros(len(spans), width, dtype=torch.long, device=q.device)
+        for i, s in enumerate(spans):
+            tables[i, : len(s.block_ids)] = s.block_ids
+        ints = [
+            [s.start for s in spans],
+            [s.num_tokens for s in spans],
+            [s.context_len for s in spans],
+        ]
+        starts, num_tokens, context_lens = torch.tensor(ints, device=q.device)
+        prefill_attention.prefill_attention(
+            q, kv_layer, tables, starts, num_tokens, context_lens, scale, out
+        )
     return out
 
 

@@ -1,7 +1,8 @@
 """The decoder's small fused steps: residual add + RMSNorm, RoPE, SiLU-and-multiply.
 
-Each function takes the C++ kernel on a CPU where `tokenyard.kernels.cpu` could be built,
-and otherwise its torch twin below (which the kernel tests compare against). The twins
+Each function takes the Triton kernel for CUDA tensors (`tokenyard.kernels.triton`), the
+C++ kernel on a CPU where `tokenyard.kernels.cpu` could be built, and otherwise its torch
+twin below (which the kernel tests compare against). The twins
 round where Hugging Face's Llama rounds, so fp32 results match it to float precision.
 """
 
@@ -20,6 +21,10 @@ def add_rms_norm(
 
     x, residual: [T, dim]. The sum may be written into `residual` in place.
     """
+    if x.is_cuda:
+        from tokenyard.kernels.triton import norm
+
+        return norm.add_rms_norm(x.contiguous(), residual, weight, eps)
     kernels = cpu_kernels.ops_for(x)
     if kernels is not None and x.is_contiguous():
         if residual is None:
@@ -48,6 +53,11 @@ def rotary_(
 
     cos, sin: fp32 [max_positions, head_dim] tables in rotate-half layout.
     """
+    if qkv.is_cuda:
+        from tokenyard.kernels.triton import rope
+
+        rope.rotary_(qkv, positions, cos, sin, num_heads, head_dim)
+        return
     kernels = cpu_kernels.ops_for(qkv)
     if kernels is not None and qkv.stride(1) == 1:
         kernels.rotary(qkv, positions, cos, sin, num_heads, head_dim)
@@ -60,6 +70,10 @@ def rotary_(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[:, :I]) * x[:, I:] for x: [T, 2I]."""
+    if x.is_cuda:
+        from tokenyard.kernels.triton import activation
+
+        return activation.silu_and_mul(x.contiguous())
     kernels = cpu_kernels.ops_for(x)
     if kernels is not None and x.is_contiguous():
         return kernels.silu_and_mul(x)

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from tokenyard.bus.embedded import free_port
+from tokenyard.services.launch.procs import wait_until
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 
 
@@ -27,8 +29,33 @@ def stack(launch_stack) -> Iterator[LocalStack]:
         port=free_port(),
         kvcache=False,
         facilities=False,
+        telemetry=False,
         router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
     )
     with launch_stack(config) as s:
         s.wait_ready(timeout=300)
         yield s
+
+
+@pytest.fixture(scope="session")
+def telemetry_stack(launch_stack) -> Iterator[LocalStack]:
+    """A stack with the facilities (example inventory) and telemetry services, for the
+    console's tests: 1 prefill + 1 decode worker on rack-a and rack-b, every request split."""
+    config = StackConfig(
+        port=free_port(),
+        kvcache=False,
+        router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
+        # A cleared fault lets its rack back to normal after 1 s, not the default 30 s.
+        facilities_env={"TOKENYARD_FACILITIES_DWELL_S": "1"},
+    )
+    with launch_stack(config) as s:
+        s.wait_ready(timeout=300)
+        assert wait_until(lambda: _ready(s.console_url), 60), s.describe_failures()
+        yield s
+
+
+def _ready(console_url: str) -> bool:
+    try:
+        return httpx.get(f"{console_url}ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

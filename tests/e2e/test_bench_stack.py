@@ -31,7 +31,7 @@ BANNER = "Tokenyard is up"
 def _stack():
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenyard.cli", "up", "--port", str(port)],
+        [sys.executable, "-m", "tokenyard.cli", "up", "--port", str(port), "--console-port", "0"],
         start_new_session=True,  # its own process group: everything it started stops with it
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

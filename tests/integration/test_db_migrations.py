@@ -11,6 +11,7 @@ from sqlalchemy import inspect
 
 import tokenyard.db.api_keys  # noqa: F401  (registers the table)
 import tokenyard.db.facilities  # noqa: F401
+import tokenyard.db.telemetry  # noqa: F401
 from tokenyard.db import Base, make_engine, migrate
 from tokenyard.db.migrate import alembic_config
 
@@ -29,3 +30,13 @@ def test_head_matches_the_models_and_0002_downgrades(tmp_path: Path) -> None:
     assert "api_keys" not in inspect_after.get_table_names()
     assert "fac_racks" in inspect_after.get_table_names()
     engine.dispose()
+
+
+def test_0003_adds_the_telemetry_tables_and_downgrades(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    migrate(url)
+    tables = {"tel_requests", "tel_spans", "tel_fleet_samples", "tel_rack_samples"}
+    assert tables <= set(inspect(make_engine(url)).get_table_names())
+    command.downgrade(alembic_config(url), "0002")
+    after = set(inspect(make_engine(url)).get_table_names())
+    assert not tables & after and "api_keys" in after

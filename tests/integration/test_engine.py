@@ -107,6 +107,16 @@ def test_unicode_detokenization_across_tokens(engine):
     engine.block_manager.check_no_leaks()
 
 
+@pytest.mark.parametrize(
+    ("prompt", "output"), [([1, 2, 3], [2**32 - 1]), ([10**9], [5]), ([1], [-1])]
+)
+def test_a_forged_handoff_with_ids_past_the_vocabulary_is_refused(engine, prompt, output):
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.import_sequence("forged", prompt, output, SamplingParams(max_tokens=4))
+    assert "forged" not in engine.seqs
+    engine.block_manager.check_no_leaks()
+
+
 def test_prefill_only_handoff_equals_aggregated(make_engine):
     """Prefill on one engine, copy the blocks into another, decode there: same tokens."""
     prefill, decode = make_engine(), make_engine()

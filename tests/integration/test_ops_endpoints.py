@@ -1,4 +1,5 @@
-"""Every service of a local stack answers /health, /ready and /metrics on its ops port."""
+"""Every service of a local stack answers /health, /ready and /metrics on its ops port (the
+telemetry service on its own port)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,6 @@ def test_every_service_serves_ops_endpoints(launch_stack):
             metrics = httpx.get(f"{url}/metrics", timeout=5)
             assert metrics.status_code == 200
             assert "process_cpu_seconds_total" in metrics.text, name
+        console = stack.console_url.rstrip("/")
+        assert wait_until(lambda: _ready(console), 60), stack.describe_failures()
+        assert "tokenyard:fleet_workers" in httpx.get(f"{console}/metrics", timeout=5).text

@@ -43,6 +43,7 @@ def fake_config(
         gateway=False,
         kvcache=False,
         facilities=False,
+        telemetry=False,
         router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": str(disagg_min)},
         worker_env={**FAST, "TOKENYARD_WORKER_FAKE_STEP_S": str(step_s)},
     )

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+
+import httpx
 
 from tokenyard.bus.embedded import free_port
 from tokenyard.services.launch.procs import wait_until
@@ -16,7 +19,7 @@ from tokenyard.services.launch.procs import wait_until
 LAUNCHER = """
 import json, sys, time
 from tokenyard.services.launch.stack import LocalStack, StackConfig
-stack = LocalStack(StackConfig(engine="fake", gateway=False, kvcache=False, facilities=False)).start()
+stack = LocalStack(StackConfig(engine="fake", gateway=False, kvcache=False, facilities=False, telemetry=False)).start()
 print(json.dumps([p.pid for p in stack.procs]), flush=True)
 time.sleep(600)
 """
@@ -64,6 +67,8 @@ def test_up_stops_everything_on_ctrl_c(tmp_path):
             str(port),
             "--no-kvcache",
             "--no-facilities",
+            "--console-port",
+            "0",
             "--log-dir",
             str(tmp_path),
         ],
@@ -84,10 +89,20 @@ def test_up_stops_everything_on_ctrl_c(tmp_path):
                 break
         banner = "".join(lines)
         assert f"http://127.0.0.1:{port}" in banner and "curl" in banner, banner
+        console = re.search(r"^console: (http://127\.0\.0\.1:\d+/) ", banner, re.M)
+        assert console, banner
+        assert wait_until(lambda: _answers(f"{console[1]}health"), 30)
         kids = children_of(up.pid)
-        assert len(kids) == 5  # nats, router, prefill, decode, gateway
+        assert len(kids) == 6  # nats, router, prefill, decode, gateway, telemetry
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         assert not any(alive(p) for p in kids)
     finally:
         up.kill()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

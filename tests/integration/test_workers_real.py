@@ -27,6 +27,7 @@ def stack(launch_stack):
         gateway=False,
         kvcache=False,
         facilities=False,
+        telemetry=False,
         router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
         worker_env={"TOKENYARD_WORKER_KV_CACHE_BYTES": str(128 << 20)},
     )

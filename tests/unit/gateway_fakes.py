@@ -28,11 +28,14 @@ class CharTokenizer:
     def token_text(self, token_id: int) -> str:
         return chr(token_id - 10)
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(t - 10) for t in ids if t >= 10)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], **variables: object) -> list[int]:
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
 

@@ -117,3 +117,24 @@ def test_double_free_is_caught():
     s.block_table = table
     with pytest.raises(AssertionError):
         bm.free_sequence(s)
+
+
+def test_a_cache_salt_keeps_identical_prompts_apart():
+    from tokenyard.kv.hashing import salted_root
+
+    bm = BlockManager(32, BS)
+    tokens = list(range(13))
+    a = Sequence("a", tokens, SamplingParams(cache_salt="tenant:acme"), arrival=0)
+    bm.allocate(a)
+    computed(bm, a)
+    assert a.block_hashes == prefix_block_hashes(tokens, BS, salted_root("tenant:acme"))
+    assert a.block_hashes != prefix_block_hashes(tokens, BS)
+    other = Sequence("b", tokens, SamplingParams(cache_salt="tenant:evil"), arrival=0)
+    bm.allocate(other)
+    assert other.num_cached_tokens == 0  # another tenant cannot probe acme's prefix
+    plain = seq(tokens, "c")
+    bm.allocate(plain)
+    assert plain.num_cached_tokens == 0
+    same = Sequence("d", tokens, SamplingParams(cache_salt="tenant:acme"), arrival=0)
+    bm.allocate(same)
+    assert same.num_cached_tokens == 12

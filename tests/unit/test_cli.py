@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -41,8 +42,34 @@ def test_up_takes_the_options_the_readme_names(capsys):
         "--no-kvcache",
         "--no-facilities",
         "--log-dir",
+        "--speculative",
     ):
         assert option in out, option
+
+
+def test_up_passes_speculative_config_to_the_workers():
+    from tokenyard.services import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    spec = '{"method": "draft", "model": null, "quantization": "int4"}'
+    config = up.config_from(parser.parse_args(["--quantization", "none", "--speculative", spec]))
+    assert config.worker_env["TOKENYARD_WORKER_SPECULATIVE"] == spec
+    assert "TOKENYARD_WORKER_SPECULATIVE" not in up.config_from(parser.parse_args([])).worker_env
+    with pytest.raises(SystemExit, match="--speculative: speculative method must be one of"):
+        up.config_from(parser.parse_args(["--speculative", '{"method": "eagle"}']))
+    with pytest.raises(SystemExit, match="add --quantization none"):
+        up.config_from(parser.parse_args(["--speculative", spec]))  # default int4 target
+
+
+def test_worker_settings_refuse_a_bad_speculative_config():
+    from pydantic import ValidationError
+
+    from tokenyard.services.worker.settings import WorkerSettings
+
+    assert WorkerSettings(speculative='{"method": "ngram"}').speculative == '{"method": "ngram"}'
+    with pytest.raises(ValidationError, match="not valid JSON"):
+        WorkerSettings(speculative="{ngram")
 
 
 def test_up_without_a_facilities_inventory_says_why_and_starts_nothing(tmp_path):
@@ -55,15 +82,27 @@ def test_up_without_a_facilities_inventory_says_why_and_starts_nothing(tmp_path)
     assert "Starting Tokenyard" not in done.stdout  # printed once every service is started
 
 
-def test_up_deterministic_reaches_the_workers():
-    import argparse
-
+def up_config(*argv: str):
     from tokenyard.services import up
 
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
-    config = up.config_from(parser.parse_args(["--deterministic"]))
+    return up.config_from(parser.parse_args(list(argv)))
+
+
+def test_up_picks_quantization_per_device():
+    cpu = up_config()
+    assert cpu.device == "cpu" and cpu.worker_env["TOKENYARD_WORKER_QUANTIZATION"] == "int4"
+    gpu = up_config("--device", "cuda", "--gpu-memory-utilization", "0.8")
+    assert gpu.device == "cuda" and gpu.gpu_memory_utilization == 0.8
+    assert "TOKENYARD_WORKER_QUANTIZATION" not in gpu.worker_env
+    with pytest.raises(SystemExit, match="runs on the CPU only"):
+        up_config("--device", "cuda", "--quantization", "int4")
+
+
+def test_up_deterministic_reaches_the_workers():
+    config = up_config("--deterministic")
     assert config.worker_env["TOKENYARD_WORKER_DETERMINISTIC"] == "1"
-    assert "TOKENYARD_WORKER_DETERMINISTIC" not in up.config_from(parser.parse_args([])).worker_env
+    assert "TOKENYARD_WORKER_DETERMINISTIC" not in up_config().worker_env
     with pytest.raises(SystemExit, match="needs --quantization"):
-        up.config_from(parser.parse_args(["--deterministic", "--quantization", "none"]))
+        up_config("--deterministic", "--quantization", "none")

@@ -117,7 +117,10 @@ def assert_error(response, status: int, param: str | None = None) -> dict:
     ("body", "param"),
     [
         ({**CHAT, "messages": []}, "messages"),
-        ({**CHAT, "n": 2}, "n"),
+        ({**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+        ({**CHAT, "tool_choice": "required"}, "tool_choice"),
+        ({**CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
+        ({**CHAT, "guided_regex": "(["}, "guided_regex"),
         ({**CHAT, "temperature": 5}, "temperature"),
         ({**CHAT, "top_p": -1}, "top_p"),
         ({**CHAT, "max_tokens": 0}, "max_tokens"),
@@ -226,7 +229,7 @@ def test_ready_reports_workers(backend, http):
 
 def test_metrics_count_requests_and_tokens(oai, http):
     oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-    http.post("/v1/chat/completions", json={**CHAT, "n": 3})
+    http.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required"})
     text = http.get("/metrics").text
     assert 'tokenyard_gateway_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
     assert 'tokenyard_gateway_requests_total{route="/v1/chat/completions",status="400"} 1.0' in text
@@ -325,3 +328,16 @@ def test_odd_bodies_never_500(http, raw):
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_every_response_has_an_x_request_id(http, backend):
+    backend.script = text_chunks("Hi")
+    answered = http.post("/v1/chat/completions", json=CHAT)
+    assert answered.status_code == 200
+    assert answered.headers["x-request-id"] == answered.json()["id"]  # it finds the trace
+    streamed = http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert streamed.headers["x-request-id"].startswith("chatcmpl-")
+    refused = http.post("/v1/chat/completions", json={**CHAT, "model": "nope"})
+    assert refused.status_code == 404 and len(refused.headers["x-request-id"]) == 32
+    echoed = http.get("/v1/models", headers={"x-request-id": "mine-1"})
+    assert echoed.headers["x-request-id"] == "mine-1"

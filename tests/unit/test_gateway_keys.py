@@ -82,3 +82,13 @@ def test_tokens_per_minute_count_prompt_and_max_tokens(http, store):
     assert r.status_code == 429
     assert "tokens per minute" in r.json()["error"]["message"]
     assert http.post("/v1/chat/completions", json=CHAT, headers=bearer(key)).status_code == 200
+
+
+def test_a_keys_tenant_salts_its_prefixes_whatever_the_request_says(http, store):
+    key, _ = store.create("erin", tenant="acme")
+    backend = http.app.state.gateway.backend
+    http.post("/v1/chat/completions", json=CHAT, headers=bearer(key))
+    forged = {**CHAT, "cache_salt": "tenant:other"}
+    http.post("/v1/chat/completions", json=forged, headers=bearer(key))
+    salts = [params.cache_salt for _, _, _, params in backend.submitted]
+    assert salts == ["tenant:acme", "tenant:acme|tenant:other"]

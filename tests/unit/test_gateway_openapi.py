@@ -50,7 +50,7 @@ def test_answers_validate_against_documented_schemas():
         cases = [
             ("post", "/v1/chat/completions", CHAT, 200),
             ("post", "/v1/completions", {"model": MODEL, "prompt": "x"}, 200),
-            ("post", "/v1/chat/completions", CHAT | {"n": 2}, 400),
+            ("post", "/v1/chat/completions", CHAT | {"logit_bias": {"x": 1}}, 400),
             ("post", "/v1/completions", {"model": "nope", "prompt": "x"}, 404),
             ("get", "/v1/models", None, 200),
             ("get", "/health", None, 200),

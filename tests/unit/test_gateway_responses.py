@@ -53,7 +53,7 @@ def run(fmt, chunks) -> tuple[list, Accumulator]:
     for chunk in chunks:
         acc.add(chunk)
         out.extend(fmt.events(chunk))
-    out.extend(fmt.end(acc, 5))
+    out.extend(fmt.end([acc], 5))
     return events(out), acc
 
 
@@ -86,7 +86,7 @@ def test_chat_stream_without_usage_has_no_usage_field():
 def test_chat_complete_with_logprobs():
     fmt = ChatFormat("id1", "m", 1, TOK, logprobs=True, include_usage=False)
     _, acc = run(fmt, text_chunks("hé", logprobs=True, reason="length"))
-    body = fmt.complete(acc, 5).model_dump()
+    body = fmt.complete([acc], 5).model_dump()
     choice = body["choices"][0]
     assert body["object"] == "chat.completion"
     assert choice["message"] == {"role": "assistant", "content": "hé"}
@@ -114,7 +114,7 @@ def test_completion_stream_and_whole():
     assert [e["choices"][0]["logprobs"]["text_offset"] for e in evs[:2]] == [[0, 1], [2, 3]]
     assert evs[1]["choices"][0]["finish_reason"] == "stop"
     assert evs[2]["choices"] == [] and evs[2]["usage"]["completion_tokens"] == 4
-    whole = fmt.complete(acc, 5).model_dump()
+    whole = fmt.complete([acc], 5).model_dump()
     assert whole["choices"][0]["text"] == "abcd"
     assert whole["choices"][0]["logprobs"]["tokens"] == ["a", "b", "c", "d"]
 

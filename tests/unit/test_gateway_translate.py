@@ -11,6 +11,18 @@ from tokenyard.services.gateway.schemas import ChatCompletionRequest, Completion
 from tokenyard.services.gateway.translate import prepare_chat, prepare_completion
 
 TOK = CharTokenizer()
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 
 
 def chat(**fields: object) -> ChatCompletionRequest:
@@ -115,10 +127,26 @@ def _error(fn, *args) -> OpenAIError:
     ("request_", "param", "needle"),
     [
         (chat(messages=[]), "messages", "at least one"),
-        (chat(n=2), "n", "n=1"),
-        (chat(logit_bias={"1": 2.0}), "logit_bias", "not supported"),
-        (chat(tools=[{"type": "function"}]), "tools", "not supported"),
-        (chat(response_format={"type": "json_object"}), "response_format", "not supported"),
+        (chat(logit_bias={"a": 2.0}), "logit_bias", "token ids"),
+        (chat(logit_bias={str(0x11000): 2.0}), "logit_bias", "not in"),
+        (chat(tools=[{"type": "function"}]), "tools", "'type': 'function'"),
+        (chat(tool_choice="required"), "tool_choice", "needs tools"),
+        (
+            chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}),
+            "tool_choice",
+            "not among",
+        ),
+        (chat(response_format={"type": "xml"}), "response_format", "json_schema"),
+        (
+            chat(response_format={"type": "json_object"}, guided_regex="a+"),
+            "guided_regex",
+            "cannot be combined",
+        ),
+        (chat(guided_regex="(["), "guided_regex", "invalid regex"),
+        (chat(guided_json="{"), "guided_json", "not valid JSON"),
+        (chat(guided_grammar="start: foo"), "guided_grammar", "invalid grammar"),
+        (chat(guided_choice=[]), "guided_choice", "non-empty"),
+        (chat(min_tokens=30, max_tokens=10), "min_tokens", "exceeds"),
         (chat(top_logprobs=2), "top_logprobs", "requires 'logprobs'"),
         (chat(max_tokens=250), "max_tokens", "maximum context length is 256"),
         (chat(max_completion_tokens=250), "max_completion_tokens", "maximum context length is 256"),
@@ -142,8 +170,10 @@ def test_chat_rejections(request_, param, needle):
         (completion(prompt=[]), "prompt", "empty"),
         (completion(prompt=["a", "b"]), "prompt", "batched"),
         (completion(prompt=[10**9]), "prompt", "token ids"),
-        (completion(echo=True), "echo", "not supported"),
-        (completion(best_of=3), "best_of", "not supported"),
+        (completion(echo=True, logprobs=1), "echo", "not supported"),
+        (completion(suffix="}"), "suffix", "fill-in-the-middle"),
+        (completion(best_of=2, n=3), "best_of", "at least n"),
+        (completion(best_of=3, stream=True), "best_of", "cannot be streamed"),
         (completion(prompt="x" * 400), "prompt", "the prompt has 401 tokens"),
     ],
 )
@@ -173,3 +203,83 @@ def test_unknown_context_length_skips_the_length_check_but_caps_nothing_silently
     assert prepare_chat(chat(max_tokens=5), TOK, 0).params.max_tokens == 5
     err = _error(prepare_chat, chat(), TOK, 0)
     assert err.status == 503
+
+
+# --- structured outputs, tools, n, echo ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind", "needle"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", ""),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "p",
+                        "schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
+                        "strict": True,
+                    },
+                }
+            },
+            "json_schema",
+            '"a"',
+        ),
+        ({"guided_json": {"type": "array"}}, "json_schema", "array"),
+        ({"guided_regex": "[0-9]+"}, "regex", "[0-9]+"),
+        ({"guided_choice": ["yes", "no"]}, "choice", '"no"'),
+        ({"guided_grammar": 'start: "a"+'}, "grammar", '"a"'),
+        ({"tools": [WEATHER], "tool_choice": "required"}, "grammar", "get_weather"),
+    ],
+)
+def test_structured_fields_become_one_checked_grammar(fields, kind, needle):
+    params = prepare_chat(chat(**fields), TOK, 4096).params
+    assert params.HasField("guided") and params.guided.kind == kind
+    assert needle in params.guided.value
+
+
+def test_response_format_text_and_auto_tools_leave_the_output_free():
+    assert not prepare_chat(chat(response_format={"type": "text"}), TOK, 256).params.HasField(
+        "guided"
+    )
+    prepared = prepare_chat(chat(tools=[WEATHER]), TOK, 4096)
+    assert not prepared.params.HasField("guided")
+    assert prepared.tool_names == {"get_weather"}
+    assert prepare_chat(chat(tools=[WEATHER], tool_choice="none"), TOK, 4096).tool_names == set()
+
+
+def test_tools_and_tool_history_are_rendered_for_a_template_without_tools():
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    prompt = prepare_chat(chat(messages=messages, tools=[WEATHER]), TOK, 100_000).prompt_ids
+    text = "".join(TOK.token_text(t) for t in prompt)
+    assert text.startswith("<system>You may call functions")
+    assert '"name": "get_weather"' in text and "The weather in a city" in text
+    assert (
+        '<assistant><tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        in text
+    )
+    assert "<tool>sunny" in text
+
+
+def test_logit_bias_min_tokens_n_and_echo():
+    prepared = prepare_chat(chat(logit_bias={"42": -100, "7": 5.5}, min_tokens=3, n=3), TOK, 256)
+    assert dict(prepared.params.logit_bias) == {42: -100.0, 7: 5.5}
+    assert prepared.params.min_tokens == 3 and prepared.n == prepared.best_of == 3
+    done = prepare_completion(completion(echo=True, best_of=4, n=2), TOK, 256)
+    assert done.echo == "abc" and done.n == 2 and done.best_of == 4
+    assert done.params.logprobs == 0  # best_of ranks by logprob even when none are asked

@@ -46,3 +46,11 @@ def test_the_operators_inventory_wins_over_the_example(monkeypatch, tmp_path):
     assert launch.facilities_inventory() == own
     monkeypatch.delenv("TOKENYARD_FACILITIES_INVENTORY_PATH")
     assert launch.facilities_inventory().name == "inventory.example.yaml"
+
+
+def test_gpu_placement_spreads_workers_and_splits_each_gpus_share():
+    # 3 workers on 2 GPUs: GPU 0 holds workers 0 and 2, GPU 1 holds worker 1.
+    placed = [launch.gpu_placement(i, 3, 2, 0.9) for i in range(3)]
+    assert placed == [("cuda:0", 0.45), ("cuda:1", 0.9), ("cuda:0", 0.45)]
+    with pytest.raises(StackError, match="no CUDA GPU is visible"):
+        launch.gpu_placement(0, 1, 0, 0.9)

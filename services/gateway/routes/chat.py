@@ -6,7 +6,7 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
-from tokenyard.services.gateway.deps import Caller, State, charge_tokens
+from tokenyard.services.gateway.deps import Caller, State, admit_prepared
 from tokenyard.services.gateway.responses import ChatFormat
 from tokenyard.services.gateway.routes.common import GENERATION_ERRORS, sse_response
 from tokenyard.services.gateway.schemas import (
@@ -31,7 +31,7 @@ async def create_chat_completion(
     prepared = prepare_chat(
         body, state.tokenizer, state.max_model_len(), state.settings.default_max_tokens
     )
-    await charge_tokens(state, caller, prepared)
+    await admit_prepared(state, caller, prepared)
     fmt = ChatFormat(
         rid=new_request_id("chatcmpl"),
         model=body.model,
@@ -39,5 +39,7 @@ async def create_chat_completion(
         tokenizer=state.tokenizer,
         logprobs=body.logprobs,
         include_usage=prepared.include_usage,
+        n=prepared.n,
+        tool_names=prepared.tool_names,
     )
     return await Generation(state, "chat", prepared, fmt).serve(request, body.model)

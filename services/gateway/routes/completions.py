@@ -6,7 +6,7 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
-from tokenyard.services.gateway.deps import Caller, State, charge_tokens
+from tokenyard.services.gateway.deps import Caller, State, admit_prepared
 from tokenyard.services.gateway.responses import CompletionFormat
 from tokenyard.services.gateway.routes.common import GENERATION_ERRORS, sse_response
 from tokenyard.services.gateway.schemas import CompletionRequest, CompletionResponse
@@ -28,7 +28,7 @@ async def create_completion(
     prepared = prepare_completion(
         body, state.tokenizer, state.max_model_len(), state.settings.default_max_tokens
     )
-    await charge_tokens(state, caller, prepared)
+    await admit_prepared(state, caller, prepared)
     fmt = CompletionFormat(
         rid=new_request_id("cmpl"),
         model=body.model,
@@ -36,5 +36,7 @@ async def create_completion(
         tokenizer=state.tokenizer,
         logprobs=body.logprobs is not None,
         include_usage=prepared.include_usage,
+        n=prepared.n,
+        echo=prepared.echo,
     )
     return await Generation(state, "completions", prepared, fmt).serve(request, body.model)

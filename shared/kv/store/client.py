@@ -18,6 +18,7 @@ from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer.common import check_pool, layout_to_proto, pool_bytes
 from tokenyard.kv.transfer.server import GRPC_OPTIONS
+from tokenyard.tracing import grpc_metadata
 from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 
 
@@ -75,7 +76,9 @@ class KVCacheClient:
         request = kv_pb2.GetRequest(layout=layout_to_proto(layout), hashes=hashes)
         landed = 0
         try:
-            async for block in self._stub.Get(request, timeout=self.timeout_s):
+            async for block in self._stub.Get(
+                request, timeout=self.timeout_s, metadata=grpc_metadata()
+            ):
                 if block.index != landed or len(block.data) != nb:
                     raise KVCacheError(f"unexpected block {block.index} ({len(block.data)} bytes)")
                 if crc32(block.data) != block.crc32:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tokenyard.kv.engine_port import KVEngine
-from tokenyard.kv.hashing import prefix_block_hashes
+from tokenyard.kv.hashing import prefix_block_hashes, salted_root
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store.client import KVCacheClient, KVCacheError
 from tokenyard.kv.transfer.common import copy_blocks
@@ -73,6 +73,7 @@ async def fetch_prefix(
     client: KVCacheClient,
     token_ids: list[int],
     call: Callable[..., Awaitable[Any]] = _direct,
+    cache_salt: str = "",
 ) -> int:
     """Seed the engine's prefix cache from the service; returns the tokens now cached
     (0 on a miss or any cache failure: the engine then simply computes them).
@@ -83,7 +84,8 @@ async def fetch_prefix(
     layout, pool = _pool(engine)
     bs = layout.block_size
     # The engine always computes the block holding the prompt's last token itself.
-    hashes = prefix_block_hashes(token_ids, bs)[: (len(token_ids) - 1) // bs]
+    hashes = prefix_block_hashes(token_ids, bs, salted_root(cache_salt))
+    hashes = hashes[: (len(token_ids) - 1) // bs]
     if not hashes:
         return 0
     try:
@@ -93,7 +95,7 @@ async def fetch_prefix(
     if n == 0:
         return 0
     rid = f"kv-prefetch-{uuid.uuid4().hex[:12]}"
-    dst = await call(engine.reserve_prefix, rid, token_ids[: n * bs])
+    dst = await call(engine.reserve_prefix, rid, token_ids[: n * bs], cache_salt)
     landed = 0
     try:
         landed = await client.get_prefix(layout, hashes[:n], pool, dst)

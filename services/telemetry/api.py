@@ -1,0 +1,305 @@
+"""The telemetry HTTP API and console: one router per resource over the collector and store.
+
+GET  /                                  the console (static assets shipped in the package)
+GET  /api/fleet                         racks -> nodes -> workers, and the fleet's figures
+GET  /api/requests                      recent requests (TTFT, tokens, worker path)
+GET  /api/requests/{request_id}/trace   the request's spans
+GET  /api/history                       fleet and rack samples (the charts' history)
+GET  /api/live                          server-sent events: a snapshot every push_every_s
+POST/DELETE /api/admin/racks/{rack}/faults, POST /api/admin/workers/{worker_id}/drain
+GET  /health, /ready, /metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from importlib.resources import files
+from typing import Annotated, Any
+
+import httpx
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CollectorRegistry, ProcessCollector
+from pydantic import BaseModel
+
+from tokenyard.api_errors import ErrorDetail, ErrorResponse
+from tokenyard.bus import subjects
+from tokenyard.bus.nats import Bus
+from tokenyard.db.telemetry import RequestRecord, SpanRecord
+from tokenyard.http_server import ops_router
+from tokenyard.services.telemetry.collector import Collector
+from tokenyard.services.telemetry.metrics import FleetCollector
+from tokenyard.services.telemetry.settings import TelemetrySettings
+from tokenyard.services.telemetry.store import TelemetryStore, now_utc
+from tokenyard.v1 import serving_pb2 as pb
+
+STATIC = files("tokenyard.services.telemetry.console")
+RECENT_IN_SNAPSHOT = 20
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        self.status, self.message, self.code = status, message, code
+
+
+def error_body(status: int, message: str, code: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = ErrorResponse(error=ErrorDetail(message=message, type=kind, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+# --- dependencies ----------------------------------------------------------------------------
+
+
+def _collector(request: Request) -> Collector:
+    return request.app.state.collector  # type: ignore[no-any-return]
+
+
+def _store(request: Request) -> TelemetryStore:
+    return request.app.state.store  # type: ignore[no-any-return]
+
+
+def _require_admin(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+    expected = request.app.state.settings.admin_token
+    if not expected:
+        raise ApiError(403, "admin actions are off: no admin token is configured", "admin_off")
+    given = (
+        authorization[7:].strip()
+        if authorization and authorization.lower().startswith("bearer ")
+        else ""
+    )
+    if not given:
+        raise ApiError(
+            401, "missing admin token (Authorization: Bearer <token>)", "missing_admin_token"
+        )
+    if not secrets.compare_digest(given, expected):
+        raise ApiError(403, "wrong admin token", "wrong_admin_token")
+
+
+CollectorDep = Annotated[Collector, Depends(_collector)]
+StoreDep = Annotated[TelemetryStore, Depends(_store)]
+Admin = Depends(_require_admin)
+
+# --- fleet and live ----------------------------------------------------------------------------
+
+fleet = APIRouter(prefix="/api", tags=["fleet"])
+
+
+@fleet.get("/fleet")
+async def get_fleet(collector: CollectorDep) -> dict[str, Any]:
+    return {"racks": collector.racks(), "figures": collector.figures()}
+
+
+@fleet.get("/history")
+async def get_history(
+    store: StoreDep, minutes: Annotated[float, Query(gt=0, le=24 * 60)] = 15
+) -> dict[str, Any]:
+    since = now_utc() - timedelta(minutes=minutes)
+    samples = await asyncio.to_thread(store.fleet_history, since)
+    racks: dict[str, list[dict[str, Any]]] = {}
+    for r in await asyncio.to_thread(store.rack_history, since):
+        racks.setdefault(r.rack, []).append(
+            {
+                "ts": r.ts.timestamp(),
+                "state": r.state,
+                "power_kw": r.power_kw,
+                "supply_c": r.supply_c,
+                "return_c": r.return_c,
+                "flow_lpm": r.flow_lpm,
+            }
+        )
+    fleet_rows = [
+        {c: getattr(s, c) for c in FLEET_COLUMNS} | {"ts": s.ts.timestamp()} for s in samples
+    ]
+    return {"fleet": fleet_rows, "racks": racks}
+
+
+FLEET_COLUMNS = (
+    "live_workers",
+    "tokens_per_s",
+    "requests_per_s",
+    "num_running",
+    "num_waiting",
+    "kv_usage",
+    "prefix_hit_rate",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+)
+
+
+@fleet.get("/live", response_class=StreamingResponse)
+async def live(request: Request, collector: CollectorDep, store: StoreDep) -> StreamingResponse:
+    period = request.app.state.settings.push_every_s
+
+    async def events() -> AsyncIterator[str]:
+        while not await request.is_disconnected():
+            recent = await asyncio.to_thread(store.recent_requests, RECENT_IN_SNAPSHOT)
+            snapshot = {
+                "ts": now_utc().timestamp(),
+                "racks": collector.racks(),
+                "figures": collector.figures(),
+                "requests": [request_json(r) for r in recent],
+            }
+            yield f"data: {json.dumps(snapshot)}\n\n"
+            await asyncio.sleep(period)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# --- requests and traces -----------------------------------------------------------------------
+
+requests = APIRouter(prefix="/api/requests", tags=["requests"])
+
+
+def request_json(r: RequestRecord) -> dict[str, Any]:
+    return {
+        "request_id": r.request_id,
+        "trace_id": r.trace_id,
+        "started_at": r.started_at.timestamp(),
+        "operation": r.operation,
+        "model": r.model,
+        "status": r.status,
+        "finish_reason": r.finish_reason,
+        "prompt_tokens": r.prompt_tokens,
+        "output_tokens": r.output_tokens,
+        "cached_tokens": r.cached_tokens,
+        "ttft_s": r.ttft_s,
+        "duration_s": r.duration_s,
+        "worker_path": [w for w in (r.prefill_worker, r.decode_worker) if w],
+    }
+
+
+def span_json(s: SpanRecord, t0: int) -> dict[str, Any]:
+    return {
+        "span_id": s.span_id,
+        "parent_span_id": s.parent_span_id,
+        "service": s.service,
+        "name": s.name,
+        "start_unix_ns": s.start_unix_ns,
+        "start_offset_s": (s.start_unix_ns - t0) / 1e9,
+        "duration_s": (s.end_unix_ns - s.start_unix_ns) / 1e9,
+        "status": s.status,
+        "attributes": json.loads(s.attributes),
+    }
+
+
+@requests.get("")
+async def list_requests(
+    store: StoreDep, limit: Annotated[int, Query(ge=1, le=1000)] = 50
+) -> dict[str, Any]:
+    recent = await asyncio.to_thread(store.recent_requests, limit)
+    return {"requests": [request_json(r) for r in recent]}
+
+
+@requests.get("/{request_id}/trace")
+async def get_trace(request_id: str, store: StoreDep) -> dict[str, Any]:
+    spans = await asyncio.to_thread(store.trace, request_id)
+    if not spans:
+        raise ApiError(404, f"no trace for request {request_id!r} (yet)", "trace_not_found")
+    t0 = min(s.start_unix_ns for s in spans)
+    return {
+        "request_id": request_id,
+        "trace_id": spans[0].trace_id,
+        "spans": [span_json(s, t0) for s in spans],
+    }
+
+
+# --- admin: faults (through the facilities service) and draining a worker ---------------------
+
+admin = APIRouter(prefix="/api/admin", tags=["admin"], dependencies=[Admin])
+
+
+class FaultIn(BaseModel):
+    kind: str
+    value: float | None = None
+
+
+async def facilities_call(request: Request, method: str, path: str, body: Any = None) -> Any:
+    settings: TelemetrySettings = request.app.state.settings
+    if not settings.facilities_url:
+        raise ApiError(409, "no facilities service is configured", "no_facilities")
+    headers = {"Authorization": f"Bearer {settings.facilities_admin_token or ''}"}
+    async with httpx.AsyncClient(base_url=settings.facilities_url, timeout=10) as client:
+        try:
+            resp = await client.request(method, path, json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            raise ApiError(
+                502, f"the facilities service did not answer: {exc}", "facilities_down"
+            ) from exc
+    if resp.status_code >= 400:
+        message = resp.json().get("error", {}).get("message", resp.text) if resp.content else ""
+        raise ApiError(resp.status_code, f"facilities: {message}", "facilities_error")
+    return resp.json()
+
+
+@admin.post("/racks/{rack}/faults")
+async def inject_fault(rack: str, body: FaultIn, request: Request) -> Any:
+    return await facilities_call(
+        request, "POST", f"/v1/admin/racks/{rack}/faults", body.model_dump(exclude_none=True)
+    )
+
+
+@admin.delete("/racks/{rack}/faults")
+async def clear_faults(rack: str, request: Request) -> Any:
+    return await facilities_call(request, "DELETE", f"/v1/admin/racks/{rack}/faults")
+
+
+@admin.post("/workers/{worker_id}/drain")
+async def drain_worker(worker_id: str, request: Request, collector: CollectorDep) -> Any:
+    if worker_id not in collector.fleet:
+        raise ApiError(404, f"no worker {worker_id!r} has sent a heartbeat", "unknown_worker")
+    bus: Bus = request.app.state.bus
+    try:
+        reply = await bus.request(
+            subjects.drain(worker_id),
+            pb.DrainRequest(worker_id=worker_id, reason="drained from the ops console"),
+            pb.DrainReply,
+            timeout=5.0,
+        )
+    except Exception as exc:
+        raise ApiError(504, f"worker {worker_id} did not answer: {exc}", "worker_silent") from exc
+    return {"worker_id": worker_id, "accepted": reply.accepted, "message": reply.message}
+
+
+# --- the app -------------------------------------------------------------------------------------
+
+
+def create_app(
+    collector: Collector, store: TelemetryStore, bus: Bus, settings: TelemetrySettings
+) -> FastAPI:
+    app = FastAPI(title="Tokenyard telemetry", version="1")
+    app.state.collector, app.state.store, app.state.bus = collector, store, bus
+    app.state.settings = settings
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return error_body(exc.status, exc.message, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return error_body(400, f"{where}: {first.get('msg', 'invalid request')}", "invalid_request")
+
+    for router in (fleet, requests, admin):
+        app.include_router(router)
+    registry = CollectorRegistry()
+    registry.register(FleetCollector(collector))
+    ProcessCollector(registry=registry)
+    ready = lambda: None if bus.nc.is_connected else "not connected to NATS"  # noqa: E731
+    app.include_router(ops_router(ready, registry))
+
+    @app.get("/", include_in_schema=False)
+    async def console() -> FileResponse:
+        return FileResponse(str(STATIC / "index.html"))
+
+    app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")
+    return app

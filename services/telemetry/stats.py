@@ -1,0 +1,65 @@
+"""The fleet's live figures over a sliding window of finished requests; pure."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Finished:
+    """One finished request, as its root span told it."""
+
+    at: float  # unix seconds, when it ended
+    ttft_s: float | None
+    duration_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+    @property
+    def itl_s(self) -> float | None:
+        """Mean time between output tokens after the first."""
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return max(0.0, self.duration_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+class Window:
+    """Finished requests of the last `window_s` seconds."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.items: deque[Finished] = deque()
+
+    def add(self, item: Finished) -> None:
+        self.items.append(item)
+
+    def current(self, now: float) -> list[Finished]:
+        while self.items and self.items[0].at < now - self.window_s:
+            self.items.popleft()
+        return list(self.items)
+
+    def figures(self, now: float) -> dict[str, float | None]:
+        items = self.current(now)
+        ttfts = [r.ttft_s for r in items if r.ttft_s is not None]
+        itls = [x for x in (r.itl_s for r in items) if x is not None]
+        prompt = sum(r.prompt_tokens for r in items)
+        return {
+            "requests_per_s": len(items) / self.window_s,
+            "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p99_s": percentile(ttfts, 99),
+            "itl_p50_s": percentile(itls, 50),
+            "itl_p99_s": percentile(itls, 99),
+            "prefix_hit_rate": sum(r.cached_tokens for r in items) / prompt if prompt else None,
+        }

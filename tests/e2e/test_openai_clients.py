@@ -1,0 +1,160 @@
+"""Structured outputs, tool calls and several choices on a real stack (prefill -> decode
+hand-off on every request), driven by the clients applications use: the official `openai`
+SDK and `langchain-openai`. Every JSON answer is validated with jsonschema."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jsonschema
+import openai
+import pytest
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, Field
+
+pytestmark = pytest.mark.slow
+
+
+class City(BaseModel):
+    name: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+    population: int = Field(ge=0, le=99_999_999)  # a small model repeats digits otherwise
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK_CITY = [{"role": "user", "content": "Describe the city of Paris."}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def url(request) -> str:
+    if os.environ.get("TOKENYARD_E2E_GATEWAY_URL"):
+        return os.environ["TOKENYARD_E2E_GATEWAY_URL"]
+    return request.getfixturevalue("stack").gateway_url
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_sdk_parse_with_a_pydantic_model(client, model):
+    out = client.chat.completions.parse(
+        model=model, messages=ASK_CITY, response_format=City, max_tokens=48, temperature=0
+    )
+    choice = out.choices[0]
+    assert isinstance(choice.message.parsed, City)
+    jsonschema.validate(json.loads(choice.message.content), City.model_json_schema())
+
+
+def test_json_cut_by_max_tokens_is_length_and_still_valid(client, model):
+    schema = City.model_json_schema()
+    out = client.chat.completions.create(
+        model=model,
+        messages=ASK_CITY,
+        max_tokens=3,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "city", "schema": schema, "strict": True},
+        },
+    )
+    assert out.choices[0].finish_reason == "length"
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+
+
+def test_sdk_streamed_required_tool_call(client, model):
+    stream = client.chat.completions.create(
+        model=model,
+        messages=ASK_WEATHER,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+                call["name"] += tc.function.name or ""
+                call["arguments"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1
+    assert calls[0]["name"] == "get_weather" and calls[0]["id"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_n_choices_share_the_prompt_and_each_follow_the_grammar(client, model):
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Is the sky blue?"}],
+        n=3,
+        temperature=1.0,
+        seed=5,
+        max_tokens=4,
+        extra_body={"guided_choice": ["yes", "no", "maybe"]},
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.message.content in ("yes", "no", "maybe") for c in out.choices)
+    assert out.usage.completion_tokens >= 3  # summed over the choices
+    assert out.usage.prompt_tokens_details.cached_tokens > 0  # choices 1, 2 reused choice 0's KV
+
+
+def test_langchain_structured_output(url, model):
+    llm = ChatOpenAI(
+        model=model, base_url=f"{url}/v1", api_key="none", temperature=0, max_tokens=48
+    )
+    city = llm.with_structured_output(City).invoke("Describe the city of Paris.")
+    assert isinstance(city, City)
+    jsonschema.validate(city.model_dump(), City.model_json_schema())
+
+
+def test_langchain_bind_tools(url, model):
+    def get_weather(city: str, unit: str) -> str:
+        """The current weather in a city.
+
+        Args:
+            city: the city
+            unit: celsius or fahrenheit
+        """
+        return "sunny"
+
+    llm = ChatOpenAI(
+        model=model, base_url=f"{url}/v1", api_key="none", temperature=0, max_tokens=48
+    )
+    message = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(
+        "What is the weather in Paris?"
+    )
+    [call] = message.tool_calls
+    assert call["name"] == "get_weather"
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+        "required": ["city", "unit"],
+    }
+    jsonschema.validate(call["args"], schema)

@@ -1,0 +1,125 @@
+"""Speculative decoding on the real default model: greedy output equal to plain decoding
+through batching, chunked prefill, prefix-cache hits, preemption and the KV hand-off; sampled
+output reproducible by seed; acceptance counted."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenyard import LLM
+from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.models.loader import default_model_path
+
+pytestmark = pytest.mark.slow
+
+COPY = (
+    "Copy this list exactly, then stop: apples, pears, plums, figs, dates, limes, "
+    "apples, pears, plums, figs, dates, limes."
+)
+PROMPTS = [COPY, "Write a haiku about the sea.", "What is 2 + 2?"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def finish_all(engine):
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def generate(engine, prompts, params, prefix):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", [{"role": "user", "content": p}], params)
+    outs = finish_all(engine)
+    return [[t for o in outs[f"{prefix}{i}"] for t in o.new_token_ids] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def plain(make_engine):
+    """Greedy tokens of PROMPTS without speculation, batched (the reference)."""
+    return generate(make_engine(), PROMPTS, GREEDY, "p")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [NGRAM, {"method": "draft", "model": None, "num_speculative_tokens": 3}],
+    ids=["ngram", "self-draft"],
+)
+def test_greedy_equals_plain_decoding_batched_chunked_and_cached(make_engine, plain, spec):
+    # A 32-token budget chunks every prompt; the second round hits the prefix cache.
+    engine = make_engine(speculative_config=spec, max_num_batched_tokens=32)
+    assert generate(engine, PROMPTS, GREEDY, "a") == plain
+    assert generate(engine, PROMPTS, GREEDY, "b") == plain
+    stats = engine.stats()
+    assert stats.prefix_cache_hits > 0
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
+    assert stats.spec_mean_accepted_length > 1.0
+    engine.block_manager.check_no_leaks()
+
+
+def test_draft_model_from_a_path_with_its_own_pool_and_a_handoff(make_engine, plain):
+    """A separate draft (its own KV pool) catches up on an imported prompt, then drafts."""
+    spec = {"method": "draft", "model": default_model_path(), "quantization": "int4"}
+    prefill = make_engine()
+    prefill.add_request("h", [{"role": "user", "content": COPY}], GREEDY, prefill_only=True)
+    finish_all(prefill)
+    exported = prefill.export_sequence("h")
+    kv = prefill.kv_cache[exported.block_ids].clone()  # the blocks a transfer would carry
+    prefill.release("h")
+    prefill.block_manager.check_no_leaks()
+    del prefill  # at most two models (target and draft) alive at once
+    decode = make_engine(speculative_config=spec)
+    dst = decode.import_sequence("h", exported.prompt_token_ids, exported.output_token_ids, GREEDY)
+    decode.kv_cache[dst] = kv
+    decode.commit_import("h", kv_ok=True)
+    handed = exported.output_token_ids + [
+        t for o in finish_all(decode)["h"] for t in o.new_token_ids
+    ]
+    assert handed == plain[0]
+    assert decode.stats().spec_acceptance_rate > 0.5
+    decode.block_manager.check_no_leaks()
+
+
+def test_preemption_under_a_small_pool_keeps_greedy_output(make_engine, plain):
+    block = 2 * 30 * 16 * 3 * 64 * 4  # fp32 KV block of the default model
+    engine = make_engine(speculative_config=NGRAM, kv_cache_bytes=8 * block)
+    assert generate(engine, PROMPTS, GREEDY, "s") == plain
+    assert engine.stats().num_preemptions > 0
+    engine.block_manager.check_no_leaks()
+
+
+def test_sampled_speculation_is_reproducible_and_stops_where_asked(loaded_model):
+    llm = LLM(speculative_config=NGRAM, kv_cache_bytes=64 * 1024**2)
+    chat = [{"role": "user", "content": COPY}]
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
+    first = llm.chat(chat, params)[0]
+    again = llm.chat(chat, params)[0]
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 20
+    # Greedy, it copies the list; drafts run past the stop string, which still ends the text.
+    stopped = llm.chat(chat, SamplingParams(max_tokens=40, temperature=0, stop=["dates, limes"]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text.endswith("figs, ") and stopped.text.count("figs") == 1
+    assert llm.engine.stats().spec_accepted_tokens > 0
+    llm.engine.block_manager.check_no_leaks()
+
+
+def test_self_draft_refuses_a_quantized_target(make_engine):
+    with pytest.raises(ValueError, match="needs an unquantized target"):
+        make_engine(quantization="int4", speculative_config={"method": "draft"})
+
+
+@pytest.mark.parametrize(("role", "speculates"), [("decode", True), ("prefill", False)])
+def test_worker_engine_speculates_where_it_decodes(role, speculates):
+    from tokenyard.services.worker.main import build_engine
+    from tokenyard.services.worker.settings import WorkerSettings
+
+    settings = WorkerSettings(
+        role=role,
+        speculative='{"method": "ngram"}',
+        kv_cache_bytes=16 * 1024**2,
+        kv_shared_memory=False,
+    )
+    engine, _params = build_engine(settings)
+    assert (engine.speculator is not None) == speculates

@@ -1,0 +1,69 @@
+"""The engine's device settings: checked when made, and the KV budget a GPU leaves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenyard.engine.config import EngineConfig
+from tokenyard.engine.memory import DEFAULT_CPU_KV_BYTES, kv_cache_budget
+
+GIB = 1024**3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"device": "gpu"}, "device must be 'cpu', 'cuda' or 'cuda:<index>'"),
+        ({"device": "cpu:1"}, "device must be"),
+        ({"device": "cuda:x"}, "device must be"),
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be in"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in"),
+        ({"tensor_parallel_size": 2}, "tensor parallelism is not built yet"),
+    ],
+)
+def test_bad_device_settings_fail_at_once(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message on a machine without CUDA"
+)
+def test_cuda_without_a_gpu_says_so():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        EngineConfig(device="cuda")
+
+
+def test_cpu_budget_is_the_setting_or_the_default():
+    none = {"buffers_bytes": 0, "own": 0, "free": 0, "total": 0}
+    assert kv_cache_budget(EngineConfig(), **none) == DEFAULT_CPU_KV_BYTES
+    assert kv_cache_budget(EngineConfig(kv_cache_bytes=123456), **none) == 123456
+
+
+def gpu_config(**kwargs) -> EngineConfig:
+    """A CUDA config on a machine without one: built on the CPU, then pointed at cuda."""
+    config = EngineConfig(**kwargs)
+    config.device = "cuda"
+    return config
+
+
+def test_gpu_budget_is_our_share_less_weights_and_buffers():
+    # 80 GiB device, 0.9 of it ours; 6 GiB of our weights, 1 GiB of buffers, 74 GiB free.
+    device = {"buffers_bytes": GIB, "own": 6 * GIB, "free": 74 * GIB, "total": 80 * GIB}
+    budget = kv_cache_budget(gpu_config(gpu_memory_utilization=0.9), **device)
+    assert budget == int(80 * GIB * 0.9) - 6 * GIB - GIB
+    # An explicit size wins over the share.
+    assert kv_cache_budget(gpu_config(kv_cache_bytes=2 * GIB), **device) == 2 * GIB
+
+
+def test_gpu_budget_never_exceeds_what_is_free():
+    # Another process holds 50 GiB: our 0.9 share would not fit; what is free does.
+    device = {"buffers_bytes": GIB, "own": 6 * GIB, "free": 24 * GIB, "total": 80 * GIB}
+    assert kv_cache_budget(gpu_config(), **device) == 23 * GIB
+
+
+def test_a_full_gpu_is_a_clear_error():
+    device = {"buffers_bytes": GIB, "own": 6 * GIB, "free": GIB, "total": 80 * GIB}
+    with pytest.raises(ValueError, match="no room for a KV cache on cuda"):
+        kv_cache_budget(gpu_config(gpu_memory_utilization=0.5), **device)

@@ -1,0 +1,80 @@
+"""Guided decoding's pure parts: specs to grammars, bitmask unpacking, closing mode, and the
+logit_bias / min_tokens processors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenyard.engine.guided import GuidedError, _closing_row, unpack_bitmask, validate
+from tokenyard.engine.logits_processors import apply_processors
+from tokenyard.engine.sampling_params import GuidedSpec, SamplingParams
+from tokenyard.engine.sequence import Sequence
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GuidedSpec("json_object"),
+        GuidedSpec("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}'),
+        GuidedSpec("regex", "[0-9]{3}"),
+        GuidedSpec("choice", '["yes", "no \\"quoted\\""]'),
+        GuidedSpec("grammar", 'start: "a" b\nb: /[0-9]+/'),
+    ],
+)
+def test_valid_specs_pass(spec):
+    validate(spec)
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        (GuidedSpec("json_schema", "{"), "invalid json_schema"),
+        (GuidedSpec("regex", "(["), "invalid regex"),
+        (GuidedSpec("grammar", "start: nowhere"), "invalid grammar"),
+    ],
+)
+def test_invalid_specs_raise(spec, needle):
+    with pytest.raises(GuidedError) as info:
+        validate(spec)
+    assert needle in str(info.value)
+
+
+def test_unpack_bitmask_is_least_significant_bit_first():
+    words = torch.tensor([[0b1011, -1], [0, 1]], dtype=torch.int32)
+    allowed = unpack_bitmask(words, 40)
+    assert allowed.shape == (2, 40)
+    assert allowed[0, :4].tolist() == [True, True, False, True] and not allowed[0, 4:32].any()
+    assert allowed[0, 32:].all()
+    assert allowed[1].nonzero().flatten().tolist() == [32]
+
+
+def test_closing_row_prefers_an_allowed_closer_over_the_likeliest_token():
+    row = torch.tensor([5.0, 1.0, 0.5, -1.0])
+    allowed = torch.tensor([True, False, True, True])
+    closers = torch.tensor([False, True, False, True])  # token 1 closes but is not allowed
+    out = _closing_row(row, allowed, closers)
+    assert out.argmax().item() == 3 and torch.isinf(out[:3]).all()
+    no_closer = _closing_row(row, allowed, torch.zeros(4, dtype=torch.bool))
+    assert no_closer.argmax().item() == 0
+
+
+def seq(params: SamplingParams, outputs: int) -> Sequence:
+    s = Sequence("r", [1, 2], params, arrival=0)
+    s.token_ids.extend([3] * outputs)
+    return s
+
+
+def test_logit_bias_and_min_tokens():
+    logits = torch.zeros(3, 6)
+    seqs = [
+        seq(SamplingParams(logit_bias={4: 7.5, 1: -100.0}), 0),
+        seq(SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[5]), 1),
+        seq(SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[5]), 2),
+    ]
+    out = apply_processors(logits, seqs, eos_ids={0})
+    assert out[0].tolist() == [0.0, -100.0, 0.0, 0.0, 7.5, 0.0]
+    assert torch.isinf(out[1, [0, 5]]).all() and not torch.isinf(out[1, 1:5]).any()
+    assert not torch.isinf(out[2]).any()  # min_tokens reached: EOS and stop ids are back
+    assert not logits.any()  # the model's logits are left alone
+    assert apply_processors(logits, [seq(SamplingParams(), 0)], {0}) is logits
