@@ -42,14 +42,14 @@ class EngineStats:
     prefix_cache_hits: int  # prompt tokens served from the prefix cache
     prefix_cache_queries: int  # prompt tokens looked up
     num_preemptions: int
-    # MoE load balance: tokens routed to each expert so far, [moe layer][expert] ([] if dense)
-    expert_tokens: list[list[int]] = field(default_factory=list)
     # Speculative decoding (zero when off): verifications, drafted tokens verified, and kept.
     spec_num_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_acceptance_rate: float = 0.0  # accepted / drafted
     spec_mean_accepted_length: float = 0.0  # tokens emitted per verification, the bonus included
+    # MoE load balance: tokens routed to each expert so far, [moe layer][expert] ([] if dense)
+    expert_tokens: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
