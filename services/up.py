@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        choices=["int4", "int8", "none"],
+        choices=["int4", "int8", "fp8", "none"],
         help="weight-only quantization for small decode batches (default on a CPU int4: the "
         "default model's own Q4_1 weights, 2.5x bf16's single-stream decode speed; on a GPU "
         "none, the only choice there so far)",
@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
         '\'{"method": "draft", "model": null, "quantization": "int4"}\' (a self-draft needs '
         "--quantization none)",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant workers: a request gets the same tokens whatever else runs "
+        "beside it, at a cost in speed (docs/precision.md; needs int4 or int8)",
     )
     parser.add_argument(
         "--nats-url", help="use this NATS (with JetStream) instead of an embedded one"
@@ -117,6 +123,9 @@ def config_from(args: argparse.Namespace) -> StackConfig:
                 "target, so the target must not be quantized: add --quantization none"
             )
         speculative = {"TOKENYARD_WORKER_SPECULATIVE": args.speculative}
+    quantization = args.quantization or ("int4" if args.device == "cpu" else "none")
+    if args.deterministic and quantization not in ("int4", "int8"):
+        raise SystemExit("--deterministic needs --quantization int4 or int8")
     return StackConfig(
         port=args.port,
         host=args.host,
@@ -135,6 +144,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
             "TOKENYARD_WORKER_DTYPE": args.dtype,
             **_quantization_env(args),
             **speculative,
+            **({"TOKENYARD_WORKER_DETERMINISTIC": "1"} if args.deterministic else {}),
         },
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -57,6 +57,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         "kv_cache_bytes": settings.kv_cache_bytes,
         "max_model_len": settings.max_model_len,
         "num_threads": settings.num_threads,
+        "deterministic": settings.deterministic or None,
         "speculative_config": settings.speculative if settings.decodes else None,
     }
     # A shared-memory pool is host memory: for a CPU engine only.

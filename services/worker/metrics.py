@@ -30,6 +30,11 @@ PREFIX_HITS = Counter(
     "tokenyard:prefix_cache_hits", "Prompt tokens served from the prefix cache", LABELS
 )
 PREEMPTIONS = Counter("tokenyard:num_preemptions", "Sequences preempted", LABELS)
+EXPERT_TOKENS = Counter(
+    "tokenyard:moe_expert_tokens",
+    "Tokens routed to each expert of each MoE layer (load balance)",
+    (*LABELS, "layer", "expert"),
+)
 # Speculative decoding, as vLLM counts it: acceptance rate = accepted / draft tokens, mean
 # accepted length = (accepted + drafts) / drafts (the target's own token counted).
 SPEC_DRAFTS = Counter(
@@ -83,6 +88,7 @@ class WorkerMetrics:
         self.labels = {"worker": worker, "role": role, "model": model}
         # prefix queries, prefix hits, preemptions, drafts, draft tokens, accepted tokens
         self._engine_totals = (0, 0, 0, 0, 0, 0)
+        self._expert_totals: list[list[int]] = []  # [moe layer][expert]
 
     def child(self, metric: Any) -> Any:
         return metric.labels(**self.labels)
@@ -113,6 +119,17 @@ class WorkerMetrics:
             if now > before:
                 self.child(metric).inc(now - before)
         self._engine_totals = totals
+        self._on_expert_tokens(stats.expert_tokens)
+
+    def _on_expert_tokens(self, counts: list[list[int]]) -> None:
+        for layer, row in enumerate(counts):
+            before = self._expert_totals[layer] if layer < len(self._expert_totals) else []
+            for expert, now in enumerate(row):
+                seen = before[expert] if expert < len(before) else 0
+                if now > seen:
+                    labels = {**self.labels, "layer": str(layer), "expert": str(expert)}
+                    EXPERT_TOKENS.labels(**labels).inc(now - seen)
+        self._expert_totals = [list(row) for row in counts]
 
     def on_prompt(self, num_tokens: int, queued_s: float) -> None:
         self.child(PROMPT_TOKENS).inc(num_tokens)

@@ -40,8 +40,9 @@ class WorkerSettings(BaseSettings):
     fake_step_s: float = 0.005  # the fake engine's time per step
     dtype: str | None = None
     quantization: str | None = (
-        None  # None | "int8" | "int4": weight-only (tokenyard.models.quantize)
+        None  # None | "int8" | "int4" | "fp8": weight-only (tokenyard.models.quantize)
     )
+    deterministic: bool = False  # batch-invariant steps (EngineConfig.deterministic)
     # Speculative decoding, vLLM's speculative_config as JSON, e.g. {"method": "ngram"};
     # decode-capable workers use it (tokenyard.engine.spec), prefill-only ones ignore it.
     speculative: str | None = None

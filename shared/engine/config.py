@@ -18,9 +18,8 @@ if TYPE_CHECKING:
 class EngineConfig:
     model: str | None = None  # a .gguf file or an HF folder; None = the default model
     dtype: str = "float32"  # weights and activations: float32 | bfloat16
-    quantization: str | None = (
-        None  # None | "int8" | "int4" (weight-only; tokenyard.models.quantize)
-    )
+    # None | "int8" | "int4" | "fp8" (weight-only; tokenyard.models.quantize)
+    quantization: str | None = None
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # the per-step token budget (chunked prefill)
@@ -32,6 +31,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # on CUDA: the share of the device this engine may use
     tensor_parallel_size: int = 1  # ranks one model is split over (only 1 is built so far)
     enable_prefix_caching: bool = True
+    # Batch-invariant steps: a request's tokens do not depend on its batch neighbours, prefix
+    # cache hits, chunking, preemption or a prefill-to-decode hand-off. Every row runs the
+    # same kernels whatever the step's shape: the quantized kernel at any row count (no
+    # dense copy) and the per-query decode attention for prompt tokens too. Needs int8 or
+    # int4, whose kernels compute each row on its own (docs/precision.md has the cost).
+    deterministic: bool = False
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     # Makes the KV pool: (layout, num_blocks) -> a zeroed contiguous tensor of
     # layout.pool_shape(num_blocks). None = private memory; workers pass a shared-memory
@@ -45,9 +50,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in (None, "int8", "int4"):
+        if self.quantization not in (None, "int8", "int4", "fp8"):
             raise ValueError(
-                f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}"
+                f"quantization must be None, 'int8', 'int4' or 'fp8', got {self.quantization!r}"
+            )
+        if self.deterministic and self.quantization not in ("int8", "int4"):
+            raise ValueError(
+                "deterministic mode needs quantization 'int8' or 'int4' (their kernels compute "
+                f"each row on its own; dense matmuls do not promise that), got {self.quantization!r}"
             )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -55,6 +65,9 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+            if self.deterministic:
+                # A verification pass changes a step's row count and so its kernels' inputs.
+                raise ValueError("deterministic mode runs without speculative decoding")
         self._check_device()
 
     def _check_device(self) -> None:

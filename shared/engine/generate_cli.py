@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default=None,
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "fp8"],
         help="weight-only quantization (int4 is the default model's own Q4_1 precision)",
     )
     parser.add_argument(

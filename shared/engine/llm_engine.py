@@ -38,6 +38,7 @@ from tokenyard.engine.sequence import Sequence, Status
 from tokenyard.engine.spec.speculator import build_speculator
 from tokenyard.engine.stop import StopChecker
 from tokenyard.models.loader import LoadedModel, load_model
+from tokenyard.models.moe import moe_blocks
 from tokenyard.models.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size)
+        self.runner = ModelRunner(
+            model, self.kv_cache, config.block_size, per_token_attention=config.deterministic
+        )
         self.guide = Guide(self.tokenizer, self.model_config.vocab_size)
         self.speculator = build_speculator(
             config, self.runner, self.block_manager, self.max_model_len
@@ -161,6 +164,7 @@ class LLMEngine:
             prefix_cache_hits=bm.stats.hits,
             prefix_cache_queries=bm.stats.queries,
             num_preemptions=self.scheduler.num_preemptions,
+            expert_tokens=[b.tokens_per_expert.tolist() for b in moe_blocks(self.runner.model)],
         )
         if self.speculator is not None:
             spec = self.speculator.stats

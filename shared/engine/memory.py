@@ -11,10 +11,11 @@ from tokenyard.engine.config import EngineConfig
 from tokenyard.kv.layout import KVLayout
 from tokenyard.models.llama import LlamaForCausalLM
 from tokenyard.models.loader import LoadedModel
-from tokenyard.models.quantize import QuantizedLinear, quantize
+from tokenyard.models.moe import SparseMoeBlock, moe_blocks
+from tokenyard.models.quantize import Fp8Linear, QuantizedLinear, quantize
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 
 
 @dataclass
@@ -28,11 +29,23 @@ class MemoryReport:
     # there is one), the norms, and one embedding row. Memory bandwidth over this is the
     # ceiling on single-sequence decode speed.
     decode_read_bytes: int = 0
+    # Mixture-of-Experts: the experts' share of weights_bytes, and how many experts each
+    # sparse layer holds and runs per token (a batch-1 step reads only the ones it runs).
+    expert_weights_bytes: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
 
     def describe(self) -> str:
         mib = 1024**2
+        experts = (
+            f" (experts {self.expert_weights_bytes / mib:.1f} MiB: {self.num_experts} per layer, "
+            f"{self.experts_per_token} active per token)"
+            if self.num_experts
+            else ""
+        )
         return (
-            f"weights {self.weights_bytes / mib:.1f} MiB, KV cache {self.kv_cache_bytes / mib:.1f} MiB "
+            f"weights {self.weights_bytes / mib:.1f} MiB{experts}, "
+            f"KV cache {self.kv_cache_bytes / mib:.1f} MiB "
             f"({self.num_blocks} blocks x {self.block_nbytes / 1024:.0f} KiB), "
             f"buffers {self.buffers_bytes / mib:.1f} MiB"
         )
@@ -42,7 +55,7 @@ def build_model_and_pool(
     loaded: LoadedModel, config: EngineConfig
 ) -> tuple[LlamaForCausalLM, torch.Tensor, KVLayout, MemoryReport]:
     mc = loaded.config
-    if mc.architecture not in SUPPORTED_ARCHITECTURES or mc.num_local_experts:
+    if mc.architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported model architecture {mc.architecture!r}")
     dtype = _DTYPES[config.dtype]
     max_positions = min(
@@ -61,7 +74,7 @@ def build_model_and_pool(
     if model.rope is not None and device.type != "cpu":  # plain attributes: not moved by .to()
         model.rope.cos, model.rope.sin = model.rope.cos.to(device), model.rope.sin.to(device)
     if config.quantization:
-        quantize(model, config.quantization)
+        quantize(model, config.quantization, keep_dense=not config.deterministic)
     layout = KVLayout(
         model_id=loaded.model_id,
         dtype=config.dtype,
@@ -93,6 +106,9 @@ def build_model_and_pool(
         num_blocks=num_blocks,
         block_nbytes=layout.block_nbytes,
         decode_read_bytes=_decode_read_bytes(model),
+        expert_weights_bytes=sum(_weights_bytes(e) for b in moe_blocks(model) for e in b.experts),
+        num_experts=mc.num_local_experts,
+        experts_per_token=mc.num_experts_per_tok,
     )
     return model, kv_cache, layout, report
 
@@ -135,18 +151,25 @@ def _weights_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _decode_read_bytes(model: LlamaForCausalLM) -> int:
-    total = 0
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            total += module.quantized_bytes()
-        elif isinstance(module, torch.nn.Linear):
-            total += module.weight.numel() * module.weight.element_size()
-        elif isinstance(module, torch.nn.Embedding):
-            total += module.weight.shape[1] * module.weight.element_size()
-        elif not list(module.children()):  # norms
-            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
-    return total
+def _decode_read_bytes(module: torch.nn.Module) -> int:
+    if isinstance(module, SparseMoeBlock):  # a token runs top_k of the experts
+        experts = sum(_decode_read_bytes(e) for e in module.experts)
+        shared = _decode_read_bytes(module.shared_expert) if module.shared_expert else 0
+        routers = _own_bytes(module)
+        return experts * module.top_k // len(module.experts) + shared + routers
+    bias = getattr(module, "bias", None)
+    bias_bytes = bias.numel() * bias.element_size() if bias is not None else 0
+    if isinstance(module, (QuantizedLinear, Fp8Linear)):
+        return module.quantized_bytes() + bias_bytes
+    if isinstance(module, torch.nn.Linear):
+        return module.weight.numel() * module.weight.element_size() + bias_bytes
+    if isinstance(module, torch.nn.Embedding):
+        return module.weight.shape[1] * module.weight.element_size()
+    return _own_bytes(module) + sum(_decode_read_bytes(c) for c in module.children())
+
+
+def _own_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
 
 
 def _buffers_bytes(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype) -> int:

@@ -38,10 +38,20 @@ class InputSpan:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        per_token_attention: bool = False,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, H_kv, D]
         self.block_size = block_size
+        # Deterministic mode: every token, prompt tokens too, attends as a decode row of its
+        # own (one query over its context), so a token's attention is the same computation
+        # whether it arrives in a prefill chunk of any size, after a cache hit, or decoding.
+        self.per_token_attention = per_token_attention
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> StepLogits:
@@ -81,7 +91,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, spans: list[InputSpan]) -> tuple[torch.Tensor, list[int]]:
         """Run the spans (single-token spans first) -> (hidden [T, hidden], each span's last row)."""
-        input_ids, positions, meta, ends = _prepare(spans, self.block_size)
+        input_ids, positions, meta, ends = _prepare(
+            spans, self.block_size, self.per_token_attention
+        )
         if self.kv_cache.device.type != "cpu":
             input_ids, positions, meta = _to_device(
                 self.kv_cache.device, input_ids, positions, meta
@@ -96,7 +108,7 @@ def _span(s: ScheduledSeq) -> InputSpan:
 
 
 def _prepare(
-    spans: list[InputSpan], bs: int
+    spans: list[InputSpan], bs: int, per_token: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, list[int]]:
     ids: list[int] = []
     pos: list[int] = []
@@ -114,10 +126,11 @@ def _prepare(
         slot_blocks.extend(span.block_table[p // bs] for p in range(start, end))
         ends.append(row + n - 1)
         n_blocks = -(-end // bs)
-        if n == 1:
+        if n == 1 or per_token:
             assert not prefills, "single-token spans must come first"
-            decode_tables.append(span.block_table[:n_blocks])
-            decode_lens.append(end)
+            for p in range(start + 1, end + 1):  # p: the context length of each token
+                decode_tables.append(span.block_table[: -(-p // bs)])
+                decode_lens.append(p)
         else:
             block_ids = torch.tensor(span.block_table[:n_blocks], dtype=torch.long)
             prefills.append(PrefillSpan(row, n, end, block_ids))

@@ -48,6 +48,8 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_acceptance_rate: float = 0.0  # accepted / drafted
     spec_mean_accepted_length: float = 0.0  # tokens emitted per verification, the bonus included
+    # MoE load balance: tokens routed to each expert so far, [moe layer][expert] ([] if dense)
+    expert_tokens: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

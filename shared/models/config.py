@@ -22,6 +22,22 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope_scaling: dict[str, Any] | None = None
     attention_bias: bool = False  # qwen2 has q/k/v biases
-    num_local_experts: int = 0  # > 0 for a Mixtral-style MoE
+    num_local_experts: int = 0  # > 0 for a Mixture-of-Experts model (tokenyard.models.moe)
     num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's; 0 = intermediate_size (Mixtral)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert; 0 = none
+    norm_topk_prob: bool = True  # renormalize the chosen experts' probabilities
+    moe_layer_step: int = 1  # every n-th layer is sparse (Qwen2-MoE's decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()  # layers kept dense (Qwen2-MoE's mlp_only_layers)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_local_experts and not self.moe_intermediate_size:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (
+            self.num_local_experts > 0
+            and i not in self.dense_layers
+            and (i + 1) % self.moe_layer_step == 0
+        )

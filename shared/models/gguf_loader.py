@@ -21,7 +21,7 @@ from tokenyard.models.config import ModelConfig
 from tokenyard.models.errors import ModelLoadError
 from tokenyard.models.gguf_file import GGUFFile, TensorInfo
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen2moe")
 # llama.cpp's converter permutes q/k for these (their HF checkpoints use rotate-half RoPE).
 _PERMUTED_QK = ("llama", "mistral")
 _DEQUANT_THREADS = 4
@@ -43,8 +43,24 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "block_sparse_moe.gate",
 }
-# Mixtral-style experts are stacked in one tensor: [num_experts, rows, cols].
-_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_down_exps": "w2", "ffn_up_exps": "w3"}
+# Experts are stacked in one tensor: [num_experts, rows, cols]. Mixtral (a llama file with
+# experts) and Qwen2-MoE name them differently in Hugging Face checkpoints.
+_EXPERT_NAMES = {
+    "mixtral": {"ffn_gate_exps": "w1", "ffn_down_exps": "w2", "ffn_up_exps": "w3"},
+    "qwen2_moe": {
+        "ffn_gate_exps": "gate_proj",
+        "ffn_down_exps": "down_proj",
+        "ffn_up_exps": "up_proj",
+    },
+}
+_EXPERTS_PREFIX = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp"}
+_QWEN2_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
 # Tensors the engine does not need: llama3's rope_freqs is implied by config.rope_scaling.
 _IGNORED = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -67,8 +83,9 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
 
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     num_experts = int(key("expert_count", 0))
+    architecture = "qwen2_moe" if arch == "qwen2moe" else "mixtral" if num_experts else arch
     return ModelConfig(
-        architecture="mixtral" if num_experts > 0 else arch,
+        architecture=architecture,
         vocab_size=int(key("vocab_size", len(md.get("tokenizer.ggml.tokens", ())) or None)),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -84,6 +101,10 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
         num_local_experts=num_experts,
         num_experts_per_tok=int(key("expert_used_count", 0)),
+        moe_intermediate_size=int(key("expert_feed_forward_length", 0)),
+        shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0)),
+        # llama.cpp renormalizes Mixtral's top-k weights and not Qwen2-MoE's
+        norm_topk_prob=bool(key("expert_weights_norm", architecture == "mixtral")),
     )
 
 
@@ -124,7 +145,7 @@ def read_weights(
     weights: dict[str, torch.Tensor] = {}
     for info, array in zip(infos, arrays, strict=True):
         tensor = torch.from_numpy(array)
-        for name, part in _hf_tensors(gguf.path, info.name, tensor):
+        for name, part in _hf_tensors(gguf.path, info.name, tensor, config.architecture):
             weights[name] = _fix_layout(name, part, config).to(dtype).contiguous()
     return weights
 
@@ -147,7 +168,9 @@ def _dequantize(gguf: GGUFFile, info: TensorInfo) -> np.ndarray:
     return np.asarray(dequantize(raw, info.ggml_type), dtype=np.float32).reshape(info.shape)
 
 
-def _hf_tensors(path: str, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def _hf_tensors(
+    path: str, name: str, tensor: torch.Tensor, architecture: str
+) -> list[tuple[str, torch.Tensor]]:
     if name in _GLOBAL_NAMES:
         return [(_GLOBAL_NAMES[name], tensor)]
     match = _LAYER_RE.match(name)
@@ -155,12 +178,15 @@ def _hf_tensors(path: str, name: str, tensor: torch.Tensor) -> list[tuple[str, t
         raise ModelLoadError(f"{path!r}: unexpected tensor {name!r}")
     layer, kind, suffix = match.groups()
     prefix = f"model.layers.{layer}"
-    if kind in _EXPERT_NAMES:
+    experts = _EXPERT_NAMES.get(architecture, {})
+    if kind in experts:
         # tensor: [num_experts, out_features, in_features]
-        w = _EXPERT_NAMES[kind]
-        return [
-            (f"{prefix}.block_sparse_moe.experts.{e}.{w}.{suffix}", t) for e, t in enumerate(tensor)
-        ]
+        p = f"{prefix}.{_EXPERTS_PREFIX[architecture]}.experts"
+        return [(f"{p}.{e}.{experts[kind]}.{suffix}", t) for e, t in enumerate(tensor)]
+    if architecture == "qwen2_moe" and kind in _QWEN2_MOE_NAMES:
+        if kind == "ffn_gate_inp_shexp":
+            tensor = tensor.reshape(1, -1)  # llama.cpp keeps the one-row gate as a vector
+        return [(f"{prefix}.{_QWEN2_MOE_NAMES[kind]}.{suffix}", tensor)]
     if kind not in _LAYER_NAMES:
         raise ModelLoadError(f"{path!r}: unexpected tensor {name!r}")
     return [(f"{prefix}.{_LAYER_NAMES[kind]}.{suffix}", tensor)]

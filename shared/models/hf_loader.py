@@ -19,6 +19,7 @@ SUPPORTED_MODEL_TYPES = {
     "mistral": "mistral",
     "qwen2": "qwen2",
     "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
 }
 
 
@@ -62,10 +63,27 @@ def _config(raw: dict[str, Any], arch: str) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
-        attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
-        num_local_experts=int(raw.get("num_local_experts", 0)),
-        num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)),
+        attention_bias=bool(
+            raw.get("attention_bias", raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))
+        ),
+        **_moe_fields(raw),
     )
+
+
+def _moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral calls the expert count num_local_experts, Qwen2-MoE num_experts."""
+    experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    if not experts:
+        return {}
+    return {
+        "num_local_experts": experts,
+        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": int(raw.get("moe_intermediate_size") or 0),
+        "shared_expert_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+        "moe_layer_step": int(raw.get("decoder_sparse_step") or 1),
+        "dense_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+    }
 
 
 def read_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:

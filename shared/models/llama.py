@@ -1,7 +1,8 @@
 """Llama-family decoder in plain torch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-Other dense families are small variations (Qwen2: q/k/v biases; Mistral: same as Llama)
-and reuse this file through ModelConfig flags. q/k/v and gate/up are fused into one matmul
+Other families are small variations (Qwen2: q/k/v biases; Mistral: same as Llama; Mixtral
+and Qwen2-MoE: sparse expert layers from tokenyard.models.moe in place of the MLP) and reuse
+this file through ModelConfig flags. q/k/v and gate/up are fused into one matmul
 each: fewer, larger matmuls cost less per step on a CPU.
 """
 
@@ -15,8 +16,11 @@ from torch import nn
 
 from tokenyard.models.attention import AttnMetadata, paged_attention
 from tokenyard.models.config import ModelConfig
-from tokenyard.models.fused import add_rms_norm, rotary_, silu_and_mul
+from tokenyard.models.fused import add_rms_norm, rotary_
+from tokenyard.models.mlp import MLP
 from tokenyard.models.module import LeanModule
+from tokenyard.models.moe import SparseMoeBlock
+from tokenyard.models.quantize import fp32_linear
 
 
 class RMSNorm(LeanModule):
@@ -111,23 +115,17 @@ class Attention(LeanModule):
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
-class MLP(LeanModule):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
 class DecoderLayer(LeanModule):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(config)
+            if config.is_moe_layer(layer_idx)
+            else MLP(config.hidden_size, config.intermediate_size)
+        )
 
     def forward(
         self,
@@ -175,7 +173,8 @@ class LlamaForCausalLM(LeanModule):
         return self.norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """hidden [T, hidden] -> fp32 logits [T, vocab]."""
+        return fp32_linear(self.lm_head, hidden)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights, fusing q/k/v and gate/up into this model's fused layers."""
@@ -202,7 +201,9 @@ class LlamaForCausalLM(LeanModule):
                     torch.cat([weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
                 )
             attn.o_proj.weight.copy_(weights[p + "self_attn.o_proj.weight"])
-            layer.mlp.gate_up_proj.weight.copy_(
-                torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
-            )
-            layer.mlp.down_proj.weight.copy_(weights[p + "mlp.down_proj.weight"])
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.load_weights(weights, p)
+            else:
+                layer.mlp.load(
+                    *(weights[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
+                )

@@ -4,6 +4,10 @@ The model code stays plain single-device torch; `quantize(model, mode)` replaces
 projection with a quantized copy:
 
 - "int8": int8 weights with one scale per output channel (symmetric, absmax / 127);
+- "fp8": float8 e4m3 weights with one fp32 scale per output channel (absmax / 448, e4m3's
+  largest finite value). A CPU has no fp8 matmul: each step upcasts the weight to the
+  activations' dtype, so fp8 here is storage (half of bf16's bytes, no dense copy kept), not
+  speed; on a GPU with fp8 tensor cores the same layout would feed them directly.
 - "int4": int4 weights in groups of 32 input channels, each group with a scale and an
   offset (asymmetric). A GGUF Q4_1 tensor (the default model's format) is exactly this
   shape, so its weights come through unchanged but for bf16 rounding of scale and offset.
@@ -31,7 +35,8 @@ GROUP_SIZE = 32
 # Rows per step above which the dense bf16 matmul beats the weight-only kernel, measured on
 # a 2-core AVX-512 machine over a 30-layer model's projections (weights cold in cache).
 DENSE_ABOVE_ROWS = {8: 8, 4: 12}
-MODES = ("int8", "int4")
+MODES = ("int8", "int4", "fp8")
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
 class QuantizedLinear(LeanModule):
@@ -93,8 +98,9 @@ class QuantizedLinear(LeanModule):
         """x [M, in] -> [M, out] in x's dtype, through the weight-only kernel."""
         if self.bits == 8:
             kernels = cpu_kernels.ops_for(x)
-            if kernels is not None and x.shape[0] <= 16:
-                return kernels.int8_linear(x.contiguous(), self.qweight, self.scales)
+            if kernels is not None:  # 16 rows a call; each row's sums never depend on the others
+                rows = x.contiguous().split(16)
+                return torch.cat([kernels.int8_linear(r, self.qweight, self.scales) for r in rows])
             xb = x.to(torch.bfloat16).contiguous()
             return torch._weight_int8pack_mm(xb, self.qweight, self.scales.to(torch.bfloat16)).to(
                 x.dtype
@@ -104,9 +110,56 @@ class QuantizedLinear(LeanModule):
             x.dtype
         )
 
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] -> fp32 [M, out], never rounded to x's dtype (the output projection's logits).
+
+        int8 runs the C++ GEMV, whose fp32 accumulators are returned as they are, up to the
+        dense threshold (at any row count without a dense copy); bigger steps take the dense
+        matmul's result upcast.
+        """
+        kernels = cpu_kernels.ops_for(x)
+        if (
+            self.bits != 8
+            or kernels is None
+            or (self.dense is not None and x.shape[0] > DENSE_ABOVE_ROWS[self.bits])
+        ):
+            return self(x).float()
+        y = self._quantized_mm(x.float())
+        return y + self.bias if self.bias is not None else y
+
     def quantized_bytes(self) -> int:
         """What one small-batch step reads of this layer's weights."""
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+
+
+class Fp8Linear(LeanModule):
+    """A Linear whose weight is stored float8 e4m3 with one fp32 scale per output channel."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        self.bias = linear.bias
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX  # [out]
+        self.register_buffer("qweight", (w / scale[:, None]).to(torch.float8_e4m3fn))
+        self.register_buffer("scales", scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the per-channel scale is applied to the output: x @ (q * s)^T == (x @ q^T) * s
+        y = F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+        return y + self.bias if self.bias is not None else y
+
+    def quantized_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+
+
+def fp32_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) in fp32. NOTE: bf16 logits of the top candidates tie often enough (8 bits of
+    mantissa at magnitudes near 20 is a step of 0.125) that greedy answers flipped with the
+    step's shape; a quantized output projection returns its fp32 accumulators instead."""
+    if isinstance(layer, QuantizedLinear):
+        return layer.forward_fp32(x)
+    return layer(x).float()
 
 
 def int4_fits(linear: nn.Linear) -> bool:
@@ -115,18 +168,25 @@ def int4_fits(linear: nn.Linear) -> bool:
 
 
 def quantize(model: nn.Module, mode: str, keep_dense: bool = True) -> nn.Module:
-    """Swap every Linear for a QuantizedLinear. The output projection, and in int4 mode any
-    layer whose shape int4 packing cannot take, become int8."""
+    """Swap every Linear for a QuantizedLinear (or an Fp8Linear). The output projection, and
+    in int4 mode any layer whose shape int4 packing cannot take, become int8."""
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}: expected one of {MODES}")
-    bits = 8 if mode == "int8" else 4
+    bits = 4 if mode == "int4" else 8
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            layer_bits = 8 if name == "lm_head" or (bits == 4 and not int4_fits(child)) else bits
-            setattr(model, name, QuantizedLinear(child, layer_bits, keep_dense))
+            setattr(model, name, _quantized(name, child, mode, bits, keep_dense))
         else:
             quantize(child, mode, keep_dense)
     return model
+
+
+def _quantized(name: str, linear: nn.Linear, mode: str, bits: int, keep_dense: bool) -> nn.Module:
+    if name == "lm_head" or (bits == 4 and not int4_fits(linear)):
+        return QuantizedLinear(linear, 8, keep_dense)
+    if mode == "fp8":
+        return Fp8Linear(linear)
+    return QuantizedLinear(linear, bits, keep_dense)
 
 
 def dequantized(layer: nn.Module) -> torch.Tensor:
@@ -134,5 +194,7 @@ def dequantized(layer: nn.Module) -> torch.Tensor:
     if isinstance(layer, QuantizedLinear):
         eye = torch.eye(layer.in_features, dtype=torch.bfloat16)
         return layer._quantized_mm(eye).float().T
+    if isinstance(layer, Fp8Linear):
+        return layer.qweight.float() * layer.scales[:, None]
     assert isinstance(layer, nn.Linear)
     return layer.weight.detach().float()

@@ -98,3 +98,11 @@ def test_up_picks_quantization_per_device():
     assert "TOKENYARD_WORKER_QUANTIZATION" not in gpu.worker_env
     with pytest.raises(SystemExit, match="runs on the CPU only"):
         up_config("--device", "cuda", "--quantization", "int4")
+
+
+def test_up_deterministic_reaches_the_workers():
+    config = up_config("--deterministic")
+    assert config.worker_env["TOKENYARD_WORKER_DETERMINISTIC"] == "1"
+    assert "TOKENYARD_WORKER_DETERMINISTIC" not in up_config().worker_env
+    with pytest.raises(SystemExit, match="needs --quantization"):
+        up_config("--deterministic", "--quantization", "none")

@@ -81,3 +81,69 @@ def test_quantize_swaps_every_linear_and_keeps_lm_head_int8():
         quantize(model, "int3")
     with pytest.raises(ValueError, match="divisible"):
         QuantizedLinear(nn.Linear(48, 8), 4)
+
+
+def test_quantized_output_projection_keeps_fp32_logits():
+    """bf16 activations in, fp32 logits out: the int8 accumulators are not rounded to bf16."""
+    linear = _linear(out_features=64, in_features=64, bias=False).to(torch.bfloat16)
+    layer = QuantizedLinear(linear, 8)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    logits = q.fp32_linear(layer, x)
+    assert logits.dtype == torch.float32
+    exact = x.float() @ (layer.qweight.float() * layer.scales[:, None]).T
+    if cpu_kernels.ops() is not None:
+        assert torch.allclose(logits, exact, atol=1e-4)
+        assert not torch.equal(logits, logits.bfloat16().float())  # more than bf16's 8 bits
+    # a dense output projection gives its result upcast
+    assert q.fp32_linear(linear, x).dtype == torch.float32
+
+
+def test_fp8_stores_e4m3_with_per_channel_scales():
+    linear = _linear(out_features=48, in_features=64)
+    with torch.no_grad():
+        linear.weight[0] *= 100  # one loud channel must not cost the others their precision
+    model = quantize(nn.Sequential(linear), "fp8")
+    layer = model[0]
+    assert isinstance(layer, q.Fp8Linear)
+    assert layer.qweight.dtype == torch.float8_e4m3fn and layer.scales.shape == (48,)
+    # every channel uses e4m3's full range: its largest weight maps to 448
+    assert torch.allclose(layer.qweight.float().abs().amax(dim=1), torch.full((48,), 448.0))
+    w = linear.weight.detach()
+    rel = ((dequantized(layer) - w).abs().amax(dim=1) / w.abs().amax(dim=1)).max()
+    assert rel <= 2**-4  # e4m3: 3 mantissa bits, half a step of relative error at most
+    x = torch.randn(5, 64)
+    assert torch.allclose(layer(x), x @ dequantized(layer).T + linear.bias, atol=1e-5)
+    assert layer.quantized_bytes() == 48 * 64 + 48 * 4  # one byte a weight, no dense copy
+
+
+def test_unknown_mode_refused():
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize(nn.Sequential(_linear()), "fp4")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_without_dense_copy_each_row_is_computed_on_its_own(bits):
+    """Deterministic mode's premise: with no dense copy a quantized layer runs one kernel at
+    every row count, and a row's result does not depend on the other rows (bit for bit)."""
+    linear = _linear(out_features=64, in_features=64).to(torch.bfloat16)
+    layer = QuantizedLinear(linear, bits, keep_dense=False)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    batch = layer(x)
+    for i in range(40):
+        assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1]), i
+    for rows in (1, 7, 17, 33):
+        assert torch.equal(layer(x[:rows]), batch[:rows])
+    if bits == 8:
+        logits = q.fp32_linear(layer, x)
+        assert all(
+            torch.equal(q.fp32_linear(layer, x[i : i + 1]), logits[i : i + 1]) for i in range(40)
+        )
+
+
+def test_deterministic_mode_needs_a_row_wise_kernel():
+    from tokenyard.engine.config import EngineConfig
+
+    EngineConfig(dtype="bfloat16", quantization="int4", deterministic=True)
+    for quantization in (None, "fp8"):
+        with pytest.raises(ValueError, match="deterministic mode needs"):
+            EngineConfig(dtype="bfloat16", quantization=quantization, deterministic=True)
