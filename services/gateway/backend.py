@@ -231,7 +231,7 @@ class NatsBackend:
 
         sub = await bus.subscribe(subjects.tokens(rid), pb.TokenChunk, on_chunk)
         try:
-            placement = await self._route(bus, rid, model, prompt_ids)
+            placement = await self._route(bus, rid, model, prompt_ids, params.max_tokens)
             job = pb.PrefillJob(
                 request_id=rid,
                 model=model,
@@ -287,11 +287,14 @@ class NatsBackend:
             log.info("decode worker %s refused to resume %s: %s", worker_id, rid, ack.message)
         return None
 
-    async def _route(self, bus: Bus, rid: str, model: str, prompt_ids: list[int]) -> pb.Placement:
+    async def _route(
+        self, bus: Bus, rid: str, model: str, prompt_ids: list[int], max_tokens: int
+    ) -> pb.Placement:
         request = pb.RouteRequest(
             request_id=rid,
             model=model,
             num_prompt_tokens=len(prompt_ids),
+            max_tokens=max_tokens,
             block_hashes=prefix_block_hashes(prompt_ids, self.settings.block_size),
             hash_version=HASH_SPEC_VERSION,
         )

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
+from tokenyard.services.worker.step_timing import StepTiming
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -37,6 +39,7 @@ class StepResult:
     kv_events: list[tuple[str, list[int]]]
     has_unfinished: bool
     seconds: float
+    tokens: int  # tokens the step computed
 
 
 class EngineLoop:
@@ -49,6 +52,7 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._on_kv_events = on_kv_events
         self.tokens_generated = 0
+        self.timing = StepTiming()
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -86,22 +90,40 @@ class EngineLoop:
         outputs = self.engine.step()
         drain = getattr(self.engine, "drain_kv_events", None)
         events = drain() if drain is not None else []
-        return StepResult(
-            outputs, events, self.engine.has_unfinished(), time.perf_counter() - started
-        )
+        seconds = time.perf_counter() - started
+        tokens = int(getattr(self.engine, "last_step_tokens", len(outputs)))
+        return StepResult(outputs, events, self.engine.has_unfinished(), seconds, tokens)
 
     async def run(self) -> None:
-        """Step while there is work; sleep on the wake event otherwise. Runs until cancelled."""
+        """Step while there is work; sleep on the wake event otherwise. Runs until cancelled.
+
+        The next step starts on the engine thread before this step's outputs are dispatched
+        on the loop, so publishing tokens overlaps computing the next ones instead of
+        leaving the engine idle (every engine call is still serialized on the one thread).
+        """
         while True:
             await self._wake.wait()
             self._wake.clear()
+            result = await self.call(self._step)
             while True:
-                result = await self.call(self._step)
+                idle = not result.outputs and result.seconds < IDLE_STEP_S
+                ahead = None
+                if result.has_unfinished and not idle:
+                    ahead = asyncio.ensure_future(self.call(self._step))
+                dispatched = time.perf_counter()
                 await self._dispatch(result)
+                self.timing.record(
+                    result.tokens,
+                    len(result.outputs),
+                    result.seconds,
+                    time.perf_counter() - dispatched,
+                )
                 if not result.has_unfinished:
                     break
-                if not result.outputs and result.seconds < IDLE_STEP_S:
+                if ahead is None:
                     await asyncio.sleep(IDLE_SLEEP_S)
+                    ahead = asyncio.ensure_future(self.call(self._step))
+                result = await ahead
 
     async def _dispatch(self, result: StepResult) -> None:
         if result.kv_events and self._on_kv_events is not None:

@@ -65,6 +65,8 @@ class EngineStats:
     prefix_cache_hits: int  # prompt tokens served from the prefix cache
     prefix_cache_queries: int  # prompt tokens looked up
     num_preemptions: int
+    # Prompt tokens still to compute (queued and part-prefilled sequences): queued work.
+    num_pending_prompt_tokens: int = 0
 
 
 @dataclass
@@ -106,6 +108,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_cache, config.block_size)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        self.last_step_tokens = 0  # tokens the last step computed (prefill chunks + decodes)
         log.info("engine ready: %s, %s", self.model_id, self.memory.describe())
 
     # --- requests ------------------------------------------------------------------------
@@ -178,6 +181,7 @@ class LLMEngine:
             prefix_cache_hits=bm.stats.hits,
             prefix_cache_queries=bm.stats.queries,
             num_preemptions=self.scheduler.num_preemptions,
+            num_pending_prompt_tokens=self.scheduler.pending_prompt_tokens(),
         )
 
     def drain_kv_events(self) -> list[tuple[str, list[int]]]:
@@ -194,6 +198,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        self.last_step_tokens = sum(s.num_tokens for s in batch)
         if not batch:
             return []
         result = self.runner.run(batch)

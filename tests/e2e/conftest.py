@@ -7,7 +7,7 @@ the session's end stops them all (process groups; children also die with this pr
         stack.gateway_url, stack.nats_url, stack.model_id
         extra = stack.add_worker("decode")   # a ChildProcess: .kill() plays a crash, .stop()
 
-The router here disaggregates every request (TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS=0)
+The router here disaggregates every request (TOKENYARD_ROUTER_DISAGGREGATION=always)
 so the suite exercises the prefill -> decode hand-off, not only the aggregated shortcut.
 """
 
@@ -27,7 +27,7 @@ def stack(launch_stack) -> Iterator[LocalStack]:
         port=free_port(),
         kvcache=False,
         facilities=False,
-        router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
+        router_env={"TOKENYARD_ROUTER_DISAGGREGATION": "always"},
     )
     with launch_stack(config) as s:
         s.wait_ready(timeout=300)
