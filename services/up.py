@@ -44,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model's own Q4_1 weights, 2.5x bf16's single-stream decode speed on a CPU)",
     )
     parser.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=256,
+        help="KV pool per worker (default 256 MiB: 11,000 tokens of the default model; "
+        "pages become resident as blocks are first used)",
+    )
+    parser.add_argument(
         "--nats-url", help="use this NATS (with JetStream) instead of an embedded one"
     )
     parser.add_argument(
@@ -76,6 +83,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         log_dir=args.log_dir,
         worker_env={
             "TOKENYARD_WORKER_DTYPE": args.dtype,
+            "TOKENYARD_WORKER_KV_CACHE_BYTES": str(args.kv_cache_mib * 1024**2),
             **(
                 {}
                 if args.quantization == "none"

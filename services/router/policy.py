@@ -10,7 +10,9 @@ with scripted worker tables. Its inputs:
 - ``facilities``: per worker, what the facilities service says about its rack
   (drain = place nothing new there, derate = a lower cap on concurrent sequences).
 
-A prefill-capable worker (role prefill or both) always runs the prompt. Whether it also
+A prefill-capable worker (role prefill or both), or a decode worker that announces
+``local_prefill`` (it runs whole requests routed to it), runs the prompt: the best by
+prefix overlap and load. Whether a prefill worker also
 decodes (aggregated) or hands the sequence to a decode worker (disaggregated) is a cost
 model (``tokenyard.services.router.cost``, conditional disaggregation): hand off only when
 the decode worker's predicted inter-token latency, over the request's output, saves more
@@ -89,7 +91,9 @@ def choose(
                 f"model {request.model!r} is not served (serving: {models})",
             )
         live = serving
-    prefill_live = [w for w in live if w.prefills]
+    # Local prefill on a decode worker is a whole request there: never under "always".
+    local_ok = config.disaggregation != "always"
+    prefill_live = [w for w in live if w.prefills or (local_ok and w.local_prefill)]
     if not prefill_live:
         return _error(pb.RouteError.NO_WORKERS, "no live prefill worker")
     open_ = [w for w in prefill_live if facilities.get(w.worker_id, NORMAL).state != "drain"]
@@ -127,6 +131,8 @@ def _place(
 
     if config.disaggregation == "never":
         return aggregated("disaggregation is off")
+    if not prefill.prefills:  # a decode worker's local prefill: it has no KV to hand out
+        return aggregated("a decode worker runs the whole request")
     decoders = [
         w
         for w in live

@@ -280,6 +280,7 @@ class WorkerBase:
             step_fixed_ms=fixed_s * 1e3,
             step_ms_per_token=per_token_s * 1e3,
             pending_prompt_tokens=int(getattr(stats, "num_pending_prompt_tokens", 0)),
+            local_prefill=self.settings.takes_prefill_jobs and not self.settings.prefills,
         )
 
     def log_step_timings(self) -> None:

@@ -3,6 +3,8 @@ weights, KV cache, and buffers (RoPE tables and the step's activation workspace)
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +69,7 @@ def build_model_and_pool(
     if num_blocks < 2:
         raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds fewer than 2 KV blocks")
     if config.kv_pool_factory is None:
-        kv_cache = torch.zeros(layout.pool_shape(num_blocks), dtype=dtype)
+        kv_cache = zeroed_pool(layout.pool_shape(num_blocks), dtype)
     else:
         kv_cache = config.kv_pool_factory(layout, num_blocks)
         assert kv_cache.shape == layout.pool_shape(num_blocks) and kv_cache.dtype == dtype
@@ -81,6 +83,15 @@ def build_model_and_pool(
         decode_read_bytes=_decode_read_bytes(model),
     )
     return model, kv_cache, layout, report
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor in anonymous memory that becomes resident page by page as it is
+    written (torch.zeros writes every page up front: a large KV pool would count whole in
+    RSS before its first request)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def _weights_bytes(model: torch.nn.Module) -> int:

@@ -51,6 +51,11 @@ class WorkerView:
         return can_prefill(self.role)
 
     @property
+    def local_prefill(self) -> bool:
+        """A decode worker that also runs whole requests (prefills its own)."""
+        return self.heartbeat.local_prefill
+
+    @property
     def decodes(self) -> bool:
         return can_decode(self.role)
 

@@ -274,3 +274,31 @@ def test_drained_worker_gets_nothing_even_when_idle():
     out = choose(workers, req(), NOW, facilities=facilities, config=always)
     assert isinstance(out, pb.Placement)
     assert (out.prefill_worker_id, out.decode_worker_id) == ("p2", "d2")
+
+
+def local(w: WorkerView) -> WorkerView:
+    hb = pb.WorkerHeartbeat()
+    hb.CopyFrom(w.heartbeat)
+    hb.local_prefill = True
+    return WorkerView(hb, last_seen=w.last_seen)
+
+
+def test_a_decode_worker_with_local_prefill_runs_whole_requests_when_less_busy():
+    workers = table(worker("p1", "prefill", running=5), local(worker("d1", "decode", running=1)))
+    out = choose(workers, req(100), NOW)
+    assert isinstance(out, pb.Placement)
+    assert (out.prefill_worker_id, out.decode_worker_id, out.disaggregated) == ("d1", "d1", False)
+    assert "decode worker runs the whole request" in out.reason
+
+
+def test_local_prefill_is_not_used_when_disaggregation_is_forced():
+    workers = table(worker("p1", "prefill", running=5), local(worker("d1", "decode", running=1)))
+    out = choose(workers, req(100), NOW, config=PolicyConfig(disaggregation="always"))
+    assert isinstance(out, pb.Placement)
+    assert (out.prefill_worker_id, out.decode_worker_id, out.disaggregated) == ("p1", "d1", True)
+
+
+def test_without_local_prefill_a_decode_worker_never_takes_the_prompt():
+    workers = table(worker("p1", "prefill", running=5), worker("d1", "decode", running=0))
+    out = choose(workers, req(100), NOW)
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p1"
