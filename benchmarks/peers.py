@@ -279,13 +279,15 @@ def run_workload(url: str, w: Workload, out: Path) -> dict[str, Any]:
     }
 
 
-def measure(name: str, start: Callable[[], Running], work: Path) -> dict[str, Any]:
+def measure(
+    name: str, start: Callable[[], Running], work: Path, workloads: list[Workload]
+) -> dict[str, Any]:
     print(f"{name}: starting", flush=True)
     t0 = time.monotonic()
     server = start()
     result: dict[str, Any] = {"start_s": round(time.monotonic() - t0, 1), "workloads": {}}
     try:
-        for w in WORKLOADS:
+        for w in workloads:
             r = run_workload(server.url, w, work / f"{name}-{w.label}.json".replace(" ", "_"))
             result["workloads"][w.label] = r
             print(
@@ -332,7 +334,14 @@ def main() -> int:
     p.add_argument("--llama-python", help="a Python with xllamacpp installed (skipped if unset)")
     p.add_argument("--vllm-model-dir", type=Path, help="where the converted model goes")
     p.add_argument("--only", help="comma list of server names to run")
+    p.add_argument(
+        "--quick", action="store_true", help="a smoke run: few requests, no engine ceiling"
+    )
     args = p.parse_args()
+    workloads = [
+        Workload(w.label, w.flags, w.concurrency, w.concurrency) if args.quick else w
+        for w in WORKLOADS
+    ]
     work = Path(tempfile.mkdtemp(prefix="tokenyard-peers-"))
     gguf = Path(default_model_path())
     servers: dict[str, Callable[[], Running]] = {
@@ -347,13 +356,14 @@ def main() -> int:
     only = set(args.only.split(",")) if args.only else None
     doc: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "load_avg_before": os.getloadavg()},
-        "workloads": [w.label for w in WORKLOADS],
+        "workloads": [w.label for w in workloads],
         "servers": {},
     }
     for name, start in servers.items():
         if only is None or name in only:
-            doc["servers"][name] = measure(name, start, work)
-    doc["engine_in_process"] = engine_ceiling()
+            doc["servers"][name] = measure(name, start, work, workloads)
+    if not args.quick:
+        doc["engine_in_process"] = engine_ceiling()
     doc["machine"]["load_avg_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
