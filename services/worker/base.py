@@ -253,7 +253,7 @@ class WorkerBase:
         return self.fleet.alive(worker_id, time.monotonic())
 
     async def heartbeat(self) -> pb.WorkerHeartbeat:
-        stats = await self.loop.call(self.engine.stats)
+        stats = await self.loop.stats(max_age_s=self.settings.heartbeat_interval_s / 2)
         now, generated = time.monotonic(), self.loop.tokens_generated
         then, before = self._tokens_at
         self._tokens_at = (now, generated)

@@ -40,6 +40,7 @@ class StepResult:
     has_unfinished: bool
     seconds: float
     tokens: int  # tokens the step computed
+    stats: Any  # engine.stats() right after the step
 
 
 class EngineLoop:
@@ -53,10 +54,20 @@ class EngineLoop:
         self._on_kv_events = on_kv_events
         self.tokens_generated = 0
         self.timing = StepTiming()
+        # The engine's stats as of its last step, and when (monotonic): heartbeats read
+        # these while the engine is busy instead of queueing behind its steps.
+        self.last_stats: tuple[float, Any] | None = None
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, partial(fn, *args, **kwargs))
+
+    async def stats(self, max_age_s: float) -> Any:
+        """The engine's stats: from its last step when that is recent (a busy engine would
+        make a heartbeat wait for a whole step, or two), else asked on the engine thread."""
+        if self.last_stats is not None and time.monotonic() - self.last_stats[0] <= max_age_s:
+            return self.last_stats[1]
+        return await self.call(self.engine.stats)
 
     def wake(self) -> None:
         self._wake.set()
@@ -92,7 +103,8 @@ class EngineLoop:
         events = drain() if drain is not None else []
         seconds = time.perf_counter() - started
         tokens = int(getattr(self.engine, "last_step_tokens", len(outputs)))
-        return StepResult(outputs, events, self.engine.has_unfinished(), seconds, tokens)
+        stats = self.engine.stats()
+        return StepResult(outputs, events, self.engine.has_unfinished(), seconds, tokens, stats)
 
     async def run(self) -> None:
         """Step while there is work; sleep on the wake event otherwise. Runs until cancelled.
@@ -110,6 +122,7 @@ class EngineLoop:
                 ahead = None
                 if result.has_unfinished and not idle:
                     ahead = asyncio.ensure_future(self.call(self._step))
+                self.last_stats = (time.monotonic(), result.stats)
                 dispatched = time.perf_counter()
                 await self._dispatch(result)
                 self.timing.record(
