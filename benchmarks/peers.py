@@ -147,12 +147,11 @@ def wait_http(url: str, timeout: float, alive: Callable[[], bool]) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
 
 
-def start_tokenyard(aggregated: bool) -> Running:
+def start_tokenyard(aggregated: bool, log_dir: Path) -> Running:
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
-    args = parser.parse_args(
-        ["--port", str(free_port()), *(["--aggregated"] if aggregated else [])]
-    )
+    argv = ["--port", str(free_port()), "--log-dir", str(log_dir)]
+    args = parser.parse_args(argv + (["--aggregated"] if aggregated else []))
     stack = LocalStack(up.config_from(args)).start()
 
     def alive() -> bool:
@@ -291,8 +290,8 @@ def measure(
             r = run_workload(server.url, w, work / f"{name}-{w.label}.json".replace(" ", "_"))
             result["workloads"][w.label] = r
             print(
-                f"{name}: {w.label}: {r['output_tok_s']:.1f} tok/s, TTFT p50 "
-                f"{r['ttft_p50_ms']:.0f} ms, {r['ok']} ok / {r['failed']} failed",
+                f"{name}: {w.label}: {r['output_tok_s'] or 0:.1f} tok/s, TTFT p50 "
+                f"{r['ttft_p50_ms'] or 0:.0f} ms, {r['ok']} ok / {r['failed']} failed",
                 flush=True,
             )
         result["memory"] = memory_of(server.pids())
@@ -343,10 +342,11 @@ def main() -> int:
         for w in WORKLOADS
     ]
     work = Path(tempfile.mkdtemp(prefix="tokenyard-peers-"))
+    print(f"logs and raw results: {work}", flush=True)
     gguf = Path(default_model_path())
     servers: dict[str, Callable[[], Running]] = {
-        "tokenyard up": lambda: start_tokenyard(aggregated=False),
-        "tokenyard up --aggregated": lambda: start_tokenyard(aggregated=True),
+        "tokenyard up": lambda: start_tokenyard(False, work / "logs-up"),
+        "tokenyard up --aggregated": lambda: start_tokenyard(True, work / "logs-aggregated"),
     }
     if args.vllm_python:
         model_dir = convert_for_vllm(gguf, args.vllm_model_dir or work / "vllm-model")
