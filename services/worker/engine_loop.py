@@ -57,15 +57,19 @@ class EngineLoop:
         # The engine's stats as of its last step, and when (monotonic): heartbeats read
         # these while the engine is busy instead of queueing behind its steps.
         self.last_stats: tuple[float, Any] | None = None
+        self.stepping = False  # a step is running or queued on the engine thread
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, partial(fn, *args, **kwargs))
 
     async def stats(self, max_age_s: float) -> Any:
-        """The engine's stats: from its last step when that is recent (a busy engine would
-        make a heartbeat wait for a whole step, or two), else asked on the engine thread."""
-        if self.last_stats is not None and time.monotonic() - self.last_stats[0] <= max_age_s:
+        """The engine's stats: from its last step while it is stepping or when that is recent
+        (asking would make a heartbeat wait behind a whole step, seconds on a loaded host),
+        else asked on the engine thread."""
+        if self.last_stats is not None and (
+            self.stepping or time.monotonic() - self.last_stats[0] <= max_age_s
+        ):
             return self.last_stats[1]
         return await self.call(self.engine.stats)
 
@@ -116,27 +120,34 @@ class EngineLoop:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            result = await self.call(self._step)
-            while True:
-                idle = not result.outputs and result.seconds < IDLE_STEP_S
-                ahead = None
-                if result.has_unfinished and not idle:
-                    ahead = asyncio.ensure_future(self.call(self._step))
-                self.last_stats = (time.monotonic(), result.stats)
-                dispatched = time.perf_counter()
-                await self._dispatch(result)
-                self.timing.record(
-                    result.tokens,
-                    len(result.outputs),
-                    result.seconds,
-                    time.perf_counter() - dispatched,
-                )
-                if not result.has_unfinished:
-                    break
-                if ahead is None:
-                    await asyncio.sleep(IDLE_SLEEP_S)
-                    ahead = asyncio.ensure_future(self.call(self._step))
-                result = await ahead
+            self.stepping = True
+            try:
+                await self._step_until_idle()
+            finally:
+                self.stepping = False
+
+    async def _step_until_idle(self) -> None:
+        result = await self.call(self._step)
+        while True:
+            idle = not result.outputs and result.seconds < IDLE_STEP_S
+            ahead = None
+            if result.has_unfinished and not idle:
+                ahead = asyncio.ensure_future(self.call(self._step))
+            self.last_stats = (time.monotonic(), result.stats)
+            dispatched = time.perf_counter()
+            await self._dispatch(result)
+            self.timing.record(
+                result.tokens,
+                len(result.outputs),
+                result.seconds,
+                time.perf_counter() - dispatched,
+            )
+            if not result.has_unfinished:
+                break
+            if ahead is None:
+                await asyncio.sleep(IDLE_SLEEP_S)
+                ahead = asyncio.ensure_future(self.call(self._step))
+            result = await ahead
 
     async def _dispatch(self, result: StepResult) -> None:
         if result.kv_events and self._on_kv_events is not None:
