@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 KERNELS := $(VENV)/.kernels-built
 
-.PHONY: setup up test test-fast lint proto bench-engine clean
+.PHONY: setup up test test-fast lint typecheck proto bench-engine clean
 
 setup: $(STAMP) $(KERNELS)
 
@@ -39,6 +39,14 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy shared services kernels benchmarks scripts
+
+# mypy with `tokenyard.*` resolved across shared/, services/ and kernels/ (plain `mypy` reads
+# those imports as Any: see scripts/package_view.py). Clean for the packages listed; the rest
+# of the tree still has errors, so this is not yet part of lint.
+TYPECHECKED := tokenyard.engine tokenyard.kv tokenyard.bus tokenyard.services.worker
+typecheck: setup
+	$(PY) scripts/package_view.py build/package-view
+	MYPYPATH=build/package-view $(VENV)/bin/mypy --follow-imports=silent $(addprefix -p ,$(TYPECHECKED))
 
 proto: setup
 	$(PY) scripts/gen_proto.py

@@ -24,8 +24,10 @@ bar chart beside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -171,21 +173,28 @@ def start_tokenyard(aggregated: bool, log_dir: Path) -> Running:
 
 def start_process(argv: list[str], env: dict[str, str], port: int, log: Path) -> Running:
     with log.open("w") as out:
+        # Its own process group: vLLM's engine core and workers are children that a
+        # SIGTERM to the API server alone leaves running.
         proc = subprocess.Popen(
-            argv, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT
+            argv,
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
 
     def stop() -> None:
-        proc.terminate()
-        try:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
     try:
-        wait_http(url, 600, lambda: proc.poll() is None)
+        wait_http(url, 1200, lambda: proc.poll() is None)
     except BaseException:
         stop()
         raise RuntimeError(f"{argv[0]} failed:\n{log.read_text()[-3000:]}") from None

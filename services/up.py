@@ -2,7 +2,9 @@
 
 An embedded nats-server (JetStream, temporary directory), the router, prefill and decode
 workers, the gateway, and the KV-cache and facilities services unless told not to. Ctrl-C (or
-SIGTERM) stops everything; children also die with this process (PR_SET_PDEATHSIG).
+SIGTERM) stops everything; children also die with this process (PR_SET_PDEATHSIG). A service
+that crashes is restarted with backoff (services/launch/supervise.py); one that keeps failing
+right after its start stops the stack with its log.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import signal
 import threading
 from pathlib import Path
 
+from tokenyard.services.keys import default_keys_url
 from tokenyard.services.launch.stack import LocalStack, StackConfig, StackError
 
 
@@ -63,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-dir", type=Path, help="keep service logs here (default: a temporary dir)"
     )
     parser.add_argument(
+        "--require-keys",
+        action="store_true",
+        help="the gateway takes only API keys made with `tokenyard keys create` "
+        "(per-key limits counted in a private Redis)",
+    )
+    parser.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for the workers"
     )
 
@@ -81,6 +90,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         kvcache=not args.no_kvcache,
         facilities=not args.no_facilities,
         log_dir=args.log_dir,
+        keys_db_url=default_keys_url() if args.require_keys else None,
         worker_env={
             "TOKENYARD_WORKER_DTYPE": args.dtype,
             "TOKENYARD_WORKER_KV_CACHE_BYTES": str(args.kv_cache_mib * 1024**2),
@@ -110,8 +120,9 @@ def run(args: argparse.Namespace) -> int:
         if not _wait_ready(stack, stop, args.ready_timeout):
             return 130 if stop.is_set() else 1
         _banner(stack)
-        while not stop.wait(1.0):
-            stack.check_alive()
+        while not stop.wait(0.5):
+            for name in stack.supervise():
+                print(f"{name} exited; restarted it (log: {stack.log_dir / name}.log)", flush=True)
         print("\nStopping ...", flush=True)
         return 0
     except StackError as exc:
@@ -124,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
 def _wait_ready(stack: LocalStack, stop: threading.Event, timeout: float) -> bool:
     waited = 0.0
     while not stop.is_set():
-        stack.check_alive()
+        stack.supervise()
         body = stack.ready()
         if body is not None and stack.all_workers_registered(body):
             return True

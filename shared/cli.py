@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tokenyard.engine.generate_cli", "generate text offline with the engine"),
     "up": ("tokenyard.services.up", "run the whole stack on this machine"),
     "bench": ("tokenyard.bench.cli", "benchmark an OpenAI-compatible server"),
+    "keys": ("tokenyard.services.keys", "create, list and revoke the gateway's API keys"),
 }
 
 

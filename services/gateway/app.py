@@ -12,7 +12,10 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenyard.services.gateway.backend import NatsBackend
+from tokenyard.services.gateway.bodylimit import LimitBody
 from tokenyard.services.gateway.errors import install_error_handlers
+from tokenyard.services.gateway.keylimits import make_minute_limits
+from tokenyard.services.gateway.keys import KeyStore
 from tokenyard.services.gateway.openapi import install_openapi
 from tokenyard.services.gateway.ratelimit import make_limiter
 from tokenyard.services.gateway.routes import chat, completions, health, models
@@ -45,8 +48,19 @@ async def build_state(settings: GatewaySettings, stack: AsyncExitStack) -> Gatew
     stack.push_async_callback(backend.stop)
     limiter = make_limiter(settings.rate_limit_rps, settings.rate_limit_burst, settings.redis_url)
     stack.push_async_callback(limiter.close)
+    minute_limits = make_minute_limits(settings.redis_url)
+    stack.push_async_callback(minute_limits.close)
+    keys = None
+    if settings.keys_db_url:
+        keys = await asyncio.to_thread(KeyStore.open, settings.keys_db_url)
     return GatewayState(
-        settings=settings, backend=backend, tokenizer=tokenizer, limiter=limiter, model_id=model_id
+        settings=settings,
+        backend=backend,
+        tokenizer=tokenizer,
+        limiter=limiter,
+        model_id=model_id,
+        keys=keys,
+        minute_limits=minute_limits,
     )
 
 
@@ -105,5 +119,6 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
     install_error_handlers(app)
     install_openapi(app)
 
+    app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
     app.add_middleware(CountRequests)
     return app

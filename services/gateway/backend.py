@@ -100,6 +100,8 @@ class NatsTokenStream:
         self._orderer = ChunkOrderer()
         self._ready: deque[pb.TokenChunk] = deque()
         self._last_chunk = time.monotonic()
+        timeout = settings.request_timeout_s
+        self._deadline = self._last_chunk + timeout if timeout else None
         self._worker = placement.prefill_worker_id
         self._streamed: list[int] = []  # output tokens released in order so far
 
@@ -111,6 +113,7 @@ class NatsTokenStream:
         while not self._ready:
             if self._orderer.finished:
                 raise StopAsyncIteration
+            self._check_deadline(time.monotonic())
             try:
                 chunk = await asyncio.wait_for(self._queue.get(), timeout=poll)
             except TimeoutError:
@@ -137,6 +140,15 @@ class NatsTokenStream:
             return self._placement.decode_worker_id
         return chunk.worker_id or self._worker
 
+    def _check_deadline(self, now: float) -> None:
+        if self._deadline is not None and now > self._deadline:
+            raise OpenAIError(
+                504,
+                f"the request ran past the server's deadline of "
+                f"{self._settings.request_timeout_s:.0f} s; ask for fewer tokens (max_tokens)",
+                code="timeout",
+            )
+
     async def _check_stall(self, now: float) -> None:
         silent = now - self._last_chunk
         if silent > self._settings.idle_timeout_s:
@@ -149,8 +161,16 @@ class NatsTokenStream:
             # Mid-decode: the prompt is done and its job acked, so nobody else will pick it
             # up; continue it on a live decode worker from the tokens already streamed.
             await self._resume_elsewhere()
-        elif silent > self._settings.dead_worker_grace_s:
+        elif silent > self._grace():
             raise self._lost("the request was lost")
+
+    def _grace(self) -> float:
+        """How long a dead owner may stay silent. Before the first token the job sits in
+        the prefill work queue, which redelivers it once a prefill worker is back (the
+        launcher or the orchestrator restarts a dead one): that is worth a longer wait."""
+        if self._streamed:
+            return self._settings.dead_worker_grace_s
+        return max(self._settings.dead_worker_grace_s, self._settings.prefill_redelivery_grace_s)
 
     async def _resume_elsewhere(self) -> None:
         assert self._resume is not None

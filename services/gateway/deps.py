@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from tokenyard.services.gateway.errors import OpenAIError
+from tokenyard.services.gateway.keys import KeyInfo
 from tokenyard.services.gateway.ratelimit import retry_after
 from tokenyard.services.gateway.state import GatewayState
+from tokenyard.services.gateway.translate import Prepared
 
 
 def get_state(request: Request) -> GatewayState:
@@ -22,30 +25,65 @@ _bearer = HTTPBearer(auto_error=False, description="An API key, when the gateway
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-def authenticate(state: State, credentials: Credentials, request: Request) -> str:
-    """The caller's identity for rate limiting: its key, or its address on an open gateway."""
-    keys = state.settings.api_keys
-    if not keys:
-        return f"ip:{request.client.host if request.client else 'unknown'}"
+@dataclass(frozen=True)
+class Identity:
+    """Who is asking: `name` keys the rate limits; `key` is set for a key from SQL."""
+
+    name: str
+    key: KeyInfo | None = None
+
+
+def authenticate(state: State, credentials: Credentials, request: Request) -> Identity:
+    """The caller's identity: its key, or its address on an open gateway.
+
+    NOTE: a plain def: FastAPI runs it in a thread, so a key store lookup never blocks the loop.
+    """
+    static, store = state.settings.api_keys, state.keys
+    if not static and store is None:
+        return Identity(f"ip:{request.client.host if request.client else 'unknown'}")
     given = credentials.credentials if credentials else ""
-    if not any(secrets.compare_digest(given, key) for key in keys):
+    if any(secrets.compare_digest(given, key) for key in static):
+        return Identity(f"key:{given}")
+    info = store.verify(given) if store is not None and given else None
+    if info is None:
         raise OpenAIError(
-            401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key"
+            401,
+            "Incorrect API key provided. Pass a valid key as 'Authorization: Bearer <key>'.",
+            code="invalid_api_key",
         )
-    return f"key:{given}"
+    return Identity(f"key:{info.prefix}", info)
 
 
-async def admit(state: State, caller: Annotated[str, Depends(authenticate)]) -> str:
-    wait = await state.limiter.take(caller)
+def too_many(message: str, wait_s: float) -> OpenAIError:
+    return OpenAIError(429, message, code="rate_limit_exceeded", retry_after_s=retry_after(wait_s))
+
+
+async def admit(state: State, caller: Annotated[Identity, Depends(authenticate)]) -> Identity:
+    wait = await state.limiter.take(caller.name)
     if wait is not None:
-        raise OpenAIError(
-            429,
-            "rate limit reached for this API key; retry later",
-            code="rate_limit_exceeded",
-            retry_after_s=retry_after(wait),
-        )
+        raise too_many("rate limit reached for this API key; retry later", wait)
+    rpm = caller.key.requests_per_minute if caller.key else None
+    if rpm is not None:
+        wait = await state.minute_limits.take(f"rpm:{caller.name}", rpm, 1)
+        if wait is not None:
+            raise too_many(f"Rate limit reached for requests per minute (limit {rpm}).", wait)
     return caller
 
 
-Caller = Annotated[str, Depends(admit)]
-Authenticated = Annotated[str, Depends(authenticate)]
+async def charge_tokens(state: GatewayState, caller: Identity, prepared: Prepared) -> None:
+    """Tokens per minute, charged up front: the prompt plus what may be generated."""
+    tpm = caller.key.tokens_per_minute if caller.key else None
+    if tpm is None:
+        return
+    cost = len(prepared.prompt_ids) + prepared.params.max_tokens
+    wait = await state.minute_limits.take(f"tpm:{caller.name}", tpm, cost)
+    if wait is not None:
+        raise too_many(
+            f"Rate limit reached for tokens per minute (limit {tpm}, requested {cost}); "
+            "lower max_tokens or retry later.",
+            wait,
+        )
+
+
+Caller = Annotated[Identity, Depends(admit)]
+Authenticated = Annotated[Identity, Depends(authenticate)]

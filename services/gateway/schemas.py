@@ -9,12 +9,52 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from tokenyard.api_errors import ErrorDetail, ErrorResponse  # noqa: F401  (part of this API's schemas)
 
-Stop = str | Annotated[list[str], Field(max_length=16)] | None
+# What the protobuf carries (serving.proto: uint32 max_tokens and stop_token_ids, int32 top_k):
+# a larger value would be a 500 at serialization instead of a 400 here.
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+# List and string sizes: generous for real use, small enough that one body cannot make the
+# gateway tokenize or the workers match megabytes of text.
+MAX_MESSAGES = 2048
+MAX_TOOLS = 128
+MAX_STOP = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_NAME_CHARS = 256
+
+
+def valid_unicode(value: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800"); they are not text and cannot be encoded."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode: a lone surrogate at position {exc.start}") from None
+    return value
+
+
+def _unicode_everywhere(value: object) -> None:
+    if isinstance(value, str):
+        valid_unicode(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _unicode_everywhere(key)
+            _unicode_everywhere(item)
+    elif isinstance(value, list):
+        for item in value:
+            _unicode_everywhere(item)
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), AfterValidator(valid_unicode)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(valid_unicode)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TokenCount = Annotated[int, Field(ge=1, le=UINT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 
 
 class _Body(BaseModel):
@@ -28,8 +68,8 @@ class StreamOptions(_Body):
 class SamplingFields(_Body):
     """The fields both endpoints share."""
 
-    model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    model: Name
+    max_tokens: TokenCount | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
@@ -39,14 +79,16 @@ class SamplingFields(_Body):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     seed: int | None = None
-    user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    user: Name | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
     # vLLM's extensions
-    top_k: Annotated[int, Field(ge=-1)] = -1
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] = -1
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    stop_token_ids: Annotated[
+        list[Annotated[int, Field(ge=0, le=UINT32_MAX)]], Field(max_length=MAX_STOP_TOKEN_IDS)
+    ] = Field(default_factory=list)
 
 
 # --- chat ---------------------------------------------------------------------------------
@@ -54,22 +96,37 @@ class SamplingFields(_Body):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+    name: Name | None = None
+    tool_call_id: Name | None = None
+
+    @model_validator(mode="after")
+    def _tool_answers_name_their_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs 'tool_call_id'")
+        return self
+
+
+def _json_text(value: dict | None) -> dict | None:
+    _unicode_everywhere(value)
+    return value
+
+
+JsonObject = Annotated[dict, AfterValidator(_json_text)]
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[dict] | None = None
-    response_format: dict | None = None
+    tools: Annotated[list[JsonObject], Field(max_length=MAX_TOOLS)] | None = None
+    response_format: JsonObject | None = None
 
 
 class TopLogprob(BaseModel):
@@ -149,12 +206,12 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionRequest(SamplingFields):
     # A string, a list of one string, or token ids (one prompt per request: n=1 and no batches).
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for this endpoint
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: TokenCount | None = 16  # OpenAI's default for this endpoint
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
-    suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: Text | None = None
+    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
 
 
 class CompletionLogprobs(BaseModel):

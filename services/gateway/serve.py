@@ -122,7 +122,8 @@ class Generation:
                 yield event
         except OpenAIError as exc:
             # NOTE: the 200 status line is already sent; the error travels as the last event.
-            self.done = True
+            # A timeout leaves the request running on a worker: _finish cancels it there.
+            self.done = exc.status != 504
             log.warning("request %s failed mid-stream: %s", self.fmt.rid, exc.message)
             yield exc.sse()
         except ClientGone:

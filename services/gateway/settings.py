@@ -24,8 +24,11 @@ class GatewaySettings(BaseSettings):
     max_model_len: int = Field(default=0, ge=0)
     block_size: int = Field(default=16, ge=1)
 
-    # Empty = open gateway. From the environment: a comma-separated list.
+    # Empty (and no keys_db_url) = open gateway. From the environment: a comma-separated list.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # API keys made with `tokenyard keys create` (SQLAlchemy URL); their per-minute limits
+    # are counted in Redis when redis_url is set, else in this gateway's memory.
+    keys_db_url: str | None = None
 
     # Per-key token bucket: `rate_limit_rps` requests per second, bursts up to
     # `rate_limit_burst`. 0 = no limit. Redis when redis_url is set, else in memory.
@@ -43,11 +46,21 @@ class GatewaySettings(BaseSettings):
     # (ack wait plus 3 missed heartbeats: 3-5 s in the benchmark, then a new prefill), which
     # would still save the request; 20 s left clients hanging on truly lost requests.
     dead_worker_grace_s: float = Field(default=10.0, gt=0)
+    # Before its first token a request waits in the prefill work queue: when its prefill
+    # worker dies, the queue redelivers the job once a worker is back. A restarted worker
+    # loads its model first (10-30 s on a busy CPU host), so this wait is longer.
+    prefill_redelivery_grace_s: float = Field(default=60.0, gt=0)
     # Heartbeats older than this many intervals mark a worker dead (the router's rule).
     missed_heartbeats: int = Field(default=3, ge=1)
     retry_after_s: int = Field(default=1, ge=1)
-    # Cap on max_tokens when a request gives none (None = the rest of the context, as vLLM).
-    default_max_tokens: int | None = Field(default=None, ge=1)
+    # Cap on generated tokens when a request gives no max_tokens (None = the rest of the
+    # context, as vLLM; a CPU worker then runs for minutes that nobody asked for).
+    default_max_tokens: int | None = Field(default=1024, ge=1)
+    # A request still running after this many seconds ends with 504 and is cancelled on the
+    # workers (0 = no deadline).
+    request_timeout_s: float = Field(default=600.0, ge=0)
+    # Larger bodies get 413 before they are read (the context is 8k tokens: ~50 kB of text).
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     shutdown_grace_s: float = Field(default=10.0, ge=0)  # open requests at SIGTERM
     log_level: str = "info"
 

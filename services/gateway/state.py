@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from tokenyard.services.gateway.backend import Backend
 from tokenyard.services.gateway.errors import OpenAIError
+from tokenyard.services.gateway.keylimits import MemoryMinuteLimits, MinuteLimits
+from tokenyard.services.gateway.keys import KeyStore
 from tokenyard.services.gateway.metrics import GatewayMetrics
 from tokenyard.services.gateway.ratelimit import RateLimiter
 from tokenyard.services.gateway.settings import GatewaySettings
@@ -21,6 +23,8 @@ class GatewayState:
     limiter: RateLimiter
     model_id: str
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    keys: KeyStore | None = None  # API keys in SQL (settings.keys_db_url)
+    minute_limits: MinuteLimits = field(default_factory=MemoryMinuteLimits)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def max_model_len(self) -> int:

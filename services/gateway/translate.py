@@ -32,9 +32,7 @@ class Tokenizer(Protocol):
 
     def token_text(self, token_id: int) -> str: ...
 
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
-    ) -> str: ...
+    def encode_chat(self, messages: list[dict]) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -63,11 +61,11 @@ def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> lis
         raise invalid("'messages' must contain at least one message", "messages")
     messages = [{"role": m.role, "content": message_text(m)} for m in request.messages]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # NOTE: not encode(apply_chat_template(...)): that would parse role markers a user
+        # typed into their message as real ones.
+        return tokenizer.encode_chat(messages)
     except ValueError as exc:  # no template, or one that refuses these roles
         raise invalid(f"cannot render the chat template: {exc}", "messages") from exc
-    # NOTE: the template already holds the special tokens; the engine encodes it the same way.
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:

@@ -7,19 +7,28 @@ import asyncio
 import logging
 import sys
 
+from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
+from tokenyard.http_server import ReadyFlag, ops_server
 from tokenyard.lifecycle import run_until_signalled
+from tokenyard.services.kvcache.metrics import StoreCollector
 from tokenyard.services.kvcache.server import serve
 from tokenyard.services.kvcache.settings import KVCacheSettings
 
 
 async def main(settings: KVCacheSettings, stop: asyncio.Event) -> None:
-    server = await serve(settings)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
+    ready = ReadyFlag()
+    async with ops_server(settings.ops_host, settings.ops_port, ready=ready) as ops:
+        server = await serve(settings)
+        REGISTRY.register(StoreCollector(server.store))
+        ready.set(None)
+        logging.getLogger(__name__).info("KV cache ops on %s", ops.url)
+        try:
+            await stop.wait()
+        finally:
+            ready.set("stopping")
+            await server.stop()
 
 
 if __name__ == "__main__":

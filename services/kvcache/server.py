@@ -7,6 +7,7 @@ import logging
 
 import grpc
 
+from tokenyard.grpc_security import add_port, server_interceptors
 from tokenyard.kv.store.tiered import TieredStore
 from tokenyard.kv.store.tiers import DiskTier, RamTier, RedisTier, Tier
 from tokenyard.kv.transfer.server import GRPC_OPTIONS
@@ -50,9 +51,9 @@ class KVCacheServer:
 async def serve(settings: KVCacheSettings) -> KVCacheServer:
     """Start the service; returns once it is accepting calls."""
     store = build_store(settings)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors())
     kv_pb2_grpc.add_KVCacheServicer_to_server(KVCacheHandler(store), server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    port = add_port(server, f"{settings.host}:{settings.port}")
     if port == 0:
         raise OSError(f"KV cache cannot bind {settings.host}:{settings.port}")
     await server.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_PORT = 50070
+DEFAULT_OPS_PORT = 8093
 
 
 class KVCacheSettings(BaseSettings):
@@ -20,3 +21,6 @@ class KVCacheSettings(BaseSettings):
     disk_dir: str = ""  # empty = no disk tier
     disk_bytes: int = 16 << 30
     shutdown_grace_s: float = 5.0
+    # The ops HTTP server: /health, /ready, /metrics (0 = any free port).
+    ops_host: str = "127.0.0.1"
+    ops_port: int = DEFAULT_OPS_PORT

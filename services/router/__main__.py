@@ -7,7 +7,9 @@ import logging
 from contextlib import AsyncExitStack
 
 from tokenyard.bus import subjects
+from tokenyard.bus.auth import redact
 from tokenyard.bus.nats import Bus
+from tokenyard.http_server import ops_server
 from tokenyard.lifecycle import run_until_signalled
 from tokenyard.services.router.cost import CostConfig
 from tokenyard.services.router.handler import RouterHandler
@@ -42,9 +44,16 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         await bus.subscribe(
             subjects.ROUTER_ROUTE, pb.RouteRequest, handler.on_route, queue="router"
         )
-        log.info("router ready on %s", settings.nats_url)
+        ops = await stack.enter_async_context(
+            ops_server(settings.ops_host, settings.ops_port, ready=lambda: _not_ready(bus))
+        )
+        log.info("router ready on %s; ops on %s", redact(settings.nats_url), ops.url)
         await stop.wait()
         log.info("router stopping")
+
+
+def _not_ready(bus: Bus) -> str | None:
+    return None if bus.nc.is_connected else "not connected to NATS"
 
 
 def main() -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_OPS_PORT = 8091
 
 
 class RouterSettings(BaseSettings):
@@ -20,3 +23,6 @@ class RouterSettings(BaseSettings):
     overlap_weight: float = 1.0
     kv_weight: float = 0.5
     log_level: str = "INFO"
+    # The ops HTTP server: /health, /ready, /metrics (0 = any free port).
+    ops_host: str = "127.0.0.1"
+    ops_port: int = Field(default=DEFAULT_OPS_PORT, ge=0, le=65535)

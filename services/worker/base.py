@@ -11,12 +11,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from nats.aio.msg import Msg
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
+from tokenyard.engine.contract import Engine
+from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.facilities.tracker import RackStateTracker
 from tokenyard.fleet import FleetView
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
@@ -24,6 +25,7 @@ from tokenyard.services.worker.admission import AdmissionGate
 from tokenyard.services.worker.convert import engine_params
 from tokenyard.services.worker.engine_loop import EngineLoop
 from tokenyard.services.worker.kv import KVPort
+from tokenyard.services.worker.metrics import WorkerMetrics, since_arrival_s
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.services.worker.stream import TokenStream
 from tokenyard.v1 import serving_pb2 as pb
@@ -36,7 +38,9 @@ STEP_LOG_S = 10.0  # how often a busy worker logs its step timings
 
 
 class WorkerBase:
-    def __init__(self, settings: WorkerSettings, bus: Bus, engine: Any, params_cls: Any) -> None:
+    def __init__(
+        self, settings: WorkerSettings, bus: Bus, engine: Engine, params_cls: type[SamplingParams]
+    ) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
         self.bus = bus
@@ -55,16 +59,17 @@ class WorkerBase:
         self.jobs: dict[str, asyncio.Future[bool | None]] = {}
         self.stopping = asyncio.Event()
         self._kv_seq = 0
+        self.metrics = WorkerMetrics(self.worker_id, settings.role, self.model_id)
         self._loop_task: asyncio.Task[None]
         self._tokens_at = (time.monotonic(), 0)
         self._step_log_at = time.monotonic()
 
     @property
     def model_id(self) -> str:
-        return str(self.engine.model_id)
+        return self.engine.model_id
 
     def decode_text(self, ids: list[int]) -> str:
-        return str(self.engine.tokenizer.decode(ids))
+        return self.engine.tokenizer.decode(ids)
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         await self.kv.start()
@@ -103,7 +108,12 @@ class WorkerBase:
     # --- running requests --------------------------------------------------------------
 
     def new_stream(
-        self, request_id: str, *, start_index: int = 0, cached_tokens: int | None = None
+        self,
+        request_id: str,
+        *,
+        start_index: int = 0,
+        cached_tokens: int | None = None,
+        arrival_unix_ns: int = 0,
     ) -> TokenStream:
         stream = TokenStream(
             self.bus,
@@ -112,6 +122,9 @@ class WorkerBase:
             self.decode_text,
             start_index=start_index,
             cached_tokens=cached_tokens,
+            timer=self.metrics.timer(
+                first_token_here=start_index == 0, arrival_unix_ns=arrival_unix_ns
+            ),
         )
         self.streams[request_id] = stream
         stream.done.add_done_callback(lambda _: self.streams.pop(request_id, None))
@@ -124,11 +137,13 @@ class WorkerBase:
         params: pb.SamplingParams,
         *,
         prefill_only: bool = False,
+        arrival_unix_ns: int = 0,
     ) -> TokenStream:
         """Run a request (or just its prefill) here; returns its stream once it has ended."""
-        stream = self.new_stream(request_id)
+        stream = self.new_stream(request_id, arrival_unix_ns=arrival_unix_ns)
         if not await self._admit(stream):
             return stream  # cancelled or handed back while it waited
+        self.metrics.on_prompt(len(prompt), since_arrival_s(arrival_unix_ns))
         try:
             await self.loop.add(
                 request_id,
@@ -174,7 +189,10 @@ class WorkerBase:
             params,
         )
         stream = self.new_stream(
-            rid, start_index=len(handoff.output_token_ids), cached_tokens=handoff.num_cached_tokens
+            rid,
+            start_index=len(handoff.output_token_ids),
+            cached_tokens=handoff.num_cached_tokens,
+            arrival_unix_ns=handoff.arrival_unix_ns,
         )
         stream.output_token_ids.extend(handoff.output_token_ids)
         self.loop.sinks[rid] = stream
@@ -253,7 +271,8 @@ class WorkerBase:
         return self.fleet.alive(worker_id, time.monotonic())
 
     async def heartbeat(self) -> pb.WorkerHeartbeat:
-        stats = await self.loop.stats(max_age_s=self.settings.heartbeat_interval_s / 2)
+        stats = await self.loop.stats()
+        self.metrics.on_stats(stats)
         now, generated = time.monotonic(), self.loop.tokens_generated
         then, before = self._tokens_at
         self._tokens_at = (now, generated)
@@ -272,14 +291,12 @@ class WorkerBase:
             kv_endpoint=self.kv.endpoint,
             host=self.settings.host,
             sent_unix_ms=int(time.time() * 1000),
-            block_size=int(
-                getattr(self.engine, "block_size", 0) or _layout_block_size(self.engine)
-            ),
+            block_size=self.engine.block_size,
             heartbeat_interval_ms=int(self.settings.heartbeat_interval_s * 1000),
-            max_model_len=int(self.engine.max_model_len),
+            max_model_len=self.engine.max_model_len,
             step_fixed_ms=fixed_s * 1e3,
             step_ms_per_token=per_token_s * 1e3,
-            pending_prompt_tokens=int(getattr(stats, "num_pending_prompt_tokens", 0)),
+            pending_prompt_tokens=stats.num_pending_prompt_tokens,
             local_prefill=self.settings.takes_prefill_jobs and not self.settings.prefills,
         )
 
@@ -326,8 +343,3 @@ class WorkerBase:
                 seq=self._kv_seq,
             )
             await self.bus.publish(subjects.kv_events(self.worker_id), event)
-
-
-def _layout_block_size(engine: Any) -> int:
-    layout = getattr(engine, "layout", None)
-    return int(layout.block_size) if layout is not None else 16

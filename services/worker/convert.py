@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from tokenyard.engine.outputs import RequestOutput, TokenLogprob
 from tokenyard.v1 import serving_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16
@@ -28,7 +30,9 @@ def engine_params(p: pb.SamplingParams, params_cls: Any) -> Any:
     )
 
 
-def logprobs_pb(logprobs: list[Any] | None, decode: Any) -> list[pb.TokenLogprob]:
+def logprobs_pb(
+    logprobs: list[TokenLogprob] | None, decode: Callable[[list[int]], str]
+) -> list[pb.TokenLogprob]:
     if not logprobs:
         return []
     return [
@@ -43,7 +47,12 @@ def logprobs_pb(logprobs: list[Any] | None, decode: Any) -> list[pb.TokenLogprob
 
 
 def token_chunk(
-    out: Any, *, index: int, worker_id: str, decode: Any, cached_tokens: int | None = None
+    out: RequestOutput,
+    *,
+    index: int,
+    worker_id: str,
+    decode: Callable[[list[int]], str],
+    cached_tokens: int | None = None,
 ) -> pb.TokenChunk:
     """One engine output as the TokenChunk the gateway reads ("prefilled" is not an end)."""
     finished = bool(out.finished) and out.finish_reason != "prefilled"
@@ -63,7 +72,7 @@ def token_chunk(
 
 
 def error_chunk(
-    request_id: str, index: int, worker_id: str, code: int, message: str
+    request_id: str, index: int, worker_id: str, code: pb.Error.Code, message: str
 ) -> pb.TokenChunk:
     return pb.TokenChunk(
         request_id=request_id,

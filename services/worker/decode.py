@@ -13,6 +13,7 @@ import logging
 import time
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from tokenyard.bus import subjects
 from tokenyard.fleet import resume_candidates
@@ -28,7 +29,7 @@ class DecodeHandler:
         self.bus = worker.bus
         self.handoffs: dict[str, pb.DecodeHandoff] = {}  # running here
         self._tg: asyncio.TaskGroup | None = None
-        self._sub = None
+        self._sub: Subscription | None = None
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         self._tg = tg

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
+from tokenyard.engine.contract import Engine
+from tokenyard.engine.outputs import RequestOutput
+from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.services.worker.step_timing import StepTiming
 
 log = logging.getLogger(__name__)
@@ -30,22 +33,24 @@ IDLE_SLEEP_S = 0.002
 
 
 class Sink(Protocol):
-    async def on_output(self, out: Any) -> None: ...
+    async def on_output(self, out: RequestOutput) -> None: ...
 
 
 @dataclass
 class StepResult:
-    outputs: list[Any]
+    outputs: list[RequestOutput]
     kv_events: list[tuple[str, list[int]]]
     has_unfinished: bool
     seconds: float
     tokens: int  # tokens the step computed
-    stats: Any  # engine.stats() right after the step
+    stats: Any  # the engine's stats right after the step
 
 
 class EngineLoop:
     def __init__(
-        self, engine: Any, on_kv_events: Callable[[list[tuple[str, list[int]]]], Any] | None = None
+        self,
+        engine: Engine,
+        on_kv_events: Callable[[list[tuple[str, list[int]]]], Any] | None = None,
     ) -> None:
         self.engine = engine
         self.sinks: dict[str, Sink] = {}
@@ -54,24 +59,12 @@ class EngineLoop:
         self._on_kv_events = on_kv_events
         self.tokens_generated = 0
         self.timing = StepTiming()
-        # The engine's stats as of its last step, and when (monotonic): heartbeats read
-        # these while the engine is busy instead of queueing behind its steps.
-        self.last_stats: tuple[float, Any] | None = None
-        self.stepping = False  # a step is running or queued on the engine thread
+        self._stepping = False
+        self._last_stats: Any = None
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, partial(fn, *args, **kwargs))
-
-    async def stats(self, max_age_s: float) -> Any:
-        """The engine's stats: from its last step while it is stepping or when that is recent
-        (asking would make a heartbeat wait behind a whole step, seconds on a loaded host),
-        else asked on the engine thread."""
-        if self.last_stats is not None and (
-            self.stepping or time.monotonic() - self.last_stats[0] <= max_age_s
-        ):
-            return self.last_stats[1]
-        return await self.call(self.engine.stats)
 
     def wake(self) -> None:
         self._wake.set()
@@ -80,7 +73,7 @@ class EngineLoop:
         self,
         request_id: str,
         prompt: list[int],
-        params: Any,
+        params: SamplingParams,
         sink: Sink,
         *,
         prefill_only: bool = False,
@@ -100,11 +93,22 @@ class EngineLoop:
         self.sinks.pop(request_id, None)
         return bool(await self.call(self.engine.abort, request_id))
 
+    async def stats(self) -> Any:
+        """The engine's stats without queueing behind a step: while one runs, the snapshot
+        taken after the previous step; a fresh read otherwise.
+
+        NOTE: heartbeats come from here. Waiting for the engine thread made a worker busy
+        with a long step (a big prefill, a batch of resumed sequences) miss its heartbeats
+        and be declared dead while it was working."""
+        if self._stepping and self._last_stats is not None:
+            return self._last_stats
+        self._last_stats = await self.call(self.engine.stats)
+        return self._last_stats
+
     def _step(self) -> StepResult:
         started = time.perf_counter()
         outputs = self.engine.step()
-        drain = getattr(self.engine, "drain_kv_events", None)
-        events = drain() if drain is not None else []
+        events = self.engine.drain_kv_events()
         seconds = time.perf_counter() - started
         tokens = int(getattr(self.engine, "last_step_tokens", len(outputs)))
         stats = self.engine.stats()
@@ -120,11 +124,11 @@ class EngineLoop:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            self.stepping = True
+            self._stepping = True
             try:
                 await self._step_until_idle()
             finally:
-                self.stepping = False
+                self._stepping = False
 
     async def _step_until_idle(self) -> None:
         result = await self.call(self._step)
@@ -133,7 +137,7 @@ class EngineLoop:
             ahead = None
             if result.has_unfinished and not idle:
                 ahead = asyncio.ensure_future(self.call(self._step))
-            self.last_stats = (time.monotonic(), result.stats)
+            self._last_stats = result.stats
             dispatched = time.perf_counter()
             await self._dispatch(result)
             self.timing.record(

@@ -1,6 +1,8 @@
 """A test double of the engine: the same methods, no model, deterministic tokens.
 
 It lets the service plumbing (queues, hand-offs, cancel, redelivery) be tested in seconds.
+It implements tokenyard.engine.contract.Engine and answers with the engine's own output
+types, so a drift between the two is a type error, not a surprise in production.
 Token t+1 is a fixed function of token t, so a request continued on another worker yields
 the same tokens, like the real engine's greedy or seeded sampling.
 """
@@ -10,6 +12,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenyard.engine.outputs import EngineStats, ExportedSequence, NoFreeBlocks, RequestOutput
+from tokenyard.engine.sampling_params import SamplingParams
 
 VOCAB = 1000
 EOS = 0
@@ -35,50 +40,14 @@ class FakeTokenizer:
 
 
 @dataclass
-class FakeOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int = 0
-    logprobs: list[Any] | None = None
-
-
-@dataclass
-class FakeStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    prefix_cache_hits: int = 0
-    prefix_cache_queries: int = 0
-
-
-@dataclass
-class FakeExported:
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    params: Any
-
-
-@dataclass
 class _Seq:
     prompt: list[int]
-    params: Any
+    params: SamplingParams
     prefill_only: bool
     blocks: list[int]
     output: list[int] = field(default_factory=list)
     committed: bool = True
     held: bool = False
-
-
-class NoFreeBlocks(RuntimeError):
-    pass
 
 
 class FakeEngine:
@@ -93,7 +62,7 @@ class FakeEngine:
     ) -> None:
         self.model_id = "fake-model"
         self.tokenizer = FakeTokenizer()
-        self.layout = None
+        self.layout = None  # no KV pool: decode workers recompute handed-off prompts
         self.kv_cache = None
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -116,7 +85,7 @@ class FakeEngine:
         return blocks
 
     def add_request(
-        self, request_id: str, prompt: Any, params: Any, *, prefill_only: bool = False
+        self, request_id: str, prompt: Any, params: SamplingParams, *, prefill_only: bool = False
     ) -> None:
         self._check_new(request_id)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -138,13 +107,13 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self._active())
 
-    def step(self) -> list[FakeOutput]:
+    def step(self) -> list[RequestOutput]:
         active = self._active()
         if active and self.step_s:
             time.sleep(self.step_s)
         return [self._advance(rid, seq) for rid, seq in active]
 
-    def _advance(self, rid: str, seq: _Seq) -> FakeOutput:
+    def _advance(self, rid: str, seq: _Seq) -> RequestOutput:
         tok = next_token(seq.output[-1] if seq.output else seq.prompt[-1])
         seq.output.append(tok)
         reason = None
@@ -156,14 +125,15 @@ class FakeEngine:
             seq.held = True
         elif reason is not None:
             self._free_seq(rid)
-        return FakeOutput(
-            rid,
-            [tok],
-            self.tokenizer.decode([tok]),
-            reason is not None,
-            reason,
-            len(seq.prompt),
-            len(seq.output),
+        return RequestOutput(
+            request_id=rid,
+            new_token_ids=[tok],
+            new_text=self.tokenizer.decode([tok]),
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=len(seq.prompt),
+            num_output_tokens=len(seq.output),
+            num_cached_tokens=0,
         )
 
     def _free_seq(self, rid: str) -> None:
@@ -176,21 +146,26 @@ class FakeEngine:
         self._free_seq(request_id)
         return found
 
-    def export_sequence(self, request_id: str) -> FakeExported:
+    def export_sequence(self, request_id: str) -> ExportedSequence:
         seq = self._seqs[request_id]
-        return FakeExported(
-            seq.prompt,
-            list(seq.output),
-            seq.blocks[: -(-len(seq.prompt) // self.block_size)],
-            len(seq.prompt),
-            seq.params,
+        return ExportedSequence(
+            request_id=request_id,
+            prompt_token_ids=seq.prompt,
+            output_token_ids=list(seq.output),
+            block_ids=seq.blocks[: -(-len(seq.prompt) // self.block_size)],
+            num_computed_tokens=len(seq.prompt),
+            params=seq.params,
         )
 
     def release(self, request_id: str) -> None:
         self._free_seq(request_id)
 
     def import_sequence(
-        self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int], params: Any
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
     ) -> list[int]:
         self._check_new(request_id)
         blocks = self._allocate(len(prompt_token_ids) + params.max_tokens)
@@ -203,10 +178,33 @@ class FakeEngine:
     def commit_import(self, request_id: str, kv_ok: bool) -> None:
         self._seqs[request_id].committed = True
 
-    def stats(self) -> FakeStats:
+    def stats(self) -> EngineStats:
         active = self._active()
         waiting = sum(1 for s in self._seqs.values() if s.committed and not s.held) - len(active)
-        return FakeStats(len(active), waiting, len(self._free), self.num_blocks)
+        return EngineStats(
+            num_running=len(active),
+            num_waiting=waiting,
+            num_free_blocks=len(self._free),
+            num_blocks=self.num_blocks,
+            prefix_cache_hits=0,
+            prefix_cache_queries=0,
+            num_preemptions=0,  # it never runs out of blocks mid-request
+        )
 
     def drain_kv_events(self) -> list[tuple[str, list[int]]]:
+        return []  # no prefix cache, so nothing is ever stored or removed
+
+    # --- kv.engine_port: no prefix cache, so nothing is ever found or kept ------------------
+
+    def cached_block_ids(self, hashes: list[int]) -> list[tuple[int, int]]:
         return []
+
+    def reserve_prefix(self, request_id: str, token_ids: list[int]) -> list[int]:
+        self._check_new(request_id)
+        blocks = self._allocate(len(token_ids))
+        params = SamplingParams(max_tokens=1)
+        self._seqs[request_id] = _Seq(list(token_ids), params, False, blocks, committed=False)
+        return blocks
+
+    def commit_prefix(self, request_id: str, kv_ok: bool) -> None:
+        self._free.extend(self._seqs.pop(request_id).blocks)

@@ -30,26 +30,25 @@ class KVPort:
 
     @property
     def enabled(self) -> bool:
-        engine = self.loop.engine
-        return self.settings.kv_transfer and getattr(engine, "kv_cache", None) is not None
+        return self.settings.kv_transfer and self.loop.engine.kv_cache is not None
 
     async def start(self) -> None:
-        if not self.enabled:
+        pool, layout = self.loop.engine.kv_cache, self.loop.engine.layout
+        if not self.settings.kv_transfer or pool is None or layout is None:
             return
         from tokenyard.kv.transfer import KVTransferClient, KVTransferServer
 
-        engine = self.loop.engine
         if self.settings.prefills:
             self._server = KVTransferServer(
-                engine.kv_cache,
-                engine.layout,
+                pool,
+                layout,
                 on_release=self._on_release,
                 host=self.settings.host,
                 port=self.settings.kv_port,
             )
             self.endpoint = await self._server.start()
         if self.settings.decodes:
-            self._client = KVTransferClient(engine.kv_cache, engine.layout)
+            self._client = KVTransferClient(pool, layout)
 
     async def stop(self) -> None:
         if self._client is not None:
@@ -125,8 +124,7 @@ class KVCachePort:
         return self._client is not None
 
     async def start(self) -> None:
-        engine = self.loop.engine
-        if not self.settings.kvcache_endpoint or getattr(engine, "kv_cache", None) is None:
+        if not self.settings.kvcache_endpoint or self.loop.engine.kv_cache is None:
             return
         from tokenyard.kv.store import KVCacheClient
 
@@ -169,7 +167,7 @@ class KVCachePort:
         from tokenyard.kv.store.engine_bridge import snapshot_stored_blocks
 
         engine = self.loop.engine
-        bs = engine.layout.block_size
+        bs = engine.block_size
         hashes = prefix_block_hashes(prompt, bs)[skip_tokens // bs :]
         if not hashes:
             return
@@ -186,7 +184,9 @@ class KVCachePort:
         from tokenyard.kv.store.engine_bridge import offload_snapshot
 
         try:
-            n = await offload_snapshot(self._client, self.loop.engine.layout, hashes, snapshot)
+            layout = self.loop.engine.layout
+            assert layout is not None  # the client exists only for an engine with a pool
+            n = await offload_snapshot(self._client, layout, hashes, snapshot)
             log.info("KV-cache offload of %s: %d blocks stored", request_id, n)
         except Exception as exc:
             log.warning("KV-cache offload of %s failed (%s)", request_id, exc)

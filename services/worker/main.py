@@ -14,7 +14,10 @@ import os
 from typing import Any
 
 from tokenyard.bus.nats import Bus
+from tokenyard.engine.contract import Engine
+from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.fleet.roles import ROLES, Role
+from tokenyard.http_server import ReadyFlag, ops_server
 from tokenyard.lifecycle import run_until_signalled
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.decode import DecodeHandler
@@ -32,18 +35,17 @@ def shared_pool(layout: Any, num_blocks: int) -> Any:
     return pool
 
 
-def build_engine(settings: WorkerSettings) -> tuple[Any, Any]:
+def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]]:
     """The engine and its SamplingParams class."""
     if settings.engine == "fake":
-        from tokenyard.engine.sampling_params import SamplingParams as Params
         from tokenyard.services.worker.fake_engine import FakeEngine
 
-        return FakeEngine(max_num_seqs=settings.max_num_seqs, step_s=settings.fake_step_s), Params
+        fake = FakeEngine(max_num_seqs=settings.max_num_seqs, step_s=settings.fake_step_s)
+        return fake, SamplingParams
     from tokenyard.engine.config import EngineConfig
     from tokenyard.engine.llm_engine import LLMEngine
-    from tokenyard.engine.sampling_params import SamplingParams
 
-    optional = {
+    optional: dict[str, Any] = {
         "dtype": settings.dtype,
         "quantization": settings.quantization,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
@@ -62,6 +64,14 @@ def build_engine(settings: WorkerSettings) -> tuple[Any, Any]:
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
+    # The ops server answers /health while the model loads; /ready once work can come.
+    ready = ReadyFlag("loading the model")
+    async with ops_server(settings.ops_host, settings.ops_port, ready=ready) as ops:
+        log.info("worker %s ops on %s", settings.worker_id, ops.url)
+        await run_worker(settings, stop, ready)
+
+
+async def run_worker(settings: WorkerSettings, stop: asyncio.Event, ready: ReadyFlag) -> None:
     engine, params_cls = await asyncio.to_thread(build_engine, settings)
     bus = await Bus.connect(settings.nats_url, name=f"worker-{settings.worker_id}")
     worker = WorkerBase(settings, bus, engine, params_cls)
@@ -73,6 +83,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
             for handler in (decode, prefill):
                 if handler is not None:
                     await handler.start(tg)
+            ready.set(None)
             log.info(
                 "worker %s (%s, %s) ready; KV endpoint %r",
                 settings.worker_id,
@@ -81,6 +92,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
                 worker.kv.endpoint,
             )
             await stop.wait()
+            ready.set("stopping")
             await shutdown(worker, prefill, decode)
     finally:
         await bus.close()

@@ -12,6 +12,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tokenyard.fleet.roles import Role, can_decode, can_prefill
 
+DEFAULT_OPS_PORT = 8092
+
 
 def default_worker_id() -> str:
     """hostname-pid, shortened to what a NATS subject token and a consumer name allow."""
@@ -63,6 +65,9 @@ class WorkerSettings(BaseSettings):
     # Graceful stop: finish in-flight requests for this long, then hand them back / abort.
     drain_timeout_s: float = 15.0
     log_level: str = "INFO"
+    # The ops HTTP server: /health, /ready, /metrics (0 = any free port).
+    ops_host: str = "127.0.0.1"
+    ops_port: int = DEFAULT_OPS_PORT
 
     @field_validator("worker_id")
     @classmethod

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
+from tokenyard.engine.outputs import RequestOutput
 from tokenyard.services.worker.convert import error_chunk, token_chunk
+from tokenyard.services.worker.metrics import RequestTimer
+from tokenyard.v1 import serving_pb2 as pb
 
 # A stream ended by a stopping worker without telling the gateway: someone else continues it.
 HANDED_BACK = "handed-back"
@@ -27,6 +29,7 @@ class TokenStream:
         *,
         start_index: int = 0,
         cached_tokens: int | None = None,
+        timer: RequestTimer | None = None,
     ) -> None:
         self.bus = bus
         self.worker_id = worker_id
@@ -35,9 +38,10 @@ class TokenStream:
         self.next_index = start_index
         self.cached_tokens = cached_tokens
         self.output_token_ids: list[int] = []
+        self.timer = timer
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
-    async def on_output(self, out: Any) -> None:
+    async def on_output(self, out: RequestOutput) -> None:
         chunk = token_chunk(
             out,
             index=self.next_index,
@@ -49,18 +53,22 @@ class TokenStream:
             self.cached_tokens = out.num_cached_tokens
         self.next_index += len(out.new_token_ids)
         self.output_token_ids.extend(out.new_token_ids)
+        if self.timer is not None:
+            self.timer.on_tokens(len(out.new_token_ids))
         await self.bus.publish(subjects.tokens(self.request_id), chunk)
         if out.finished:
             self._finish(out.finish_reason or "stop")
 
-    async def fail(self, code: int, message: str) -> None:
+    async def fail(self, code: pb.Error.Code, message: str) -> None:
         chunk = error_chunk(self.request_id, self.next_index, self.worker_id, code, message)
         await self.bus.publish(subjects.tokens(self.request_id), chunk)
         self._finish("error")
 
     async def aborted(self) -> None:
         """The request was cancelled: tell the gateway it ended (it may still be listening)."""
-        chunk = error_chunk(self.request_id, self.next_index, self.worker_id, 0, "")
+        chunk = error_chunk(
+            self.request_id, self.next_index, self.worker_id, pb.Error.CODE_UNSPECIFIED, ""
+        )
         chunk.finish_reason = "abort"
         chunk.ClearField("error")
         await self.bus.publish(subjects.tokens(self.request_id), chunk)
@@ -70,5 +78,9 @@ class TokenStream:
         self._finish(HANDED_BACK)
 
     def _finish(self, reason: str) -> None:
-        if not self.done.done():
-            self.done.set_result(reason)
+        if self.done.done():
+            return
+        # "prefilled" and handed-back requests end on another worker, which counts them.
+        if self.timer is not None and reason not in ("prefilled", HANDED_BACK):
+            self.timer.on_finish(reason)
+        self.done.set_result(reason)

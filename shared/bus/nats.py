@@ -24,6 +24,7 @@ from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StreamConfig
 from nats.js.errors import BadRequestError
 
+from tokenyard.bus.auth import redact
 from tokenyard.tracing import extract_context, inject_headers
 
 log = logging.getLogger(__name__)
@@ -66,10 +67,10 @@ class Bus:
             )
         except TimeoutError:
             raise BusError(
-                f"cannot connect to NATS at {url} within {first_connect_timeout:.0f} s"
+                f"cannot connect to NATS at {redact(url)} within {first_connect_timeout:.0f} s"
             ) from None
         except Exception as exc:  # nats raises several unrelated types here
-            raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
+            raise BusError(f"cannot connect to NATS at {redact(url)}: {exc}") from exc
         return cls(nc)
 
     async def close(self) -> None:

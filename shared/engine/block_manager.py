@@ -15,12 +15,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from tokenyard.engine.outputs import NoFreeBlocks
 from tokenyard.engine.sequence import Sequence
 from tokenyard.kv.hashing import ROOT_HASH, block_hash
-
-
-class NoFreeBlocks(RuntimeError):
-    pass
 
 
 @dataclass

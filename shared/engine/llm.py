@@ -9,12 +9,13 @@ for out in llm.generate(["Hello, my name is"], SamplingParams(max_tokens=16)):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tokenyard.engine.config import EngineConfig
-from tokenyard.engine.llm_engine import LLMEngine, Prompt
+from tokenyard.engine.contract import Prompt
+from tokenyard.engine.llm_engine import LLMEngine
+from tokenyard.engine.outputs import TokenLogprob
 from tokenyard.engine.sampling_params import SamplingParams
-from tokenyard.engine.sequence import TokenLogprob
 
 
 @dataclass
@@ -72,19 +73,19 @@ class LLM:
         params: SamplingParams | None = None,
     ) -> list[GenerationResult]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate(list(conversations), params)
+        return self.generate(cast("list[Prompt]", list(conversations)), params)
 
 
 def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt of token ids
+        return [cast(Prompt, prompts)]  # one prompt of token ids
     if isinstance(prompts, list) and prompts and all(isinstance(m, dict) for m in prompts):
-        return [prompts]  # one conversation
+        return [cast(Prompt, prompts)]  # one conversation
     if not isinstance(prompts, list) or not prompts:
         raise ValueError("no prompts given")
-    return prompts
+    return cast("list[Prompt]", prompts)
 
 
 def _result(seq: Any) -> GenerationResult:

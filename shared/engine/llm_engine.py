@@ -6,32 +6,38 @@
         for out in engine.step():
             print(out.request_id, out.new_text, out.finish_reason)
 
-All calls must come from one thread.
+It implements tokenyard.engine.contract.Engine; all calls must come from one thread.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
-from tokenyard.engine.block_manager import BlockManager, NoFreeBlocks
+from tokenyard.engine.block_manager import BlockManager
 from tokenyard.engine.config import EngineConfig
+from tokenyard.engine.contract import Prompt
 from tokenyard.engine.memory import build_model_and_pool
 from tokenyard.engine.model_runner import ModelRunner, StepLogits
+from tokenyard.engine.outputs import (
+    EngineStats,
+    ExportedSequence,
+    NoFreeBlocks,
+    RequestOutput,
+    TokenLogprob,
+)
 from tokenyard.engine.sampler import chosen_logprobs, sample
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.engine.scheduler import Scheduler
-from tokenyard.engine.sequence import Sequence, Status, TokenLogprob
+from tokenyard.engine.sequence import Sequence, Status
 from tokenyard.engine.stop import StopChecker
 from tokenyard.models.loader import LoadedModel, load_model
 from tokenyard.models.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
-
-Prompt = str | list[int] | list[dict]
 
 __all__ = [
     "EngineStats",
@@ -41,42 +47,6 @@ __all__ = [
     "RequestOutput",
     "TokenLogprob",
 ]
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None  # stop | length | abort | prefilled | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    prefix_cache_hits: int  # prompt tokens served from the prefix cache
-    prefix_cache_queries: int  # prompt tokens looked up
-    num_preemptions: int
-    # Prompt tokens still to compute (queued and part-prefilled sequences): queued work.
-    num_pending_prompt_tokens: int = 0
-
-
-@dataclass
-class ExportedSequence:
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    block_ids: list[int]  # physical blocks holding the prompt's KV
-    num_computed_tokens: int
-    params: SamplingParams
 
 
 class LLMEngine:
@@ -93,6 +63,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         model, self.kv_cache, self.layout, self.memory = build_model_and_pool(loaded, config)
         num_blocks = self.kv_cache.shape[0]
+        self.block_size = config.block_size
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             num_blocks * config.block_size,
@@ -121,8 +92,9 @@ class LLMEngine:
         if not isinstance(prompt, list) or not prompt:
             raise ValueError("the prompt is empty")
         if all(isinstance(m, dict) for m in prompt):
+            messages = cast("list[dict[str, Any]]", prompt)
             return self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(prompt), add_special_tokens=False
+                self.tokenizer.apply_chat_template(messages), add_special_tokens=False
             )
         ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
         if len(ids) == len(prompt):
@@ -222,7 +194,7 @@ class LLMEngine:
         if logprob is not None:
             seq.logprobs.append(logprob)
         reason = self._finish_reason(seq, token_id)
-        assert seq.detokenizer is not None
+        assert seq.detokenizer is not None and seq.stop_checker is not None
         delta = seq.detokenizer.push([token_id])
         if reason is not None:
             delta += seq.detokenizer.flush()
@@ -321,7 +293,7 @@ class LLMEngine:
         seq.status = Status.IMPORTING
         self._attach_output_state(seq)
         seq.token_ids.extend(output_token_ids)
-        assert seq.detokenizer is not None
+        assert seq.detokenizer is not None and seq.stop_checker is not None
         seq.text, _ = seq.stop_checker.feed(seq.detokenizer.push(output_token_ids), final=False)
         self.seqs[request_id] = seq
         return list(seq.block_table)
@@ -335,3 +307,33 @@ class LLMEngine:
         else:  # the transfer failed: recompute the prompt (and the first token) here
             self.block_manager.free_sequence(seq)
             self.scheduler.add(seq)
+
+    # --- the KV-cache service's calls (tokenyard.kv.engine_port) ---------------------------
+
+    def cached_block_ids(self, hashes: list[int]) -> list[tuple[int, int]]:
+        cached = self.block_manager.cached
+        return [(h, cached[h]) for h in hashes if h in cached]
+
+    def reserve_prefix(self, request_id: str, token_ids: list[int]) -> list[int]:
+        """Blocks for a prefix of whole blocks; :meth:`commit_prefix` names or drops them."""
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not token_ids or len(token_ids) % self.block_size:
+            raise ValueError(f"a prefix is whole blocks of {self.block_size} tokens")
+        seq = Sequence(
+            request_id, token_ids, SamplingParams(max_tokens=1), arrival=next(self._arrivals)
+        )
+        self.block_manager.allocate_fresh(seq, self.block_manager.blocks_needed(len(token_ids)))
+        seq.num_computed_tokens = len(token_ids)
+        seq.status = Status.IMPORTING  # never scheduled; abort() frees it like an import
+        self.seqs[request_id] = seq
+        return list(seq.block_table)
+
+    def commit_prefix(self, request_id: str, kv_ok: bool) -> None:
+        seq = self.seqs.pop(request_id)
+        assert seq.status == Status.IMPORTING
+        if kv_ok:
+            # Named, then freed: unreferenced but findable, like a finished request's blocks.
+            self.block_manager.register_computed(seq)
+        self.block_manager.free_sequence(seq)
+        seq.status = Status.FINISHED

@@ -14,8 +14,9 @@ from collections import Counter
 
 import torch
 
+from tokenyard.engine.outputs import TokenLogprob
 from tokenyard.engine.sampling_params import SamplingParams
-from tokenyard.engine.sequence import Sequence, TokenLogprob
+from tokenyard.engine.sequence import Sequence
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # the golden-ratio constant: spreads nearby seeds apart
 

@@ -9,9 +9,9 @@ and an ordinary decode step are all that one rule.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenyard.engine.outputs import TokenLogprob
 from tokenyard.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -25,13 +25,6 @@ class Status(enum.Enum):
     IMPORTING = "importing"  # holds blocks that a KV transfer is filling; not scheduled
     HELD = "held"  # prefill-only request done; blocks kept for a KV transfer
     FINISHED = "finished"
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 class Sequence:

@@ -7,6 +7,8 @@ Built from a GGUF file's metadata (see gguf_tokenizer.py) or a Hugging Face fold
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ class Tokenizer:
         self.bos_token, self.eos_token = bos_token, eos_token
         self.unk_token, self.pad_token = unk_token, pad_token
         self.chat_template = chat_template
+        self._text_backend: Backend | None = None
         self.bos_token_id = self._id_of(bos_token)
         self.eos_token_id = self._id_of(eos_token)
         self.eos_token_ids: set[int] = {
@@ -105,6 +108,33 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Encode with special-token text ("<|im_start|>") as the plain characters it is."""
+        if self._text_backend is None:
+            # A copy that never parses special tokens: toggling the shared one is not thread-safe.
+            self._text_backend = Backend.from_str(self.backend.to_str())
+            self._text_backend.encode_special_tokens = True
+        return self._text_backend.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The chat template's prompt ids, where only the template makes role markers: a
+        message that contains "<|im_start|>system" is that text, not a new turn.
+
+        Each content is rendered as a random marker, the markers are cut out of the rendered
+        text, and the template's pieces and the contents are encoded apart.
+        """
+        nonce = secrets.token_hex(8)
+        marked = [{**m, "content": f"\ue000{nonce}{i}\ue001"} for i, m in enumerate(messages)]
+        rendered = self.apply_chat_template(marked, add_generation_prompt=True)
+        pieces = re.split(f"\ue000{nonce}(\\d+)\ue001", rendered)
+        ids: list[int] = []
+        for n, piece in enumerate(pieces):
+            if n % 2 == 0:  # the template's text
+                ids += self.encode(piece, add_special_tokens=False) if piece else []
+            else:  # message int(piece)'s content
+                ids += self.encode_as_text(str(messages[int(piece)]["content"]))
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

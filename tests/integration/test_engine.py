@@ -218,3 +218,29 @@ def test_engine_in_bf16_int8_still_answers(make_engine):
         text += "".join(o.new_text for o in engine.step())
     assert "Paris" in text
     engine.block_manager.check_no_leaks()
+
+
+def test_a_reserved_prefix_lands_in_the_prefix_cache(engine):
+    from tokenyard.kv.hashing import prefix_block_hashes
+
+    bs = engine.block_size
+    prompt = [(i * 37) % 5000 + 20011 for i in range(2 * bs + 3)]  # tokens no other test uses
+    hashes = prefix_block_hashes(prompt, bs)[:2]
+    free_before = engine.stats().num_free_blocks
+    with pytest.raises(ValueError, match="whole blocks"):
+        engine.reserve_prefix("odd", prompt[: bs + 1])
+    # A dropped reservation names nothing and frees everything.
+    engine.reserve_prefix("drop", prompt[: 2 * bs])
+    engine.commit_prefix("drop", kv_ok=False)
+    assert engine.cached_block_ids(hashes) == []
+    assert engine.stats().num_free_blocks == free_before
+
+    blocks = engine.reserve_prefix("pre", prompt[: 2 * bs])
+    assert len(blocks) == 2 and not engine.has_unfinished()  # never scheduled
+    assert engine.stats().num_free_blocks == free_before - 2
+    engine.commit_prefix("pre", kv_ok=True)
+    assert engine.cached_block_ids(hashes) == list(zip(hashes, blocks, strict=True))
+    assert engine.stats().num_free_blocks == free_before  # free, but findable
+    engine.add_request("use", prompt, SamplingParams(max_tokens=1))
+    (out,) = finish_all(engine)["use"]
+    assert out.num_cached_tokens == 2 * bs

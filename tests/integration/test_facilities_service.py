@@ -120,6 +120,11 @@ async def test_pump_failure_drains_the_rack_then_clears_after_dwell(
         rack = (await api.get("/v1/racks/rack-a")).json()
         assert rack["state"] == "drain" and rack["faults"] == ["pump_failure"]
         assert rack["latest_reading"]["flow_lpm"] == pytest.approx(3.0)
+        metrics = (await api.get("/metrics")).text
+        assert 'tokenyard:rack_state{rack="rack-a",site="local",state="drain"} 1.0' in metrics
+        assert 'tokenyard:rack_state{rack="rack-a",site="local",state="normal"} 0.0' in metrics
+        assert 'tokenyard:rack_coolant_flow_lpm{rack="rack-a",site="local"} 3.0' in metrics
+        assert (await api.get("/ready")).json() == {"ready": True, "reason": None}
 
         cleared = time.monotonic()
         assert (await api.delete("/v1/admin/racks/rack-a/faults", headers=ADMIN)).json()[

@@ -162,3 +162,49 @@ async def test_a_dead_worker_fails_the_request_instead_of_hanging(backend, bus):
     assert info.value.status == 503 and info.value.code == "worker_lost"
     assert time.monotonic() - t0 < 3
     await stream.close()
+
+
+async def test_a_request_past_its_deadline_ends_with_504_while_tokens_still_flow(nats_url, bus):
+    settings = GatewaySettings(nats_url=nats_url, route_timeout_s=1, request_timeout_s=1.0)
+    backend = NatsBackend(settings)
+    await backend.start()
+    try:
+        await serve_router(bus, PLACED, [])
+        stream = await backend.submit("r-late", "m", [1, 2, 3], pb.SamplingParams(max_tokens=99))
+        await take_job(bus)
+        with pytest.raises(OpenAIError) as info:
+            for i in range(100):  # a worker that keeps sending, slowly, never finishing
+                await bus.publish(subjects.tokens("r-late"), chunk(i, "x"))
+                await anext(stream)
+                await asyncio.sleep(0.05)
+        assert info.value.status == 504 and "deadline" in info.value.message
+        await stream.close()
+    finally:
+        await backend.stop()
+
+
+async def test_a_job_waiting_for_its_restarted_prefill_worker_is_not_given_up(nats_url, bus):
+    """Before the first token the job is safe in the work queue: a dead prefill worker that
+    comes back (restarted) still answers it, past dead_worker_grace_s."""
+    settings = GatewaySettings(
+        nats_url=nats_url, dead_worker_grace_s=0.5, prefill_redelivery_grace_s=30
+    )
+    backend = NatsBackend(settings)
+    await backend.start()
+    beat = pb.WorkerHeartbeat(worker_id=WORKER, role="both", heartbeat_interval_ms=100)
+    try:
+        await serve_router(bus, PLACED, [])
+        await bus.publish(subjects.heartbeat("both", WORKER), beat)
+        stream = await backend.submit("r-back", "m", [1], pb.SamplingParams(max_tokens=2))
+        await take_job(bus)
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(2.0)  # the worker is dead (no heartbeats) for 4x the grace
+        assert not first.done()
+        await bus.publish(subjects.heartbeat("both", WORKER), beat)  # back after a restart
+        await bus.publish(subjects.tokens("r-back"), chunk(0, "a"))
+        await bus.publish(subjects.tokens("r-back"), chunk(1, "b", finished=True))
+        assert (await asyncio.wait_for(first, 5)).text == "a"
+        assert [c.text async for c in stream] == ["b"]
+        await stream.close()
+    finally:
+        await backend.stop()

@@ -32,6 +32,9 @@ class CharTokenizer:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
 
 def text_chunks(
     text: str,

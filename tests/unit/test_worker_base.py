@@ -285,3 +285,28 @@ async def test_peer_liveness_follows_the_peers_own_heartbeat_interval(worker):
     assert not worker.peer_alive("w2")
     await worker.on_peer_heartbeat(beat, None)
     assert worker.peer_alive("w2")
+
+
+async def test_a_heartbeat_does_not_wait_for_a_long_engine_step(worker):
+    """Liveness never queues behind the step: a step that cannot end until released must
+    not hold the heartbeat (it would be declared dead while working)."""
+    import threading
+
+    await worker.heartbeat()  # a first snapshot, taken while idle
+    release, entered = threading.Event(), threading.Event()
+    real_step = worker.engine.step
+
+    def long_step():
+        entered.set()
+        release.wait(30)
+        return real_step()
+
+    worker.engine.step = long_step
+    task = asyncio.create_task(worker.generate("r-long", PROMPT, pb.SamplingParams(max_tokens=2)))
+    assert await asyncio.to_thread(entered.wait, 10)
+    try:
+        beat = await asyncio.wait_for(worker.heartbeat(), 5)
+        assert beat.worker_id == "w1" and not release.is_set()
+    finally:
+        release.set()
+    await task

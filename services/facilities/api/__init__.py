@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, ProcessCollector
 
+from tokenyard.http_server import ops_router
 from tokenyard.services.facilities.api import admin, errors, events, health, inventory, racks
+from tokenyard.services.facilities.metrics import RackCollector
 from tokenyard.services.facilities.monitor import RackMonitor
 from tokenyard.services.facilities.settings import FacilitiesSettings
 from tokenyard.services.facilities.store import FacilitiesStore
@@ -20,4 +23,20 @@ def create_app(
     errors.install(app)
     for module in (health, racks, events, inventory, admin):
         app.include_router(module.router)
+    # /health above says more (racks, NATS); /ready and /metrics are the shared ones.
+    app.include_router(
+        ops_router(lambda: _not_ready(monitor), metrics_registry(monitor), health=False)
+    )
     return app
+
+
+def metrics_registry(monitor: RackMonitor) -> CollectorRegistry:
+    """One registry per app (tests run several): the racks, and this process's own."""
+    registry = CollectorRegistry()
+    registry.register(RackCollector(monitor))
+    ProcessCollector(registry=registry)
+    return registry
+
+
+def _not_ready(monitor: RackMonitor) -> str | None:
+    return None if monitor.bus.nc.is_connected else "not connected to NATS"

@@ -6,7 +6,7 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
-from tokenyard.services.gateway.deps import Caller, State
+from tokenyard.services.gateway.deps import Caller, State, charge_tokens
 from tokenyard.services.gateway.responses import CompletionFormat
 from tokenyard.services.gateway.routes.common import GENERATION_ERRORS, sse_response
 from tokenyard.services.gateway.schemas import CompletionRequest, CompletionResponse
@@ -22,12 +22,13 @@ router = APIRouter(prefix="/v1", tags=["completions"])
     responses={**sse_response("The completion"), **GENERATION_ERRORS},
 )
 async def create_completion(
-    body: CompletionRequest, state: State, _: Caller, request: Request
+    body: CompletionRequest, state: State, caller: Caller, request: Request
 ) -> Response:
     state.check_model(body.model)
     prepared = prepare_completion(
         body, state.tokenizer, state.max_model_len(), state.settings.default_max_tokens
     )
+    await charge_tokens(state, caller, prepared)
     fmt = CompletionFormat(
         rid=new_request_id("cmpl"),
         model=body.model,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import pool
 
-import tokenyard.db.facilities  # noqa: F401  (registers the tables on Base.metadata)
+import tokenyard.db.api_keys  # noqa: F401  (registers the tables on Base.metadata)
+import tokenyard.db.facilities  # noqa: F401
 from tokenyard.db.base import Base
 from tokenyard.db.engine import make_engine
 

@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 import torch
 
+from tokenyard.grpc_security import open_channel
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer.common import check_pool, layout_to_proto, pool_bytes
@@ -28,7 +29,7 @@ class KVCacheClient:
     def __init__(self, endpoint: str, *, timeout_s: float = 10.0):
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
+        self._channel = open_channel(endpoint, GRPC_OPTIONS)
         self._stub = kv_pb2_grpc.KVCacheStub(self._channel)
 
     async def put_blocks(
@@ -89,7 +90,10 @@ class KVCacheClient:
     async def contains(self, layout: KVLayout, hashes: Sequence[int]) -> int:
         """How many leading hashes the cache holds (no bytes move)."""
         request = kv_pb2.ContainsRequest(layout=layout_to_proto(layout), hashes=hashes)
-        return (await self._stub.Contains(request, timeout=self.timeout_s)).num_prefix
+        try:
+            return (await self._stub.Contains(request, timeout=self.timeout_s)).num_prefix
+        except grpc.aio.AioRpcError as exc:
+            raise KVCacheError(f"KV cache Contains: {exc.code().name}: {exc.details()}") from exc
 
     async def stats(self) -> kv_pb2.StatsReply:
         return await self._stub.Stats(kv_pb2.StatsRequest(), timeout=self.timeout_s)

@@ -1,15 +1,15 @@
 """Moving a prompt's full KV blocks between an engine's pool and the KV-cache service.
 
-Both helpers use only the engine's public API and must run on the thread that drives the
-engine (between two ``step()`` calls):
+The helpers use only :class:`tokenyard.kv.engine_port.KVEngine` and must run their engine
+calls on the thread that drives the engine (between two ``step()`` calls):
 
 - :func:`offload_prefix` stores the full blocks of a prefilled request (a held
   prefill-only request, from ``export_sequence``) under their content hashes.
 - :func:`snapshot_stored_blocks` copies out blocks the engine just named (its "stored"
   KV events) so they can be written through to the service while the engine runs on;
   :func:`offload_snapshot` sends them.
-- :func:`fetch_prefix` finds the longest cached prefix of a prompt, lands it in fresh
-  blocks of the pool and names them in the engine's prefix cache, so the next
+- :func:`fetch_prefix` finds the longest cached prefix of a prompt, lands it in blocks the
+  engine reserved, and has the engine name them in its prefix cache, so the next
   ``add_request`` with that prompt computes only the rest.
 """
 
@@ -21,32 +21,37 @@ from typing import Any
 
 import torch
 
+from tokenyard.kv.engine_port import KVEngine
 from tokenyard.kv.hashing import prefix_block_hashes
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store.client import KVCacheClient, KVCacheError
 from tokenyard.kv.transfer.common import copy_blocks
 
 
-async def offload_prefix(engine: Any, client: KVCacheClient, request_id: str) -> int:
+def _pool(engine: KVEngine) -> tuple[KVLayout, torch.Tensor]:
+    layout, pool = engine.layout, engine.kv_cache
+    if layout is None or pool is None:
+        raise ValueError("this engine has no KV pool to move blocks in or out of")
+    return layout, pool
+
+
+async def offload_prefix(engine: KVEngine, client: KVCacheClient, request_id: str) -> int:
     """Store a held request's full prompt blocks; returns how many were stored."""
+    layout, pool = _pool(engine)
     exported = engine.export_sequence(request_id)
-    hashes = prefix_block_hashes(exported.prompt_token_ids, engine.layout.block_size)
-    return await client.put_blocks(
-        engine.layout, hashes, engine.kv_cache, exported.block_ids[: len(hashes)]
-    )
+    hashes = prefix_block_hashes(exported.prompt_token_ids, layout.block_size)
+    return await client.put_blocks(layout, hashes, pool, exported.block_ids[: len(hashes)])
 
 
-def snapshot_stored_blocks(engine: Any, hashes: list[int]) -> tuple[list[int], torch.Tensor]:
+def snapshot_stored_blocks(engine: KVEngine, hashes: list[int]) -> tuple[list[int], torch.Tensor]:
     """The hashes still cached by the engine and a copy of their blocks (a small pool).
 
     Call on the engine's thread right after the step that stored them: a cached block can
     be reused for other tokens by any later step, so the bytes are copied out now."""
-    # NOTE: reads the block manager's hash -> block id map; the engine has no public
-    # lookup for it yet.
-    cached: dict[int, int] = engine.block_manager.cached
-    found = [(h, cached[h]) for h in hashes if h in cached]
-    snapshot = torch.empty(engine.layout.pool_shape(len(found)), dtype=engine.kv_cache.dtype)
-    copy_blocks(engine.kv_cache, snapshot, [b for _, b in found], list(range(len(found))))
+    layout, pool = _pool(engine)
+    found = engine.cached_block_ids(hashes)
+    snapshot = torch.empty(layout.pool_shape(len(found)), dtype=pool.dtype)
+    copy_blocks(pool, snapshot, [b for _, b in found], list(range(len(found))))
     return [h for h, _ in found], snapshot
 
 
@@ -64,7 +69,7 @@ async def _direct(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 async def fetch_prefix(
-    engine: Any,
+    engine: KVEngine,
     client: KVCacheClient,
     token_ids: list[int],
     call: Callable[..., Awaitable[Any]] = _direct,
@@ -73,40 +78,28 @@ async def fetch_prefix(
     (0 on a miss or any cache failure: the engine then simply computes them).
 
     ``call(fn, *args)`` runs an engine call where the engine lives (a worker passes its
-    engine thread's); the bytes land in blocks that belong to an uncommitted import, which
-    no engine step touches, so they are written from here while the engine runs on."""
-    from tokenyard.engine.sampling_params import SamplingParams
-
-    bs = engine.layout.block_size
+    engine thread's); the bytes land in reserved blocks, which no engine step touches, so
+    they are written from here while the engine runs on."""
+    layout, pool = _pool(engine)
+    bs = layout.block_size
     # The engine always computes the block holding the prompt's last token itself.
     hashes = prefix_block_hashes(token_ids, bs)[: (len(token_ids) - 1) // bs]
     if not hashes:
         return 0
     try:
-        n = await client.contains(engine.layout, hashes)
+        n = await client.contains(layout, hashes)
     except Exception:  # a cache outage costs a recompute, never the request
         return 0
     if n == 0:
         return 0
-    # NOTE: the engine has no "import a prefix" call yet; an imported sequence committed
-    # with kv_ok=True names its blocks in the prefix cache, and aborting it right away
-    # leaves them there, unreferenced and findable, exactly like a finished request's.
     rid = f"kv-prefetch-{uuid.uuid4().hex[:12]}"
-    prefix = token_ids[: n * bs]
-    params = SamplingParams(max_tokens=1)
-    dst = await call(engine.import_sequence, rid, prefix, [token_ids[n * bs]], params)
+    dst = await call(engine.reserve_prefix, rid, token_ids[: n * bs])
+    landed = 0
     try:
-        landed = await client.get_prefix(engine.layout, hashes[:n], engine.kv_cache, dst)
+        landed = await client.get_prefix(layout, hashes[:n], pool, dst)
     except (KVCacheError, OSError):
-        landed = 0
-    if landed < n:  # evicted meanwhile: drop it all rather than register a partial prefix
-        await call(engine.abort, rid)
-        return 0
-    await call(_commit_and_drop, engine, rid)
-    return n * bs
-
-
-def _commit_and_drop(engine: Any, rid: str) -> None:
-    # One engine-thread call: no step may run between the two and schedule the sequence.
-    engine.commit_import(rid, kv_ok=True)
-    engine.abort(rid)
+        pass
+    finally:
+        # Evicted meanwhile (or failed): drop it all rather than register a partial prefix.
+        await call(engine.commit_prefix, rid, landed == n)
+    return n * bs if landed == n else 0

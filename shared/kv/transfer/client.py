@@ -23,12 +23,14 @@ import grpc
 import numpy as np
 import torch
 
+from tokenyard.grpc_security import open_channel
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import mooncake
 from tokenyard.kv.transfer.common import (
     TRANSFER_BYTES,
-    TRANSFERS,
+    TRANSFER_FAILURES,
+    TRANSFER_SECONDS,
     KVTransferError,
     TransferResult,
     block_crc32,
@@ -98,7 +100,7 @@ class KVTransferClient:
                 )
         except Exception as exc:
             outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
-            TRANSFERS.labels(attempt.transport, outcome).inc()
+            TRANSFER_FAILURES.labels(attempt.transport, outcome).inc()
             await self._abort(stub, request_id, f"{outcome}: {exc}")
             if isinstance(exc, KVTransferError):
                 raise
@@ -109,7 +111,7 @@ class KVTransferClient:
         transport = attempt.transport
         seconds = time.perf_counter() - started
         nbytes = len(src_block_ids) * self.layout.block_nbytes
-        TRANSFERS.labels(transport, "ok").inc()
+        TRANSFER_SECONDS.labels(transport).observe(seconds)
         TRANSFER_BYTES.labels(transport).inc(nbytes)
         log.info(
             "KV pull %s: %d blocks, %.1f MB via %s in %.3f s",
@@ -278,7 +280,7 @@ class KVTransferClient:
 
     def _channel(self, endpoint: str) -> _Channel:
         if endpoint not in self._channels:
-            channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
+            channel = open_channel(endpoint, GRPC_OPTIONS)
             # ReadBlocks without a deserializer: messages arrive as bytes for wire.py.
             read_blocks = channel.unary_stream(
                 READ_BLOCKS, request_serializer=kv_pb2.ReadBlocksRequest.SerializeToString

@@ -11,19 +11,25 @@ from functools import cache
 from pathlib import Path
 
 import torch
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
 from tokenyard.v1 import kv_pb2
 
 TRANSFER_BYTES = Counter(
-    "tokenyard_kv_transfer_bytes_total", "KV bytes pulled by this process", ["transport"]
+    "tokenyard:kv_transfer_bytes", "KV bytes pulled by this process", ["transport"]
 )
-TRANSFERS = Counter(
-    "tokenyard_kv_transfer_transfers_total",
-    "KV pulls by this process, by transport and outcome",
-    ["transport", "outcome"],
+TRANSFER_SECONDS = Histogram(
+    "tokenyard:kv_transfer_seconds",
+    "Time of one successful KV pull, describe to release",
+    ["transport"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+TRANSFER_FAILURES = Counter(
+    "tokenyard:kv_transfer_failures",
+    "KV pulls that failed (the decode side then recomputes), by transport and reason",
+    ["transport", "reason"],
 )
 
 # Minted once per process import; with the pid it tells a forked child from its parent.

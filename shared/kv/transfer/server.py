@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from tokenyard.grpc_security import add_port, server_interceptors
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import mooncake
 from tokenyard.kv.transfer.common import (
@@ -97,9 +98,9 @@ class KVTransferServer:
             )
             if self._mooncake is not None:
                 self._mooncake.register(self.pool)
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors())
         self._server.add_generic_rpc_handlers((_handlers(_Servicer(self)),))
-        port = self._server.add_insecure_port(f"{self._host}:{self._port}")
+        port = add_port(self._server, f"{self._host}:{self._port}")
         await self._server.start()
         self.endpoint = f"{self._host}:{port}"
         LOCAL_SERVERS[self.endpoint] = self

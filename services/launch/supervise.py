@@ -1,0 +1,107 @@
+"""Restart a crashed service with backoff; give up loudly when it keeps failing fast.
+
+The policy is a pure function over one service's record, so tests script it with a clock:
+
+    record = Record()
+    decide(POLICY, record, now)  -> "wait" | "restart" | "give_up"
+
+A run that lasted at least ``stable_after_s`` resets the count: a service that crashes
+once a day is restarted every time, one that dies at start is given up after
+``max_fast_failures`` tries (its log says why, and nothing would change by trying again).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from tokenyard.services.launch.procs import ChildProcess
+
+log = logging.getLogger(__name__)
+
+Action = Literal["wait", "restart", "give_up"]
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    first_backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+    stable_after_s: float = 30.0
+    max_fast_failures: int = 5
+
+    def backoff(self, fast_failures: int) -> float:
+        return min(self.max_backoff_s, self.first_backoff_s * 2 ** max(0, fast_failures - 1))
+
+
+@dataclass
+class Record:
+    """What the supervisor knows of one service between polls."""
+
+    started_at: float = 0.0
+    died_at: float | None = None  # set when a poll first sees it dead
+    fast_failures: int = 0
+    restarts: int = 0
+
+
+def note_death(policy: RestartPolicy, record: Record, now: float) -> None:
+    record.died_at = now
+    ran_for = now - record.started_at
+    record.fast_failures = 1 if ran_for >= policy.stable_after_s else record.fast_failures + 1
+
+
+def decide(policy: RestartPolicy, record: Record, now: float) -> Action:
+    assert record.died_at is not None, "decide() is for a dead service"
+    if record.fast_failures > policy.max_fast_failures:
+        return "give_up"
+    if now - record.died_at < policy.backoff(record.fast_failures):
+        return "wait"
+    return "restart"
+
+
+class GaveUp(RuntimeError):
+    """A service failed fast too many times in a row; the message names it and its log."""
+
+
+class Supervisor:
+    """Polled from the launcher's main thread (children are only ever started there: a
+    child's PR_SET_PDEATHSIG follows the thread that started it)."""
+
+    def __init__(self, policy: RestartPolicy | None = None, clock=time.monotonic) -> None:
+        self.policy = policy or RestartPolicy()
+        self.clock = clock
+        self.records: dict[str, Record] = {}
+
+    def watch(self, proc: ChildProcess) -> None:
+        self.records[proc.name] = Record(started_at=self.clock())
+
+    def poll(self, procs: list[ChildProcess]) -> list[str]:
+        """Restart what is due; returns the names restarted. Raises GaveUp."""
+        restarted = []
+        for proc in procs:
+            if not proc.alive() and self._handle_dead(proc):
+                restarted.append(proc.name)
+        return restarted
+
+    def _handle_dead(self, proc: ChildProcess) -> bool:
+        now = self.clock()
+        record = self.records.setdefault(proc.name, Record(started_at=now))
+        if record.died_at is None:
+            note_death(self.policy, record, now)
+            code = proc.proc.returncode if proc.proc else None
+            log.warning("%s exited (code %s); restart %d", proc.name, code, record.fast_failures)
+        action = decide(self.policy, record, now)
+        if action == "give_up":
+            raise GaveUp(
+                f"{proc.name} failed {record.fast_failures} times in a row, each within "
+                f"{self.policy.stable_after_s:.0f} s of starting; giving up. "
+                f"Its log ({proc.log_path}):\n{proc.log_tail(30)}"
+            )
+        if action == "wait":
+            return False
+        proc.start()
+        record.started_at, record.died_at = now, None
+        record.restarts += 1
+        log.warning("%s restarted (pid %d)", proc.name, proc.pid)
+        return True

@@ -1,0 +1,131 @@
+"""The worker's Prometheus metrics, named as vLLM names them under the `tokenyard:` prefix.
+
+Dashboards and alerts written for `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`,
+`vllm:time_to_first_token_seconds` and the rest work on `tokenyard:...` unchanged but for
+the prefix. Labels: worker, role, model. They live in the process-wide registry, which the
+worker's ops server serves at /metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from tokenyard.engine.outputs import EngineStats
+
+LABELS = ("worker", "role", "model")
+# vLLM's request-latency buckets, cut at two minutes.
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 120)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+RUNNING = Gauge("tokenyard:num_requests_running", "Sequences in the running batch", LABELS)
+WAITING = Gauge("tokenyard:num_requests_waiting", "Sequences waiting to be scheduled", LABELS)
+KV_USAGE = Gauge("tokenyard:kv_cache_usage_perc", "KV-cache blocks in use, 0 to 1", LABELS)
+PREFIX_QUERIES = Counter(
+    "tokenyard:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", LABELS
+)
+PREFIX_HITS = Counter(
+    "tokenyard:prefix_cache_hits", "Prompt tokens served from the prefix cache", LABELS
+)
+PREEMPTIONS = Counter("tokenyard:num_preemptions", "Sequences preempted", LABELS)
+PROMPT_TOKENS = Counter("tokenyard:prompt_tokens", "Prompt tokens prefilled here", LABELS)
+GENERATION_TOKENS = Counter(
+    "tokenyard:generation_tokens", "Tokens generated and streamed here", LABELS
+)
+REQUEST_SUCCESS = Counter(
+    "tokenyard:request_success",
+    "Requests ended here, by finish reason",
+    (*LABELS, "finished_reason"),
+)
+TTFT = Histogram(
+    "tokenyard:time_to_first_token_seconds",
+    "Arrival at the gateway to the first token streamed (where it was made)",
+    LABELS,
+    buckets=_LATENCY_BUCKETS,
+)
+ITL = Histogram(
+    "tokenyard:inter_token_latency_seconds",
+    "Time between two streamed steps of one request",
+    LABELS,
+    buckets=_TOKEN_BUCKETS,
+)
+E2E = Histogram(
+    "tokenyard:e2e_request_latency_seconds",
+    "Arrival at the gateway to the last token, on the worker that finished the request",
+    LABELS,
+    buckets=_LATENCY_BUCKETS,
+)
+QUEUE_TIME = Histogram(
+    "tokenyard:request_queue_time_seconds",
+    "Arrival at the gateway to admission into the engine (work queue and admission cap)",
+    LABELS,
+    buckets=_LATENCY_BUCKETS,
+)
+
+
+class WorkerMetrics:
+    """One worker's children of the metrics above, and the engine counters last seen."""
+
+    def __init__(self, worker: str, role: str, model: str) -> None:
+        self.labels = {"worker": worker, "role": role, "model": model}
+        self._engine_totals = (0, 0, 0)  # prefix queries, prefix hits, preemptions
+
+    def child(self, metric: Any) -> Any:
+        return metric.labels(**self.labels)
+
+    def on_stats(self, stats: EngineStats) -> None:
+        """Engine stats (cumulative counters) from a heartbeat."""
+        self.child(RUNNING).set(stats.num_running)
+        self.child(WAITING).set(stats.num_waiting)
+        used = stats.num_blocks - stats.num_free_blocks
+        self.child(KV_USAGE).set(used / stats.num_blocks if stats.num_blocks else 0.0)
+        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+        for metric, now, before in zip(
+            (PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS), totals, self._engine_totals, strict=True
+        ):
+            if now > before:
+                self.child(metric).inc(now - before)
+        self._engine_totals = totals
+
+    def on_prompt(self, num_tokens: int, queued_s: float) -> None:
+        self.child(PROMPT_TOKENS).inc(num_tokens)
+        self.child(QUEUE_TIME).observe(max(0.0, queued_s))
+
+    def timer(self, *, first_token_here: bool, arrival_unix_ns: int = 0) -> RequestTimer:
+        return RequestTimer(self, first_token_here, since_arrival_s(arrival_unix_ns))
+
+
+def since_arrival_s(arrival_unix_ns: int) -> float:
+    """Seconds since the gateway took the request (0 when it did not say)."""
+    return max(0.0, time.time() - arrival_unix_ns / 1e9) if arrival_unix_ns else 0.0
+
+
+class RequestTimer:
+    """Times one request's stream on this worker: TTFT (where its first token is made),
+    the gaps between its streamed steps, and its end."""
+
+    def __init__(self, metrics: WorkerMetrics, first_token_here: bool, age_s: float) -> None:
+        self.metrics = metrics
+        # NOTE: timed from the request's arrival at the gateway, as vLLM times from arrival
+        # at its front end: TTFT and E2E then include queueing and the hand-off.
+        self.started = time.monotonic() - age_s
+        self.first_token_here = first_token_here
+        self.last_output: float | None = None
+
+    def on_tokens(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = time.monotonic()
+        if self.last_output is not None:
+            self.metrics.child(ITL).observe(now - self.last_output)
+        elif self.first_token_here:
+            self.metrics.child(TTFT).observe(now - self.started)
+        self.last_output = now
+        self.metrics.child(GENERATION_TOKENS).inc(num_tokens)
+
+    def on_finish(self, reason: str) -> None:
+        """A request that ended here (not one prefilled for another worker or handed back)."""
+        REQUEST_SUCCESS.labels(**self.metrics.labels, finished_reason=reason).inc()
+        self.metrics.child(E2E).observe(time.monotonic() - self.started)

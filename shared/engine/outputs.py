@@ -1,0 +1,62 @@
+"""What the engine hands out: plain dataclasses, no torch, shared by the engine and its fake.
+
+The worker, the gateway's converters and the tests read only these, so they never import
+the model code to understand an engine's answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenyard.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """The tokens one step added to one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # stop | length | abort | prefilled | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_hits: int  # prompt tokens served from the prefix cache
+    prefix_cache_queries: int  # prompt tokens looked up
+    num_preemptions: int
+    # Prompt tokens still to compute (queued and part-prefilled sequences): queued work.
+    num_pending_prompt_tokens: int = 0
+
+
+@dataclass
+class ExportedSequence:
+    """A prefilled request, as a decode worker needs it to continue (see engine/handoff.py)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]  # physical blocks holding the prompt's KV
+    num_computed_tokens: int
+    params: SamplingParams
+
+
+class NoFreeBlocks(RuntimeError):
+    """The KV pool cannot hold what was asked for now; retry later or elsewhere."""

@@ -1,0 +1,54 @@
+"""What the KV package needs from an engine, stated here so that kv never imports the engine.
+
+The engine (tokenyard.engine.llm_engine) depends on kv for its pool layout; the helpers that
+move blocks between an engine's pool and the KV-cache service (kv/store/engine_bridge.py)
+depend only on this Protocol, so the two packages do not import each other. Every call
+must run on the thread that drives the engine, between two steps.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenyard.kv.layout import KVLayout
+
+
+class PromptBlocks(Protocol):
+    """A held prefill's prompt and the physical blocks holding its KV."""
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def block_ids(self) -> list[int]: ...
+
+
+class KVEngine(Protocol):
+    @property
+    def layout(self) -> KVLayout | None:
+        """The pool's layout; None for an engine with no KV pool (a test double)."""
+
+    @property
+    def kv_cache(self) -> torch.Tensor | None:
+        """The pool itself: [num_blocks, ...] as ``layout.pool_shape`` says; None with no pool."""
+
+    def export_sequence(self, request_id: str) -> PromptBlocks:
+        """A held (prefilled, prefill-only) request's prompt and blocks."""
+        ...
+
+    def cached_block_ids(self, hashes: list[int]) -> list[tuple[int, int]]:
+        """(hash, block id) for each of ``hashes`` whose block is in the prefix cache now."""
+        ...
+
+    def reserve_prefix(self, request_id: str, token_ids: list[int]) -> list[int]:
+        """Fresh blocks for a prefix of whole blocks whose KV is written from outside.
+
+        No step touches them until :meth:`commit_prefix`; raises NoFreeBlocks when full."""
+        ...
+
+    def commit_prefix(self, request_id: str, kv_ok: bool) -> None:
+        """kv_ok: name the blocks in the prefix cache (free but findable); else drop them."""
+        ...

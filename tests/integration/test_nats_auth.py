@@ -1,0 +1,145 @@
+"""Per-service NATS users on a real nats-server: anonymous refused, each user publishes and
+reads only what its role needs (forged heartbeats, rack states and token reads go nowhere)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from tokenyard.bus import auth, subjects
+from tokenyard.bus.embedded import free_port, nats_server_binary
+from tokenyard.bus.nats import Bus, BusError
+from tokenyard.services.launch.procs import ChildProcess, wait_until
+from tokenyard.v1 import serving_pb2 as pb
+
+WORKER = auth.worker("decode", "decode-1")
+USERS = {
+    "operator": auth.operator(),
+    "router": auth.router(),
+    "gateway": auth.gateway(),
+    "worker": WORKER,
+    "facilities": auth.facilities(),
+    "telemetry": auth.telemetry(),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp: Path = tmp_path_factory.mktemp("nats-auth")
+    port = free_port()
+    conf = tmp / "nats.conf"
+    store = tmp / "js"
+    conf.write_text(
+        auth.server_config(list(USERS.values()), host="127.0.0.1", port=port, store_dir=str(store))
+    )
+    proc = ChildProcess(
+        "nats", [nats_server_binary(), "-c", str(conf)], env={}, log_path=tmp / "log"
+    )
+    proc.start()
+    import socket
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+
+    assert wait_until(listening, 10), proc.log_tail()
+    yield f"nats://127.0.0.1:{port}"
+    proc.stop()
+
+
+@pytest.fixture
+async def connect(server: str) -> AsyncIterator:
+    buses: list[Bus] = []
+
+    async def open_as(name: str) -> Bus:
+        bus = await Bus.connect(USERS[name].url(server), name=name, first_connect_timeout=5)
+        buses.append(bus)
+        return bus
+
+    yield open_as
+    for bus in buses:
+        await bus.close()
+
+
+async def collect(bus: Bus, subject: str) -> list[str]:
+    got: list[str] = []
+
+    async def on(message: pb.WorkerHeartbeat, msg) -> None:
+        got.append(msg.subject)
+
+    await bus.subscribe(subject, pb.WorkerHeartbeat, on)
+    await bus.nc.flush()
+    await bus.nc.flush()
+    return got
+
+
+async def test_anonymous_and_wrong_password_are_refused(server: str):
+    # nats-py retries a refused first connection until Bus.connect gives up.
+    with pytest.raises(BusError, match="cannot connect"):
+        await Bus.connect(server, name="stranger", first_connect_timeout=3)
+    forged = auth.NatsUser("router", publish=[], subscribe=[], password="guess")
+    with pytest.raises(BusError) as info:
+        await Bus.connect(forged.url(server), name="stranger", first_connect_timeout=3)
+    assert "guess" not in str(info.value)  # the password never reaches a message or a log
+
+
+async def test_a_worker_publishes_only_its_own_heartbeats(connect):
+    seen = await collect(await connect("operator"), subjects.HEARTBEATS_ALL)
+    worker = await connect("worker")
+    await worker.publish(subjects.heartbeat("decode", "decode-1"), pb.WorkerHeartbeat())
+    await worker.publish(subjects.heartbeat("decode", "decode-9"), pb.WorkerHeartbeat())
+    await worker.publish(subjects.facilities_state("rack-a"), pb.WorkerHeartbeat())
+    await worker.nc.flush()
+    assert await _eventually(lambda: seen)
+    await asyncio.sleep(0.3)
+    assert seen == [subjects.heartbeat("decode", "decode-1")]
+
+
+async def test_only_the_gateway_reads_tokens_and_only_facilities_sets_rack_states(connect):
+    operator = await connect("operator")
+    gateway_seen = await collect(await connect("gateway"), subjects.tokens("*"))
+    worker_seen = await collect(await connect("worker"), subjects.tokens("*"))
+    telemetry_seen = await collect(await connect("telemetry"), subjects.FACILITIES_STATE_ALL)
+    await operator.publish(subjects.tokens("r1"), pb.WorkerHeartbeat())
+    gateway = await connect("gateway")
+    await gateway.publish(subjects.facilities_state("rack-a"), pb.WorkerHeartbeat())
+    facilities = await connect("facilities")
+    await facilities.publish(subjects.facilities_state("rack-b"), pb.WorkerHeartbeat())
+    assert await _eventually(lambda: gateway_seen and telemetry_seen)
+    await asyncio.sleep(0.3)
+    assert gateway_seen == [subjects.tokens("r1")] and worker_seen == []
+    assert telemetry_seen == [subjects.facilities_state("rack-b")]
+
+
+async def test_the_router_answers_route_requests_but_publishes_nothing_else(connect):
+    router = await connect("router")
+
+    async def on_route(req: pb.RouteRequest, msg) -> None:
+        await router.reply(msg, pb.RouteReply(placement=pb.Placement(prefill_worker_id="p")))
+        await router.publish(subjects.tokens(req.request_id), pb.WorkerHeartbeat())
+
+    await router.subscribe(subjects.ROUTER_ROUTE, pb.RouteRequest, on_route)
+    await router.nc.flush()
+    gateway = await connect("gateway")
+    tokens = await collect(gateway, subjects.tokens("*"))
+    reply = await gateway.request(
+        subjects.ROUTER_ROUTE, pb.RouteRequest(request_id="r2"), pb.RouteReply, timeout=2
+    )
+    assert reply.placement.prefill_worker_id == "p"
+    await asyncio.sleep(0.3)
+    assert tokens == []
+
+
+async def _eventually(predicate, timeout: float = 3.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return bool(predicate())

@@ -1,0 +1,38 @@
+"""The shared ops HTTP server: /health, /ready from the service's callable, /metrics."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter
+
+from tokenyard.http_server import ReadyFlag, ops_server
+
+
+async def test_health_ready_and_metrics_on_a_free_port():
+    registry = CollectorRegistry()
+    jobs = Counter("tokenyard:test_jobs", "jobs", ["role"], registry=registry)
+    jobs.labels(role="prefill").inc(3)
+    ready = ReadyFlag("loading the model")
+    async with ops_server("127.0.0.1", 0, ready=ready, registry=registry) as ops:
+        assert ops.port != 0
+        async with httpx.AsyncClient(base_url=ops.url) as client:
+            assert (await client.get("/health")).status_code == 200
+            not_ready = await client.get("/ready")
+            assert not_ready.status_code == 503
+            assert not_ready.json() == {"ready": False, "reason": "loading the model"}
+            ready.set(None)
+            assert (await client.get("/ready")).json() == {"ready": True, "reason": None}
+            metrics = await client.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert 'tokenyard:test_jobs_total{role="prefill"} 3.0' in metrics.text
+
+
+async def test_the_port_is_closed_after_the_block():
+    async with ops_server("127.0.0.1", 0) as ops:
+        url = ops.url
+    async with httpx.AsyncClient() as client:
+        try:
+            await client.get(f"{url}/health", timeout=1)
+        except httpx.ConnectError:
+            return
+    raise AssertionError("the ops server still answers after its block ended")
