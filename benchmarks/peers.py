@@ -377,8 +377,31 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     chart(doc, args.out.with_suffix(".png"))
+    print(markdown(doc))
     print(f"results: {args.out}, chart: {args.out.with_suffix('.png')}")
     return 0
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The results as the Markdown table docs/benchmarks.md shows."""
+    labels = doc["workloads"]
+    head = ["server", *(f"{w}: tok/s, TTFT p50" for w in labels), "start s", "PSS / RSS MiB"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name, r in doc["servers"].items():
+        cells = [f"`{name}`" if name.startswith("tokenyard") else name]
+        for w in labels:
+            x = r["workloads"].get(w, {})
+            fails = f" ({x['failed']} failed)" if x.get("failed") else ""
+            cells.append(
+                f"{x.get('output_tok_s') or 0:.1f}, {x.get('ttft_p50_ms') or 0:,.0f} ms{fails}"
+            )
+        mem = r.get("memory", {})
+        cells += [
+            f"{r['start_s']:.0f}",
+            f"{mem.get('pss_mib', 0):,.0f} / {mem.get('rss_mib', 0):,.0f}",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def chart(doc: dict[str, Any], path: Path) -> None:
