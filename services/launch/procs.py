@@ -33,11 +33,18 @@ class ChildProcess:
     """One service process: started with its env, logs to a file, stopped with its group."""
 
     def __init__(
-        self, name: str, argv: list[str], *, env: Mapping[str, str], log_path: Path | None
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        env: Mapping[str, str],
+        log_path: Path | None,
+        inherit_env: bool = True,  # False: the child sees `env` and nothing else
     ) -> None:
         self.name = name
         self.argv = argv
         self.env = dict(env)
+        self.inherit_env = inherit_env
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -53,7 +60,7 @@ class ChildProcess:
         try:
             self.proc = subprocess.Popen(
                 self.argv,
-                env={**os.environ, **self.env},
+                env={**os.environ, **self.env} if self.inherit_env else self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,

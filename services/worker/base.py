@@ -289,7 +289,7 @@ class WorkerBase:
             seq_cap=self.seq_cap(),
             tokens_per_s=(generated - before) / (now - then) if now > then else 0.0,
             kv_endpoint=self.kv.endpoint,
-            host=self.settings.host,
+            host=self.settings.advertised_host,
             sent_unix_ms=int(time.time() * 1000),
             block_size=self.engine.block_size,
             heartbeat_interval_ms=int(self.settings.heartbeat_interval_s * 1000),

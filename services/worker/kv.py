@@ -44,11 +44,14 @@ class KVPort:
                 layout,
                 on_release=self._on_release,
                 host=self.settings.host,
+                advertise_host=self.settings.advertised_host,
                 port=self.settings.kv_port,
             )
             self.endpoint = await self._server.start()
         if self.settings.decodes:
-            self._client = KVTransferClient(pool, layout)
+            self._client = KVTransferClient(
+                pool, layout, advertise_host=self.settings.advertised_host
+            )
 
     async def stop(self) -> None:
         if self._client is not None:

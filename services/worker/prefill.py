@@ -35,6 +35,7 @@ def queue_spec(settings: WorkerSettings) -> WorkQueueSpec:
         max_in_flight=settings.max_num_seqs,
         # Until we have heard everyone's heartbeat, every peer looks gone.
         adopt_after_s=3 * settings.heartbeat_interval_s,
+        replicas=settings.jetstream_replicas,
     )
 
 

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tokenyard.fleet.roles import Role, can_decode, can_prefill
+from tokenyard.net import advertise_address, is_wildcard
 
 DEFAULT_OPS_PORT = 8092
 
@@ -29,6 +30,8 @@ class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENYARD_WORKER_")
 
     nats_url: str = "nats://127.0.0.1:4222"
+    # Copies of the prefill work queue on a NATS cluster; the same as the gateway's.
+    jetstream_replicas: int = Field(default=1, ge=1, le=5)
     worker_id: str = Field(default_factory=default_worker_id)
     role: Role = "both"
     model: str | None = None  # a GGUF file or HF folder; None = the default model
@@ -44,7 +47,10 @@ class WorkerSettings(BaseSettings):
     max_model_len: int | None = None
     num_threads: int | None = None  # torch threads; None = torch's default
     heartbeat_interval_s: float = 1.0
-    host: str = "127.0.0.1"  # where the KV transfer server listens
+    host: str = "127.0.0.1"  # where the KV transfer server listens (0.0.0.0: everywhere)
+    # Where other workers reach this one (its KV endpoint). Empty: the bound address, or,
+    # bound to 0.0.0.0, this host's own address (tokenyard.net); Kubernetes sets the pod IP.
+    advertise_host: str = ""
     kv_port: int = 0  # 0 = any free port
     kv_transfer: bool = True  # False: decode workers always recompute the prompt
     # A decode worker also takes whole requests (prefill here, then decode): the router's
@@ -75,6 +81,20 @@ class WorkerSettings(BaseSettings):
         if not value or sanitize_worker_id(value) != value:
             raise ValueError(f"worker_id {value!r} may hold only letters, digits, '-' and '_'")
         return value
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _reachable(cls, value: str) -> str:
+        if value and is_wildcard(value):
+            raise ValueError(
+                f"advertise_host {value!r} is a bind-everywhere address, not one to dial"
+            )
+        return value
+
+    @property
+    def advertised_host(self) -> str:
+        """The address in this worker's KV endpoint and heartbeats; never 0.0.0.0."""
+        return advertise_address(self.host, self.advertise_host)
 
     @property
     def prefills(self) -> bool:

@@ -31,9 +31,10 @@ def free_port() -> int:
 class EmbeddedNats:
     """A nats-server with JetStream in a temporary directory; stop() removes everything."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.port = port or free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
+        self.url = f"nats://{host}:{self.port}"
         self._dir = tempfile.mkdtemp(prefix="tokenyard-nats-")
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -41,7 +42,7 @@ class EmbeddedNats:
         cmd = [
             nats_server_binary(),
             "-a",
-            "127.0.0.1",
+            self.host,
             "-p",
             str(self.port),
             "-js",
@@ -54,7 +55,7 @@ class EmbeddedNats:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"nats-server exited with {self._proc.returncode}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                with socket.create_connection((self.host, self.port), timeout=0.2):
                     return self
             except OSError:
                 time.sleep(0.05)

@@ -120,14 +120,18 @@ class Bus:
     # --- JetStream: work that must not be lost ---------------------------------------------
 
     async def ensure_work_queue(
-        self, stream: str, subjects: list[str], *, max_age_s: float = 600
+        self, stream: str, subjects: list[str], *, max_age_s: float = 600, replicas: int = 1
     ) -> None:
-        """Create (or update) a work-queue stream: each message is delivered to one consumer."""
+        """Create (or update) a work-queue stream: each message is delivered to one consumer.
+
+        ``replicas``: copies kept on as many NATS cluster nodes (3 survives losing one);
+        every process that ensures the stream must ask for the same number."""
         config = StreamConfig(
             name=stream,
             subjects=subjects,
             retention=RetentionPolicy.WORK_QUEUE,
             max_age=max_age_s,
+            num_replicas=replicas,
         )
         try:
             await self.js.add_stream(config)

@@ -86,6 +86,7 @@ class WorkQueueSpec:
     # A consumer nobody pulls from (its worker gone, nobody adopted it) goes away by itself
     # instead of piling up on a long-lived NATS.
     consumer_inactive_s: float = 3600.0
+    replicas: int = 1  # copies of the stream on a NATS cluster (3 on a 3-node cluster)
 
     def consumer_name(self, worker_id: str) -> str:
         return f"{self.consumer_prefix}{worker_id}"
@@ -129,7 +130,9 @@ class WorkQueue(Generic[M]):
         """Create the stream and our consumer (or reuse them), then consume and adopt."""
         self._tg = tg
         self._started = time.monotonic()
-        await self.bus.ensure_work_queue(self.spec.stream, self.spec.subjects)
+        await self.bus.ensure_work_queue(
+            self.spec.stream, self.spec.subjects, replicas=self.spec.replicas
+        )
         config = self.spec.consumer_config(self.worker_id)
         try:
             await self.bus.js.add_consumer(self.spec.stream, config)

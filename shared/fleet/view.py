@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 
 from tokenyard.facilities.tracker import RackStateTracker
 from tokenyard.fleet import liveness
@@ -26,7 +27,11 @@ FORGET_GRACE_S = 10.0
 
 @dataclass(frozen=True)
 class WorkerView:
-    """One worker as its last heartbeat described it, with the defaults of a zero field."""
+    """One worker as its last heartbeat described it, with the defaults of a zero field.
+
+    Immutable (a new beat or placement makes a new view), so each derived value is computed
+    once: the router reads them for every worker on every request.
+    """
 
     heartbeat: pb.WorkerHeartbeat
     last_seen: float  # the receiver's clock when that heartbeat arrived
@@ -34,56 +39,56 @@ class WorkerView:
     pending_decodes: int = 0  # of those, the ones that also decode here
     pending_prompt_tokens: int = 0  # their prompt tokens
 
-    @property
+    @cached_property
     def worker_id(self) -> str:
         return self.heartbeat.worker_id
 
-    @property
+    @cached_property
     def role(self) -> str:
         return self.heartbeat.role
 
-    @property
+    @cached_property
     def model(self) -> str:
         return self.heartbeat.model
 
-    @property
+    @cached_property
     def prefills(self) -> bool:
         return can_prefill(self.role)
 
-    @property
+    @cached_property
     def local_prefill(self) -> bool:
         """A decode worker that also runs whole requests (prefills its own)."""
         return self.heartbeat.local_prefill
 
-    @property
+    @cached_property
     def decodes(self) -> bool:
         return can_decode(self.role)
 
-    @property
+    @cached_property
     def interval_s(self) -> float:
         return liveness.announced_interval_s(self.heartbeat)
 
-    @property
+    @cached_property
     def max_num_seqs(self) -> int:
         return self.heartbeat.max_num_seqs or 1
 
-    @property
+    @cached_property
     def seq_cap(self) -> int:
         return self.heartbeat.seq_cap  # 0 = no cap beyond max_num_seqs
 
-    @property
+    @cached_property
     def block_size(self) -> int:
         return self.heartbeat.block_size or 16
 
-    @property
+    @cached_property
     def num_free_blocks(self) -> int:
         return self.heartbeat.num_free_blocks
 
-    @property
+    @cached_property
     def load(self) -> int:
         return self.heartbeat.num_running + self.heartbeat.num_waiting + self.pending
 
-    @property
+    @cached_property
     def kv_used(self) -> float:
         total = self.heartbeat.num_blocks
         return 1.0 - self.heartbeat.num_free_blocks / total if total else 0.0

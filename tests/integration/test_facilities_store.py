@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -16,34 +15,20 @@ from tokenyard.facilities import policy
 from tokenyard.facilities.inventory import load_inventory
 from tokenyard.services.facilities.store import FacilitiesStore
 
-PG_URL = os.environ.get(
-    "TOKENYARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
-
-
-def _pg_available() -> bool:
-    try:
-        with create_engine(PG_URL).connect() as conn:
-            conn.execute(text("select 1"))
-        return True
-    except Exception:
-        return False
-
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'facilities.db'}"
         return
-    if not _pg_available():
-        pytest.skip(f"PostgreSQL not reachable at {PG_URL}")
+    pg_url = request.getfixturevalue("postgres_url")
     # A schema of its own per test: parallel and earlier runs never collide.
     schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE SCHEMA "{schema}"'))
     try:
-        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
+        yield f"{pg_url}?options=-csearch_path%3D{schema}"
     finally:
         with admin.connect() as conn:
             conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))

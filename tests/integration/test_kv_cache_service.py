@@ -1,4 +1,4 @@
-"""The KV-cache service over gRPC with all three tiers (Redis on 127.0.0.1:6379)."""
+"""The KV-cache service over gRPC with all three tiers (Redis from the redis_url fixture)."""
 
 from __future__ import annotations
 
@@ -21,30 +21,17 @@ from tokenyard.kv.store.client import KVCacheError
 from tokenyard.services.kvcache.server import serve
 from tokenyard.services.kvcache.settings import KVCacheSettings
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 LAYOUT = KVLayout("tiny", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 NB = LAYOUT.block_nbytes + 4  # framed
 
 
-async def redis_up() -> bool:
-    client = redis.from_url(REDIS_URL)
-    try:
-        return bool(await client.ping())
-    except (OSError, redis.ConnectionError):
-        return False
-    finally:
-        await client.aclose()
-
-
 @pytest.fixture
-async def service(tmp_path):
-    if not await redis_up():
-        pytest.skip("no Redis on 127.0.0.1:6379")
+async def service(tmp_path, redis_url):
     prefix = f"ty:test:{uuid.uuid4().hex[:8]}:"
     settings = KVCacheSettings(
         port=0,
         ram_bytes=4 * NB,
-        redis_url=REDIS_URL,
+        redis_url=redis_url,
         redis_prefix=prefix,
         redis_ttl_s=60,
         redis_bytes=4 * NB,
@@ -55,7 +42,7 @@ async def service(tmp_path):
     server = await serve(settings)
     yield server
     await server.stop()
-    cleanup = redis.from_url(REDIS_URL)
+    cleanup = redis.from_url(redis_url)
     keys = [k async for k in cleanup.scan_iter(match=prefix + "*")]
     if keys:
         await cleanup.delete(*keys)

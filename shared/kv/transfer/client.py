@@ -47,6 +47,7 @@ from tokenyard.kv.transfer.server import GRPC_OPTIONS, LOCAL_SERVERS, READ_BLOCK
 from tokenyard.kv.transfer.settings import KVTransferSettings
 from tokenyard.kv.transfer.shm import Attached
 from tokenyard.kv.transfer.wire import decode_chunk
+from tokenyard.net import advertise_address
 from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,12 @@ class KVTransferClient:
         allowed: Sequence[str] | None = None,
         timeout_s: float | None = None,
         settings: KVTransferSettings | None = None,
+        advertise_host: str = "",
     ):
         check_pool(pool, layout)
         s = settings or KVTransferSettings()
+        # Our own Mooncake engine's name, should we start one: reachable, as the sender's is.
+        self.advertised = advertise_host or advertise_address(s.host, s.advertise_host)
         self.pool, self.layout, self.settings = pool, layout, s
         self.allowed = ordered(allowed if allowed is not None else s.allowed)
         self.timeout_s = timeout_s if timeout_s is not None else s.timeout_s
@@ -174,7 +178,9 @@ class KVTransferClient:
     def _candidates(self, endpoint: str, desc: kv_pb2.DescribeReply) -> list[str]:
         if "mooncake" in self.allowed and desc.mooncake_endpoint and self._mooncake is None:
             s = self.settings
-            self._mooncake = mooncake.process_engine(s.host, s.mooncake_protocol, s.mooncake_device)
+            self._mooncake = mooncake.process_engine(
+                self.advertised, s.mooncake_protocol, s.mooncake_device
+            )
         me = Peer(
             frozenset(self.allowed),
             host_id(),

@@ -53,14 +53,26 @@ class TransferResult:
 
 @cache
 def host_id() -> str:
-    """Equal on two processes that share a kernel (and so, normally, /dev/shm)."""
-    parts = [socket.gethostname()]
-    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
-        try:
-            parts.append(Path(path).read_text().strip())
-        except OSError:
-            continue
-    return ":".join(parts)
+    """Equal on two processes exactly when they see the same /dev/shm, which is what the
+    "shm" transport needs: the same kernel (boot id) and the same tmpfs mount there (its
+    device number). Two containers on one host each get their own /dev/shm unless they
+    share an IPC namespace, so they differ; two processes of one host or one container
+    match. Without /dev/shm, the hostname and machine id stand in."""
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    try:
+        shm_dev = os.stat("/dev/shm").st_dev
+    except OSError:
+        shm_dev = None
+    if boot and shm_dev is not None:
+        return f"{boot}:shm{shm_dev}"
+    return ":".join([socket.gethostname(), _read("/etc/machine-id"), boot])
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
 
 
 def process_id() -> str:

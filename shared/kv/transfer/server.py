@@ -34,6 +34,7 @@ from tokenyard.kv.transfer.negotiate import TRANSPORTS, ordered
 from tokenyard.kv.transfer.settings import KVTransferSettings
 from tokenyard.kv.transfer.shm import shared_pool_name
 from tokenyard.kv.transfer.wire import encode_chunk
+from tokenyard.net import advertise_address, host_endpoint
 from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class KVTransferServer:
         *,
         on_release: Callable[[str], None],
         host: str | None = None,
+        advertise_host: str = "",
         port: int = 0,
         hold_timeout_s: float | None = None,
         allowed: Sequence[str] | None = None,
@@ -83,6 +85,9 @@ class KVTransferServer:
         self.holds = HoldTable(hold_timeout_s if hold_timeout_s is not None else s.hold_timeout_s)
         self._on_release = on_release
         self._host, self._port = host or s.host, port
+        # NOTE: the endpoint peers dial is never the bind address itself when that is
+        # 0.0.0.0: a decode worker on another host would dial its own machine.
+        self.advertised = advertise_address(self._host, advertise_host or s.advertise_host)
         self._shm_name = shm_name if shm_name is not None else shared_pool_name(pool)
         self._faults = faults or FaultInjection()
         self._mooncake: mooncake.MooncakeEngine | None = None
@@ -94,15 +99,15 @@ class KVTransferServer:
         """Serve; returns the endpoint ("host:port") receivers pull from."""
         if "mooncake" in self.allowed:
             self._mooncake = mooncake.process_engine(
-                self._host, self.settings.mooncake_protocol, self.settings.mooncake_device
+                self.advertised, self.settings.mooncake_protocol, self.settings.mooncake_device
             )
             if self._mooncake is not None:
                 self._mooncake.register(self.pool)
         self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors())
         self._server.add_generic_rpc_handlers((_handlers(_Servicer(self)),))
-        port = add_port(self._server, f"{self._host}:{self._port}")
+        port = add_port(self._server, host_endpoint(self._host, self._port))
         await self._server.start()
-        self.endpoint = f"{self._host}:{port}"
+        self.endpoint = host_endpoint(self.advertised, port)
         LOCAL_SERVERS[self.endpoint] = self
         self._sweeper = asyncio.create_task(self._sweep(), name=f"kv-hold-sweep {self.endpoint}")
         log.info("KV transfer server at %s, transports %s", self.endpoint, self.allowed)

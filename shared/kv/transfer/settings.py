@@ -14,7 +14,10 @@ class KVTransferSettings(BaseSettings):
     # Best first; an operator removes what a deployment must not use (e.g. "shm" across
     # containers that share a host id but not /dev/shm).
     allowed: list[str] = Field(default_factory=lambda: list(TRANSPORTS))
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where the sender's gRPC server binds
+    # Where peers reach this process (its KV endpoint, its Mooncake engine); empty = the
+    # bound address, or this host's own address when bound to 0.0.0.0 (tokenyard.net).
+    advertise_host: str = ""
     # The sender frees offered blocks nobody released within this time (dead receiver).
     hold_timeout_s: float = 30.0
     # The receiver gives up on a whole pull after this long (dead or stuck sender).

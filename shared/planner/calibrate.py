@@ -1,0 +1,105 @@
+"""Measure our engine on this machine at the shipped precision (bf16 weights, int4 linears):
+the figures the `cpu` entry is calibrated from, and the ones its predictions are checked
+against. Imports the engine lazily; nothing here runs at import.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from tokenyard.planner.catalog import MODELS, ModelSpec
+from tokenyard.planner.roofline import Deployment
+
+SHIPPED = {"dtype": "bfloat16", "quantization": "int4"}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    prompt_len: int
+    output_len: int
+    batch: int
+    ttft_s: float  # the first request's, all of the batch submitted together
+    decode_step_s: float  # median step once every sequence decodes
+
+    @property
+    def context(self) -> float:
+        return self.prompt_len + self.output_len / 2
+
+
+def make_engine():
+    from tokenyard.engine.config import EngineConfig
+    from tokenyard.engine.llm_engine import LLMEngine
+
+    return LLMEngine(
+        EngineConfig(
+            **SHIPPED,
+            max_num_seqs=64,
+            max_num_batched_tokens=1024,
+            kv_cache_bytes=512 * 1024**2,
+            enable_prefix_caching=False,
+        )
+    )
+
+
+def measure(engine, batch: int, prompt_len: int, output_len: int, tag: str = "") -> EngineFigures:
+    from tokenyard.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    vocab = engine.tokenizer.vocab_size if hasattr(engine.tokenizer, "vocab_size") else 1000
+    ids = [
+        [(17 + 31 * i + 7 * j) % min(vocab, 20000) + 100 for j in range(prompt_len)]
+        for i in range(batch)
+    ]
+    start = time.perf_counter()
+    for i, p in enumerate(ids):
+        engine.add_request(f"{tag}{batch}-{prompt_len}-{i}", p, params)
+    first: float | None = None
+    started: set[str] = set()
+    steps: list[float] = []
+    last = time.perf_counter()
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        if first is None and outs:
+            first = now - start
+        all_decoding = len(started) == batch
+        for o in outs:
+            started.add(o.request_id)
+        if all_decoding and engine.has_unfinished():
+            steps.append(now - last)
+        last = now
+    assert first is not None
+    return EngineFigures(prompt_len, output_len, batch, first, statistics.median(steps))
+
+
+def warm(engine) -> None:
+    measure(engine, 2, 32, 8, tag="warm")
+
+
+def calibrate(
+    b1: EngineFigures, b32: EngineFigures, bw_gbs: float, tflops: float, model: ModelSpec
+) -> dict:
+    """Efficiencies that make the roofline meet our engine at these two measurements."""
+    from tokenyard.planner.catalog import Hardware
+
+    probe = Hardware("probe", 1, bw_gbs, tflops, 0, 0, 1, 0, 1, 0, 1, "air", 1.0,
+                     decode_bw_eff=1.0, decode_flops_eff=1.0, prefill_flops_eff=1.0,
+                     step_overhead_ms=0.0)  # fmt: skip
+    dep = Deployment(model, probe, weights_dtype="int4")
+    overhead = b1.decode_step_s - dep.decode_step_s(1, b1.context)
+    ideal_32 = dep.decode_step_s(32, b32.context)  # at 100% of the matmul rate
+    ideal_prefill = dep.prefill_s(b1.prompt_len)
+    return {
+        "step_overhead_ms": round(1e3 * max(overhead, 0.0), 3),
+        "decode_flops_eff": round(ideal_32 / max(b32.decode_step_s - overhead, 1e-6), 4),
+        "prefill_flops_eff": round(ideal_prefill / max(b1.ttft_s - overhead, 1e-6), 4),
+        "memory_read_gbs": round(bw_gbs, 2),
+        "bf16_tflops": round(tflops, 4),
+    }
+
+
+def default_model() -> ModelSpec:
+    return MODELS[DEFAULT_MODEL]

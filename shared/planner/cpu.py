@@ -1,0 +1,105 @@
+"""The `cpu` hardware entry: this machine's measured memory bandwidth and matmul rate, and
+the engine's efficiencies against them, calibrated by `benchmarks/planner_cpu.py`.
+
+The calibration (cpu_calibration.yaml, beside this file) holds what our own engine reached:
+- step_overhead_ms: a batch-1 decode step minus the time to read its weights once;
+- decode_flops_eff: a 32-sequence decode step's FLOPs over its time, as a share of the
+  measured bf16 matmul rate;
+- prefill_flops_eff: the same for one 128-token prefill.
+Bandwidth and matmul rate are measured again whenever the entry is built, so a busier or
+faster machine shifts the prediction the way it shifts the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from tokenyard.planner.catalog import Hardware
+
+CALIBRATION = Path(__file__).with_name("cpu_calibration.yaml")
+
+
+def memory_read_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """The best of a few full reads of a buffer far larger than the caches."""
+    import torch
+
+    a = torch.ones(mib * 1024**2 // 4)
+    a.sum()
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.sum()
+        best = max(best, a.numel() * 4 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def matmul_tflops(n: int = 1024, repeats: int = 5) -> float:
+    """The best bf16 matmul rate of an n x n x n product."""
+    import torch
+
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n**3 / (time.perf_counter() - t) / 1e12)
+    return best
+
+
+def load_calibration(path: Path = CALIBRATION) -> dict:
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no CPU calibration at {path}: run benchmarks/planner_cpu.py to measure one"
+        )
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def save_calibration(values: dict, path: Path = CALIBRATION) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(
+            "# Written by benchmarks/planner_cpu.py: our engine against this machine's roofline.\n"
+        )
+        yaml.safe_dump(values, f, sort_keys=True)
+
+
+def physical_memory_gb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+
+@functools.cache
+def measured() -> tuple[float, float]:
+    return memory_read_gbs(), matmul_tflops()
+
+
+def cpu_hardware(calibration: dict | None = None, *, remeasure: bool = True) -> Hardware:
+    cal = calibration if calibration is not None else load_calibration()
+    bw, tflops = measured() if remeasure else (cal["memory_read_gbs"], cal["bf16_tflops"])
+    return Hardware(
+        name="cpu",
+        memory_gb=physical_memory_gb(),
+        bandwidth_gbs=bw,
+        bf16_tflops=tflops,
+        fp8_tflops=0.0,
+        link_gbs=0.0,
+        domain=1,
+        tdp_w=cal.get("tdp_w", 65.0),
+        per_node=1,
+        node_kw=cal.get("node_kw", 0.15),
+        rack_kw=cal.get("rack_kw", 10.0),
+        cooling="air",
+        pue=1.4,
+        decode_bw_eff=1.0,  # the bandwidth is itself a measured read, not a datasheet figure
+        decode_flops_eff=cal["decode_flops_eff"],
+        prefill_flops_eff=cal["prefill_flops_eff"],
+        step_overhead_ms=cal["step_overhead_ms"],
+        memory_utilization=0.5,  # the rest is the OS's and the other services'
+        buffer_fraction=0.0,
+    )

