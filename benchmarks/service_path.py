@@ -182,7 +182,7 @@ def run_plumbing(args: argparse.Namespace) -> None:
         engine="fake",
         kvcache=False,
         facilities=False,
-        router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
+        router_env={"TOKENYARD_ROUTER_DISAGGREGATION": "always"},
         worker_env={"TOKENYARD_WORKER_FAKE_STEP_S": "0", "TOKENYARD_WORKER_LOG_LEVEL": "WARNING"},
         gateway_env={"TOKENYARD_GATEWAY_LOG_LEVEL": "warning"},
     )
@@ -257,7 +257,7 @@ def main() -> None:
         port=free_port(),
         kvcache=False,
         facilities=False,
-        router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
+        router_env={"TOKENYARD_ROUTER_DISAGGREGATION": "always"},
         worker_env=worker_env,
         gateway_env={"TOKENYARD_GATEWAY_LOG_LEVEL": "warning"},
     )

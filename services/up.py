@@ -77,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "beside it, at a cost in speed (docs/precision.md; needs int4 or int8)",
     )
     parser.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=256,
+        help="KV pool per worker (default 256 MiB: 11,000 tokens of the default model; "
+        "pages become resident as blocks are first used)",
+    )
+    parser.add_argument(
         "--nats-url", help="use this NATS (with JetStream) instead of an embedded one"
     )
     parser.add_argument(
@@ -142,6 +149,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         keys_db_url=default_keys_url() if args.require_keys else None,
         worker_env={
             "TOKENYARD_WORKER_DTYPE": args.dtype,
+            "TOKENYARD_WORKER_KV_CACHE_BYTES": str(args.kv_cache_mib * 1024**2),
             **_quantization_env(args),
             **speculative,
             **({"TOKENYARD_WORKER_DETERMINISTIC": "1"} if args.deterministic else {}),

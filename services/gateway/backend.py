@@ -253,7 +253,9 @@ class NatsBackend:
 
         sub = await bus.subscribe(subjects.tokens(rid), pb.TokenChunk, on_chunk)
         try:
-            placement = await self._route(bus, rid, model, prompt_ids, params.cache_salt)
+            placement = await self._route(
+                bus, rid, model, prompt_ids, params.max_tokens, params.cache_salt
+            )
             job = pb.PrefillJob(
                 request_id=rid,
                 model=model,
@@ -310,12 +312,19 @@ class NatsBackend:
         return None
 
     async def _route(
-        self, bus: Bus, rid: str, model: str, prompt_ids: list[int], cache_salt: str = ""
+        self,
+        bus: Bus,
+        rid: str,
+        model: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        cache_salt: str = "",
     ) -> pb.Placement:
         request = pb.RouteRequest(
             request_id=rid,
             model=model,
             num_prompt_tokens=len(prompt_ids),
+            max_tokens=max_tokens,
             block_hashes=prefix_block_hashes(
                 prompt_ids, self.settings.block_size, salted_root(cache_salt)
             ),

@@ -11,6 +11,7 @@ from tokenyard.bus.auth import redact
 from tokenyard.bus.nats import Bus
 from tokenyard.http_server import ops_server
 from tokenyard.lifecycle import run_until_signalled
+from tokenyard.services.router.cost import CostConfig
 from tokenyard.services.router.handler import RouterHandler
 from tokenyard.services.router.policy import PolicyConfig
 from tokenyard.services.router.settings import RouterSettings
@@ -23,7 +24,8 @@ log = logging.getLogger("tokenyard.router")
 
 def policy_config(settings: RouterSettings) -> PolicyConfig:
     return PolicyConfig(
-        disagg_min_prompt_tokens=settings.disagg_min_prompt_tokens,
+        disaggregation=settings.disaggregation,
+        costs=CostConfig(handoff_fixed_ms=settings.handoff_fixed_ms),
         missed_heartbeats=settings.missed_heartbeats,
         queue_per_worker=settings.queue_per_worker,
         overlap_weight=settings.overlap_weight,

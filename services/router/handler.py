@@ -77,13 +77,20 @@ class RouterHandler:
             if req.hash_version in ("", HASH_SPEC_VERSION)
             else {}
         )
-        request = RouteInput(req.request_id, req.model, req.num_prompt_tokens, cached)
+        request = RouteInput(
+            req.request_id, req.model, req.num_prompt_tokens, cached, max_tokens=req.max_tokens
+        )
         facilities = facility_states(self.fleet.racks)
         result = choose(self.fleet.workers, request, now, facilities=facilities, config=self.config)
         if isinstance(result, pb.RouteError):
             log.info("route %s: %s", req.request_id, result.message)
             return pb.RouteReply(error=result)
-        self.fleet.placed(result.prefill_worker_id)
+        uncached = max(0, req.num_prompt_tokens - result.expected_cached_tokens)
+        self.fleet.placed(
+            result.prefill_worker_id,
+            decodes=not result.disaggregated,
+            prompt_tokens=uncached,
+        )
         if result.disaggregated:
             self.fleet.placed(result.decode_worker_id)
         log.debug(

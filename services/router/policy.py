@@ -10,9 +10,15 @@ with scripted worker tables. Its inputs:
 - ``facilities``: per worker, what the facilities service says about its rack
   (drain = place nothing new there, derate = a lower cap on concurrent sequences).
 
-A prefill-capable worker (role prefill or both) always runs the prompt. It also decodes
-(aggregated) when the prompt is short, when no decode worker is live, or when every decode
-worker is full; otherwise the least-loaded decode worker takes the sequence (disaggregated).
+A prefill-capable worker (role prefill or both), or a decode worker that announces
+``local_prefill`` (it runs whole requests routed to it), runs the prompt: the best by
+prefix overlap and load. Whether a prefill worker also
+decodes (aggregated) or hands the sequence to a decode worker (disaggregated) is a cost
+model (``tokenyard.services.router.cost``, conditional disaggregation): hand off only when
+the decode worker's predicted inter-token latency, over the request's output, saves more
+than the hand-off costs. The predictions come from each worker's measured step times,
+running sequences and queued prompt tokens (heartbeats). ``PolicyConfig.disaggregation``
+can force either way ("always" for tests of the hand-off path, "never").
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tokenyard.fleet import DEFAULT_MISSED_HEARTBEATS, WorkerView
+from tokenyard.services.router import cost
 from tokenyard.v1 import serving_pb2 as pb
 
 
@@ -43,12 +50,14 @@ class RouteInput:
     model: str
     num_prompt_tokens: int
     cached_blocks: Mapping[str, int] = field(default_factory=dict)  # worker -> leading blocks held
+    max_tokens: int = 0  # 0 = unknown
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    # Prompts shorter than this run on one worker: a hand-off costs more than it saves.
-    disagg_min_prompt_tokens: int = 256
+    # "auto": the cost model decides per request; "always" / "never" force it.
+    disaggregation: Literal["auto", "always", "never"] = "auto"
+    costs: cost.CostConfig = field(default_factory=cost.CostConfig)
     missed_heartbeats: int = (
         DEFAULT_MISSED_HEARTBEATS  # a worker silent this many intervals is dead
     )
@@ -82,7 +91,9 @@ def choose(
                 f"model {request.model!r} is not served (serving: {models})",
             )
         live = serving
-    prefill_live = [w for w in live if w.prefills]
+    # Local prefill on a decode worker is a whole request there: never under "always".
+    local_ok = config.disaggregation != "always"
+    prefill_live = [w for w in live if w.prefills or (local_ok and w.local_prefill)]
     if not prefill_live:
         return _error(pb.RouteError.NO_WORKERS, "no live prefill worker")
     open_ = [w for w in prefill_live if facilities.get(w.worker_id, NORMAL).state != "drain"]
@@ -118,8 +129,10 @@ def _place(
             expected_cached_tokens=cached,
         )
 
-    if request.num_prompt_tokens < config.disagg_min_prompt_tokens:
-        return aggregated(f"short prompt (< {config.disagg_min_prompt_tokens} tokens)")
+    if config.disaggregation == "never":
+        return aggregated("disaggregation is off")
+    if not prefill.prefills:  # a decode worker's local prefill: it has no KV to hand out
+        return aggregated("a decode worker runs the whole request")
     decoders = [
         w
         for w in live
@@ -133,11 +146,19 @@ def _place(
     decode = _best(decoders, RouteInput(request.request_id, request.model, 0), facilities, config)
     if decode is None:
         return aggregated("every decode worker is full")
+    reason = "disaggregation is forced"
+    if config.disaggregation == "auto":
+        choice = cost.compare(
+            prefill, decode, request.num_prompt_tokens, request.max_tokens, config.costs
+        )
+        if not choice.disaggregate:
+            return aggregated(choice.reason)
+        reason = choice.reason
     return pb.Placement(
         prefill_worker_id=prefill.worker_id,
         decode_worker_id=decode.worker_id,
         disaggregated=True,
-        reason="long prompt",
+        reason=reason,
         expected_cached_tokens=cached,
     )
 

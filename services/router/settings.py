@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -12,8 +14,10 @@ class RouterSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENYARD_ROUTER_")
 
     nats_url: str = "nats://127.0.0.1:4222"
-    # Prompts shorter than this run aggregated on one worker (0 = always disaggregate).
-    disagg_min_prompt_tokens: int = 256
+    # auto: a cost model over measured step times decides per request (conditional
+    # disaggregation); always / never force the choice.
+    disaggregation: Literal["auto", "always", "never"] = "auto"
+    handoff_fixed_ms: float = 10.0  # the cost model's price of one KV hand-off
     missed_heartbeats: int = 3
     queue_per_worker: int = 64
     overlap_weight: float = 1.0

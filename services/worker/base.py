@@ -42,6 +42,7 @@ _tracer = tracer("tokenyard.worker")
 log = logging.getLogger(__name__)
 
 CANCELLED_TTL_S = 300.0  # remember cancelled ids this long (their job may still be queued)
+STEP_LOG_S = 10.0  # how often a busy worker logs its step timings
 
 
 class WorkerBase:
@@ -69,6 +70,7 @@ class WorkerBase:
         self.metrics = WorkerMetrics(self.worker_id, settings.role, self.model_id)
         self._loop_task: asyncio.Task[None]
         self._tokens_at = (time.monotonic(), 0)
+        self._step_log_at = time.monotonic()
 
     @property
     def model_id(self) -> str:
@@ -292,6 +294,7 @@ class WorkerBase:
         now, generated = time.monotonic(), self.loop.tokens_generated
         then, before = self._tokens_at
         self._tokens_at = (now, generated)
+        fixed_s, per_token_s = self.loop.timing.fit()
         return pb.WorkerHeartbeat(
             worker_id=self.worker_id,
             role=self.settings.role,
@@ -309,13 +312,34 @@ class WorkerBase:
             block_size=self.engine.block_size,
             heartbeat_interval_ms=int(self.settings.heartbeat_interval_s * 1000),
             max_model_len=self.engine.max_model_len,
+            step_fixed_ms=fixed_s * 1e3,
+            step_ms_per_token=per_token_s * 1e3,
+            pending_prompt_tokens=stats.num_pending_prompt_tokens,
+            local_prefill=self.settings.takes_prefill_jobs and not self.settings.prefills,
         )
+
+    def log_step_timings(self) -> None:
+        """Every STEP_LOG_S, what the engine loop did (profiles of a loaded stack read it)."""
+        now = time.monotonic()
+        if now - self._step_log_at < STEP_LOG_S:
+            return
+        window = self.loop.timing.take_window()
+        if window.steps:
+            fixed_s, per_token_s = self.loop.timing.fit()
+            log.info(
+                "steps: %s; fit %.1f ms + %.2f ms/token",
+                window.describe(now - self._step_log_at),
+                fixed_s * 1e3,
+                per_token_s * 1e3,
+            )
+        self._step_log_at = now
 
     async def _heartbeats(self) -> None:
         subject = subjects.heartbeat(self.settings.role, self.worker_id)
         while not self.stopping.is_set():
             try:
                 await self.bus.publish(subject, await self.heartbeat())
+                self.log_step_timings()
             except Exception:
                 log.exception("heartbeat failed")
             with contextlib.suppress(TimeoutError):

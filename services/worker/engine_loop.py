@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 from tokenyard.engine.contract import Engine
 from tokenyard.engine.outputs import RequestOutput
 from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.services.worker.step_timing import StepTiming
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ class StepResult:
     kv_events: list[tuple[str, list[int]]]
     has_unfinished: bool
     seconds: float
-    stats: Any = None  # the engine's stats right after the step
+    tokens: int  # tokens the step computed
+    stats: Any  # the engine's stats right after the step
 
 
 class EngineLoop:
@@ -56,6 +58,7 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._on_kv_events = on_kv_events
         self.tokens_generated = 0
+        self.timing = StepTiming()
         self._stepping = False
         self._last_stats: Any = None
 
@@ -106,31 +109,49 @@ class EngineLoop:
         started = time.perf_counter()
         outputs = self.engine.step()
         events = self.engine.drain_kv_events()
-        return StepResult(
-            outputs,
-            events,
-            self.engine.has_unfinished(),
-            time.perf_counter() - started,
-            self.engine.stats(),
-        )
+        seconds = time.perf_counter() - started
+        tokens = int(getattr(self.engine, "last_step_tokens", len(outputs)))
+        stats = self.engine.stats()
+        return StepResult(outputs, events, self.engine.has_unfinished(), seconds, tokens, stats)
 
     async def run(self) -> None:
-        """Step while there is work; sleep on the wake event otherwise. Runs until cancelled."""
+        """Step while there is work; sleep on the wake event otherwise. Runs until cancelled.
+
+        The next step starts on the engine thread before this step's outputs are dispatched
+        on the loop, so publishing tokens overlaps computing the next ones instead of
+        leaving the engine idle (every engine call is still serialized on the one thread).
+        """
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while True:
-                self._stepping = True
-                try:
-                    result = await self.call(self._step)
-                finally:
-                    self._stepping = False
-                self._last_stats = result.stats
-                await self._dispatch(result)
-                if not result.has_unfinished:
-                    break
-                if not result.outputs and result.seconds < IDLE_STEP_S:
-                    await asyncio.sleep(IDLE_SLEEP_S)
+            self._stepping = True
+            try:
+                await self._step_until_idle()
+            finally:
+                self._stepping = False
+
+    async def _step_until_idle(self) -> None:
+        result = await self.call(self._step)
+        while True:
+            idle = not result.outputs and result.seconds < IDLE_STEP_S
+            ahead = None
+            if result.has_unfinished and not idle:
+                ahead = asyncio.ensure_future(self.call(self._step))
+            self._last_stats = result.stats
+            dispatched = time.perf_counter()
+            await self._dispatch(result)
+            self.timing.record(
+                result.tokens,
+                len(result.outputs),
+                result.seconds,
+                time.perf_counter() - dispatched,
+            )
+            if not result.has_unfinished:
+                break
+            if ahead is None:
+                await asyncio.sleep(IDLE_SLEEP_S)
+                ahead = asyncio.ensure_future(self.call(self._step))
+            result = await ahead
 
     async def _dispatch(self, result: StepResult) -> None:
         if result.kv_events and self._on_kv_events is not None:

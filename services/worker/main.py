@@ -87,7 +87,7 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, ready: Ready
     engine, params_cls = await asyncio.to_thread(build_engine, settings)
     bus = await Bus.connect(settings.nats_url, name=f"worker-{settings.worker_id}")
     worker = WorkerBase(settings, bus, engine, params_cls)
-    prefill = PrefillHandler(worker) if settings.prefills else None
+    prefill = PrefillHandler(worker) if settings.takes_prefill_jobs else None
     decode = DecodeHandler(worker) if settings.decodes else None
 
     async def on_drain(req: pb.DrainRequest, msg: Msg) -> None:

@@ -61,6 +61,9 @@ class WorkerSettings(BaseSettings):
     advertise_host: str = ""
     kv_port: int = 0  # 0 = any free port
     kv_transfer: bool = True  # False: decode workers always recompute the prompt
+    # A decode worker also takes whole requests (prefill here, then decode): the router's
+    # cost model sends it one when a hand-off from a prefill worker would not pay.
+    local_prefill: bool = True
     # Prefill side: keep the KV pool in shared memory, so a decode worker on this host
     # copies blocks straight from it (the "shm" transport) instead of through a socket.
     kv_shared_memory: bool = True
@@ -111,6 +114,11 @@ class WorkerSettings(BaseSettings):
     @property
     def prefills(self) -> bool:
         return can_prefill(self.role)
+
+    @property
+    def takes_prefill_jobs(self) -> bool:
+        """Prefill-capable, or a decode worker that prefills its own requests."""
+        return self.prefills or (self.decodes and self.local_prefill)
 
     @property
     def decodes(self) -> bool:

@@ -89,6 +89,7 @@ class LLMEngine:
         )
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        self.last_step_tokens = 0  # tokens the last step computed (prefill chunks + decodes)
         log.info("engine ready: %s, %s", self.model_id, self.memory.describe())
 
     # --- requests ------------------------------------------------------------------------
@@ -165,6 +166,7 @@ class LLMEngine:
             prefix_cache_queries=bm.stats.queries,
             num_preemptions=self.scheduler.num_preemptions,
             expert_tokens=[b.tokens_per_expert.tolist() for b in moe_blocks(self.runner.model)],
+            num_pending_prompt_tokens=self.scheduler.pending_prompt_tokens(),
         )
         if self.speculator is not None:
             spec = self.speculator.stats
@@ -189,6 +191,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        self.last_step_tokens = sum(s.num_tokens for s in batch)
         if not batch:
             return []
         # Grammar masks are computed on another thread while the model runs.

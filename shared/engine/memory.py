@@ -3,6 +3,8 @@ weights, KV cache, and buffers (RoPE tables and the step's activation workspace)
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +96,11 @@ def build_model_and_pool(
     if num_blocks < 2:
         raise ValueError(f"a KV budget of {kv_bytes} bytes holds fewer than 2 KV blocks")
     if config.kv_pool_factory is None:
-        kv_cache = torch.zeros(layout.pool_shape(num_blocks), dtype=dtype, device=device)
+        shape = layout.pool_shape(num_blocks)
+        if device.type == "cpu":
+            kv_cache = zeroed_pool(shape, dtype)
+        else:
+            kv_cache = torch.zeros(shape, dtype=dtype, device=device)
     else:
         kv_cache = config.kv_pool_factory(layout, num_blocks)
         assert kv_cache.shape == layout.pool_shape(num_blocks) and kv_cache.dtype == dtype
@@ -139,6 +145,15 @@ def kv_cache_budget(
             f"weights, {buffers_bytes / gib:.2f} GiB of buffers, {free / gib:.1f} GiB free"
         )
     return budget
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor in anonymous memory that becomes resident page by page as it is
+    written (torch.zeros writes every page up front: a large KV pool would count whole in
+    RSS before its first request)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def _weights_bytes(model: torch.nn.Module) -> int:

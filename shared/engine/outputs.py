@@ -50,6 +50,8 @@ class EngineStats:
     spec_mean_accepted_length: float = 0.0  # tokens emitted per verification, the bonus included
     # MoE load balance: tokens routed to each expert so far, [moe layer][expert] ([] if dense)
     expert_tokens: list[list[int]] = field(default_factory=list)
+    # Prompt tokens still to compute (queued and part-prefilled sequences): queued work.
+    num_pending_prompt_tokens: int = 0
 
 
 @dataclass

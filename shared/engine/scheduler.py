@@ -54,6 +54,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def pending_prompt_tokens(self) -> int:
+        """Prompt tokens not computed yet, over every queued or part-prefilled sequence."""
+        return sum(
+            max(0, s.num_prompt_tokens - s.num_computed_tokens)
+            for s in (*self.waiting, *self.running)
+        )
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []

@@ -36,6 +36,8 @@ class WorkerView:
     heartbeat: pb.WorkerHeartbeat
     last_seen: float  # the receiver's clock when that heartbeat arrived
     pending: int = 0  # placed here by this router since that heartbeat
+    pending_decodes: int = 0  # of those, the ones that also decode here
+    pending_prompt_tokens: int = 0  # their prompt tokens
 
     @cached_property
     def worker_id(self) -> str:
@@ -52,6 +54,11 @@ class WorkerView:
     @cached_property
     def prefills(self) -> bool:
         return can_prefill(self.role)
+
+    @cached_property
+    def local_prefill(self) -> bool:
+        """A decode worker that also runs whole requests (prefills its own)."""
+        return self.heartbeat.local_prefill
 
     @cached_property
     def decodes(self) -> bool:
@@ -113,10 +120,16 @@ class FleetView:
         # A new beat already counts what was placed before it: pending starts over.
         self.workers[hb.worker_id] = WorkerView(hb, now)
 
-    def placed(self, worker_id: str) -> None:
+    def placed(self, worker_id: str, *, decodes: bool = True, prompt_tokens: int = 0) -> None:
+        """Count a placement on ``worker_id`` until its next heartbeat counts it itself."""
         w = self.workers.get(worker_id)
         if w is not None:
-            self.workers[worker_id] = dataclasses.replace(w, pending=w.pending + 1)
+            self.workers[worker_id] = dataclasses.replace(
+                w,
+                pending=w.pending + 1,
+                pending_decodes=w.pending_decodes + decodes,
+                pending_prompt_tokens=w.pending_prompt_tokens + prompt_tokens,
+            )
 
     def __contains__(self, worker_id: str) -> bool:
         return worker_id in self.workers

@@ -46,7 +46,10 @@ class SimConfig:
     max_attempts: int = 20  # a request the router turns away is retried after Retry-After
     facilities: fpolicy.PolicySettings = field(default_factory=fpolicy.PolicySettings)
     derate_penalty: float = 0.5
-    router: PolicyConfig = field(default_factory=PolicyConfig)
+    # NOTE: simulated workers announce no measured step times, which the router's cost
+    # model (conditional disaggregation) needs; the simulation disaggregates every request
+    # a decode worker can take, as the former fixed threshold did for its long prompts.
+    router: PolicyConfig = field(default_factory=lambda: PolicyConfig(disaggregation="always"))
     # The share of TDP an accelerator draws: idle, and decoding a full batch; prefill draws all.
     idle_power_share: float = 0.2
     decode_power_share: float = 0.75

@@ -7,7 +7,7 @@ the session's end stops them all (process groups; children also die with this pr
         stack.gateway_url, stack.nats_url, stack.model_id
         extra = stack.add_worker("decode")   # a ChildProcess: .kill() plays a crash, .stop()
 
-The router here disaggregates every request (TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS=0)
+The router here disaggregates every request (TOKENYARD_ROUTER_DISAGGREGATION=always)
 so the suite exercises the prefill -> decode hand-off, not only the aggregated shortcut.
 """
 
@@ -30,7 +30,7 @@ def stack(launch_stack) -> Iterator[LocalStack]:
         kvcache=False,
         facilities=False,
         telemetry=False,
-        router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
+        router_env={"TOKENYARD_ROUTER_DISAGGREGATION": "always"},
     )
     with launch_stack(config) as s:
         s.wait_ready(timeout=300)
@@ -44,7 +44,7 @@ def telemetry_stack(launch_stack) -> Iterator[LocalStack]:
     config = StackConfig(
         port=free_port(),
         kvcache=False,
-        router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
+        router_env={"TOKENYARD_ROUTER_DISAGGREGATION": "always"},
         # A cleared fault lets its rack back to normal after 1 s, not the default 30 s.
         facilities_env={"TOKENYARD_FACILITIES_DWELL_S": "1"},
     )

@@ -91,7 +91,7 @@ def stack(tmp_path: Path):
         decode=2,
         facilities=False,
         log_dir=tmp_path,
-        router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
+        router_env={"TOKENYARD_ROUTER_DISAGGREGATION": "always"},
         worker_env={"TOKENYARD_WORKER_KV_CACHE_BYTES": str(128 << 20)},
     )
     with LocalStack(config) as s:

@@ -20,8 +20,8 @@ import infra
 
 pytestmark = pytest.mark.slow
 
-# Longer than the router's default disagg_min_prompt_tokens (256), which compose keeps: the
-# request is split between the prefill and the decode container.
+# The compose file's router splits every request between the prefill and the decode
+# container (TOKENYARD_ROUTER_DISAGGREGATION: always); a long prompt makes the KV pull visible.
 PROMPT = "List the planets of the solar system in order, with one fact about each. " * 20
 
 

@@ -35,7 +35,7 @@ def stack(launch_stack):
         kvcache=False,
         facilities=False,
         telemetry=False,
-        router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
+        router_env={"TOKENYARD_ROUTER_DISAGGREGATION": "always"},
         worker_env={"TOKENYARD_WORKER_KV_CACHE_BYTES": str(KV_BYTES)},
     )
     with launch_stack(config) as s:

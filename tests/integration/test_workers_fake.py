@@ -34,7 +34,7 @@ def expected(prompt: list[int], n: int) -> list[int]:
 
 
 def fake_config(
-    prefill: int, decode: int, *, step_s: float = 0.005, disagg_min: int = 0
+    prefill: int, decode: int, *, step_s: float = 0.005, disaggregation: str = "always"
 ) -> StackConfig:
     return StackConfig(
         prefill=prefill,
@@ -44,7 +44,7 @@ def fake_config(
         kvcache=False,
         facilities=False,
         telemetry=False,
-        router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": str(disagg_min)},
+        router_env={"TOKENYARD_ROUTER_DISAGGREGATION": disaggregation},
         worker_env={**FAST, "TOKENYARD_WORKER_FAKE_STEP_S": str(step_s)},
     )
 

@@ -26,7 +26,7 @@ def stack(launch_stack):
         gateway=False,
         kvcache=False,
         facilities=False,
-        router_env={"TOKENYARD_ROUTER_DISAGG_MIN_PROMPT_TOKENS": "0"},
+        router_env={"TOKENYARD_ROUTER_DISAGGREGATION": "always"},
         worker_env={
             "TOKENYARD_WORKER_KV_CACHE_BYTES": str(64 << 20),
             "TOKENYARD_WORKER_SPECULATIVE": '{"method": "ngram", "num_speculative_tokens": 4}',

@@ -28,7 +28,7 @@ def test_quantized_linear_matches_float_within_quantization_error(bits, max_rel)
     # the kernel computes exactly its dequantized weight times x (up to bf16 activations)
     assert torch.allclose(small, x @ dequantized(layer).T + linear.bias, atol=2e-2)
     # a step of many rows takes the dense weight: the float result, bit for bit
-    big = torch.randn(q.DENSE_ABOVE_ROWS[bits] + 1, 64)
+    big = torch.randn(layer.dense_above + 1, 64)
     assert torch.equal(layer(big), linear(big))
 
 
@@ -147,3 +147,15 @@ def test_deterministic_mode_needs_a_row_wise_kernel():
     for quantization in (None, "fp8"):
         with pytest.raises(ValueError, match="deterministic mode needs"):
             EngineConfig(dtype="bfloat16", quantization=quantization, deterministic=True)
+
+
+def test_one_thread_switches_int4_to_the_dense_weight_sooner():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = QuantizedLinear(_linear(), 4)
+        torch.set_num_threads(2)
+        two = QuantizedLinear(_linear(), 4)
+    finally:
+        torch.set_num_threads(before)
+    assert one.dense_above == q.DENSE_ABOVE_ROWS_ONE_THREAD[4] < two.dense_above

@@ -44,23 +44,64 @@ def req(tokens: int = 1000, cached: dict[str, int] | None = None, model: str = M
     return RouteInput("r1", model, tokens, cached or {})
 
 
-def test_long_prompt_is_disaggregated():
+def step_timed(w: WorkerView, fixed_ms: float, ms_per_token: float, queued: int = 0) -> WorkerView:
+    hb = pb.WorkerHeartbeat()
+    hb.CopyFrom(w.heartbeat)
+    hb.step_fixed_ms, hb.step_ms_per_token, hb.pending_prompt_tokens = (
+        fixed_ms,
+        ms_per_token,
+        queued,
+    )
+    return WorkerView(hb, last_seen=w.last_seen)
+
+
+def test_idle_pair_keeps_the_request_on_the_prefill_worker():
+    # Equal predicted ITL on both: the hand-off would cost and save nothing.
     out = choose(table(worker("p1", "prefill"), worker("d1", "decode")), req(1000), NOW)
     assert isinstance(out, pb.Placement)
-    assert (out.prefill_worker_id, out.decode_worker_id, out.disaggregated) == ("p1", "d1", True)
-
-
-def test_short_prompt_runs_aggregated_on_the_prefill_worker():
-    out = choose(table(worker("p1", "prefill"), worker("d1", "decode")), req(100), NOW)
-    assert isinstance(out, pb.Placement)
     assert (out.prefill_worker_id, out.decode_worker_id, out.disaggregated) == ("p1", "p1", False)
-    assert "short" in out.reason
+    assert "does not pay" in out.reason
 
 
-def test_threshold_is_a_setting():
-    config = PolicyConfig(disagg_min_prompt_tokens=0)
-    out = choose(table(worker("p1", "prefill"), worker("d1", "decode")), req(5), NOW, config=config)
+def test_busy_prefill_worker_hands_off_to_an_idle_decode_worker():
+    workers = table(worker("p1", "prefill", running=6), worker("d1", "decode", running=1))
+    out = choose(workers, RouteInput("r1", MODEL, 100, {}, max_tokens=128), NOW)
+    assert isinstance(out, pb.Placement)
+    assert (out.prefill_worker_id, out.decode_worker_id, out.disaggregated) == ("p1", "d1", True)
+    assert "faster" in out.reason
+
+
+def test_queued_prompts_on_the_prefill_worker_count_against_decoding_there():
+    p = step_timed(worker("p1", "prefill"), 5.0, 1.0, queued=4000)
+    d = step_timed(worker("d1", "decode", running=2), 5.0, 1.0)
+    out = choose(table(p, d), RouteInput("r1", MODEL, 100, {}, max_tokens=64), NOW)
     assert isinstance(out, pb.Placement) and out.disaggregated
+
+
+def test_a_short_reply_does_not_pay_for_a_hand_off():
+    # Same one-row ITL gap, but over 2 tokens it saves 2 ms against a 10+ ms hand-off.
+    workers = table(worker("p1", "prefill", running=1), worker("d1", "decode"))
+    out = choose(workers, RouteInput("r1", MODEL, 100, {}, max_tokens=2), NOW)
+    assert isinstance(out, pb.Placement) and not out.disaggregated
+    longer = choose(workers, RouteInput("r1", MODEL, 100, {}, max_tokens=128), NOW)
+    assert isinstance(longer, pb.Placement) and longer.disaggregated
+
+
+def test_measured_step_times_decide():
+    # d1 is measured slower per token (a loaded core): two more rows on p1 still win.
+    p = step_timed(worker("p1", "prefill", running=2), 2.0, 1.0)
+    d = step_timed(worker("d1", "decode"), 2.0, 4.0)
+    out = choose(table(p, d), RouteInput("r1", MODEL, 100, {}, max_tokens=128), NOW)
+    assert isinstance(out, pb.Placement) and not out.disaggregated
+
+
+def test_disaggregation_can_be_forced_either_way():
+    workers = table(worker("p1", "prefill"), worker("d1", "decode"))
+    out = choose(workers, req(5), NOW, config=PolicyConfig(disaggregation="always"))
+    assert isinstance(out, pb.Placement) and out.disaggregated
+    busy = table(worker("p1", "prefill", running=7), worker("d1", "decode"))
+    out = choose(busy, req(5), NOW, config=PolicyConfig(disaggregation="never"))
+    assert isinstance(out, pb.Placement) and not out.disaggregated
 
 
 def test_no_prefill_worker_is_no_workers():
@@ -102,7 +143,7 @@ def test_least_loaded_prefill_and_decode_win():
         worker("d1", "decode", running=7),
         worker("d2", "decode", running=2, waiting=1),
     )
-    out = choose(workers, req(), NOW)
+    out = choose(workers, req(), NOW, config=PolicyConfig(disaggregation="always"))
     assert isinstance(out, pb.Placement)
     assert (out.prefill_worker_id, out.decode_worker_id) == ("p2", "d2")
 
@@ -120,7 +161,7 @@ def test_prefix_overlap_beats_a_little_load():
         workers,
         req(1024, cached={"p1": 60}),
         NOW,
-        config=PolicyConfig(disagg_min_prompt_tokens=4096),
+        config=PolicyConfig(disaggregation="never"),
     )
     assert isinstance(out, pb.Placement)
     assert out.prefill_worker_id == "p1" and out.expected_cached_tokens == 960
@@ -162,7 +203,8 @@ def test_drained_decode_worker_gets_no_new_sequences():
     workers = table(
         worker("p1", "prefill"), worker("d1", "decode"), worker("d2", "decode", running=5)
     )
-    out = choose(workers, req(), NOW, facilities={"d1": FacilityState("drain")})
+    always = PolicyConfig(disaggregation="always")  # which decode worker, not whether
+    out = choose(workers, req(), NOW, facilities={"d1": FacilityState("drain")}, config=always)
     assert isinstance(out, pb.Placement) and out.decode_worker_id == "d2"
 
 
@@ -228,6 +270,35 @@ def test_drained_worker_gets_nothing_even_when_idle():
         "d1": FacilityState("drain"),
         "p2": FacilityState("derate", seq_cap=8, cost_penalty=0.5),
     }
-    out = choose(workers, req(), NOW, facilities=facilities)
+    always = PolicyConfig(disaggregation="always")  # which decode worker, not whether
+    out = choose(workers, req(), NOW, facilities=facilities, config=always)
     assert isinstance(out, pb.Placement)
     assert (out.prefill_worker_id, out.decode_worker_id) == ("p2", "d2")
+
+
+def local(w: WorkerView) -> WorkerView:
+    hb = pb.WorkerHeartbeat()
+    hb.CopyFrom(w.heartbeat)
+    hb.local_prefill = True
+    return WorkerView(hb, last_seen=w.last_seen)
+
+
+def test_a_decode_worker_with_local_prefill_runs_whole_requests_when_less_busy():
+    workers = table(worker("p1", "prefill", running=5), local(worker("d1", "decode", running=1)))
+    out = choose(workers, req(100), NOW)
+    assert isinstance(out, pb.Placement)
+    assert (out.prefill_worker_id, out.decode_worker_id, out.disaggregated) == ("d1", "d1", False)
+    assert "decode worker runs the whole request" in out.reason
+
+
+def test_local_prefill_is_not_used_when_disaggregation_is_forced():
+    workers = table(worker("p1", "prefill", running=5), local(worker("d1", "decode", running=1)))
+    out = choose(workers, req(100), NOW, config=PolicyConfig(disaggregation="always"))
+    assert isinstance(out, pb.Placement)
+    assert (out.prefill_worker_id, out.decode_worker_id, out.disaggregated) == ("p1", "d1", True)
+
+
+def test_without_local_prefill_a_decode_worker_never_takes_the_prompt():
+    workers = table(worker("p1", "prefill", running=5), worker("d1", "decode", running=0))
+    out = choose(workers, req(100), NOW)
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p1"

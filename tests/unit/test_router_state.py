@@ -64,7 +64,7 @@ def heartbeat(worker: str, role: str, running: int = 0) -> pb.WorkerHeartbeat:
 def test_handler_routes_by_overlap_and_spreads_load():
     now = [0.0]
     handler = RouterHandler(
-        Bus.__new__(Bus), PolicyConfig(disagg_min_prompt_tokens=10_000), clock=lambda: now[0]
+        Bus.__new__(Bus), PolicyConfig(disaggregation="never"), clock=lambda: now[0]
     )
     for w in ("p1", "p2"):
         handler.fleet.on_heartbeat(heartbeat(w, "prefill"), 0.0)

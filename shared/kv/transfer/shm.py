@@ -36,8 +36,9 @@ def allocate_shared_pool(layout: KVLayout, num_blocks: int) -> tuple[torch.Tenso
     nbytes = layout.block_nbytes * num_blocks
     shm = SharedMemory(name=f"ty-kv-{uuid.uuid4().hex[:16]}", create=True, size=max(nbytes, 1))
     flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
+    # NOTE: a new segment reads as zeros already; writing zeros would make every page
+    # resident at once instead of as blocks are first used.
     pool = flat.view(layout.torch_dtype).view(layout.pool_shape(num_blocks))
-    pool.zero_()
     with _LOCK:
         if not _OWNED:
             atexit.register(_unlink_all)

