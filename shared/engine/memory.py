@@ -77,14 +77,7 @@ def build_model_and_pool(
         model.rope.cos, model.rope.sin = model.rope.cos.to(device), model.rope.sin.to(device)
     if config.quantization:
         quantize(model, config.quantization, keep_dense=not config.deterministic)
-    layout = KVLayout(
-        model_id=loaded.model_id,
-        dtype=config.dtype,
-        block_size=config.block_size,
-        num_layers=mc.num_hidden_layers,
-        num_kv_heads=mc.num_key_value_heads,
-        head_dim=mc.head_dim,
-    )
+    layout = kv_layout(loaded, config)
     weights_bytes = _weights_bytes(model)
     buffers_bytes = _buffers_bytes(model, config, dtype)
     free = total = own = 0
@@ -201,3 +194,16 @@ def _buffers_bytes(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.d
     )
     activations = t * per_row * dtype.itemsize + config.max_num_seqs * mc.vocab_size * 4
     return rope + activations
+
+
+def kv_layout(loaded: LoadedModel, config: EngineConfig) -> KVLayout:
+    """The KV pool's layout for this model at the config's dtype and block size."""
+    mc = loaded.config
+    return KVLayout(
+        model_id=loaded.model_id,
+        dtype=config.dtype,
+        block_size=config.block_size,
+        num_layers=mc.num_hidden_layers,
+        num_kv_heads=mc.num_key_value_heads,
+        head_dim=mc.head_dim,
+    )

@@ -7,25 +7,9 @@ from pathlib import Path
 
 import pytest
 from compose_hosts import COMPOSE_FILE, ROOT, compose_config
+from service_settings import SETTINGS
 
-from tokenyard.grpc_security import GrpcSecurity
 from tokenyard.net import is_wildcard
-from tokenyard.services.facilities.settings import FacilitiesSettings
-from tokenyard.services.gateway.settings import GatewaySettings
-from tokenyard.services.kvcache.settings import KVCacheSettings
-from tokenyard.services.router.settings import RouterSettings
-from tokenyard.services.telemetry.settings import TelemetrySettings
-from tokenyard.services.worker.settings import WorkerSettings
-
-SETTINGS = {
-    "TOKENYARD_GATEWAY_": GatewaySettings,
-    "TOKENYARD_ROUTER_": RouterSettings,
-    "TOKENYARD_WORKER_": WorkerSettings,
-    "TOKENYARD_KVCACHE_": KVCacheSettings,
-    "TOKENYARD_FACILITIES_": FacilitiesSettings,
-    "TOKENYARD_TELEMETRY_": TelemetrySettings,
-    "TOKENYARD_GRPC_": GrpcSecurity,
-}
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from kustomize_render import containers, render
-
-from tokenyard.grpc_security import GrpcSecurity
-from tokenyard.services.facilities.settings import FacilitiesSettings
-from tokenyard.services.gateway.settings import GatewaySettings
-from tokenyard.services.kvcache.settings import KVCacheSettings
-from tokenyard.services.router.settings import RouterSettings
-from tokenyard.services.telemetry.settings import TelemetrySettings
-from tokenyard.services.worker.settings import WorkerSettings
+from service_settings import SETTINGS
 
 K8S = Path(__file__).resolve().parents[2] / "infra" / "k8s"
 OVERLAYS = ["cpu", "gpu"]
@@ -28,15 +21,6 @@ CRD_SCHEMAS = {
     ("keda.sh/v1alpha1", "ScaledObject"): Path(__file__).parent
     / "schemas"
     / "keda-scaledobject-v1alpha1.json"
-}
-SETTINGS = {
-    "TOKENYARD_GATEWAY_": GatewaySettings,
-    "TOKENYARD_ROUTER_": RouterSettings,
-    "TOKENYARD_WORKER_": WorkerSettings,
-    "TOKENYARD_KVCACHE_": KVCacheSettings,
-    "TOKENYARD_FACILITIES_": FacilitiesSettings,
-    "TOKENYARD_TELEMETRY_": TelemetrySettings,
-    "TOKENYARD_GRPC_": GrpcSecurity,
 }
 SERVICES = {"gateway", "router", "prefill", "decode", "kvcache", "facilities", "telemetry"}
 

@@ -24,14 +24,13 @@ import copy
 import torch
 
 from tokenyard.engine.config import EngineConfig
-from tokenyard.engine.memory import build_model_and_pool
+from tokenyard.engine.memory import build_model_and_pool, kv_layout
 from tokenyard.engine.model_runner import InputSpan, ModelRunner
 from tokenyard.engine.sampler import filtered_probs, request_generator
 from tokenyard.engine.sequence import Sequence
 from tokenyard.engine.spec.config import SpeculativeConfig
-from tokenyard.kv.layout import KVLayout
 from tokenyard.models.llama import LlamaForCausalLM
-from tokenyard.models.loader import LoadedModel, load_model
+from tokenyard.models.loader import load_model
 from tokenyard.models.quantize import quantize
 
 DRAFT_STREAM = 1  # the draft draws from its own seeded stream, independent of verification's
@@ -161,7 +160,7 @@ def build_draft(
         block_size=target_config.block_size,
         max_num_batched_tokens=budget,
         max_model_len=target_config.max_model_len,
-        kv_cache_bytes=num_blocks * _block_nbytes(loaded, probe),
+        kv_cache_bytes=num_blocks * kv_layout(loaded, probe).block_nbytes,
     )
     model, kv_cache, _layout, _report = build_model_and_pool(loaded, draft_config)
     assert kv_cache.shape[0] == num_blocks
@@ -175,16 +174,3 @@ def self_draft(target: LlamaForCausalLM, mode: str) -> LlamaForCausalLM:
     shared[id(target.rope)] = target.rope  # the RoPE tables: plain attributes, shared too
     draft = copy.deepcopy(target, memo=shared)
     return quantize(draft, mode, keep_dense=True)
-
-
-def _block_nbytes(loaded: LoadedModel, config: EngineConfig) -> int:
-    mc = loaded.config
-    layout = KVLayout(
-        model_id=loaded.model_id,
-        dtype=config.dtype,
-        block_size=config.block_size,
-        num_layers=mc.num_hidden_layers,
-        num_kv_heads=mc.num_key_value_heads,
-        head_dim=mc.head_dim,
-    )
-    return layout.block_nbytes
