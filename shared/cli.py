@@ -15,6 +15,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("tokenyard.services.up", "run the whole stack on this machine"),
     "bench": ("tokenyard.bench.cli", "benchmark an OpenAI-compatible server"),
     "keys": ("tokenyard.services.keys", "create, list and revoke the gateway's API keys"),
+    "nats-config": (
+        "tokenyard.bus.nats_config_cli",
+        "NATS users and permissions for compose and Kubernetes; fresh passwords",
+    ),
     "plan": ("tokenyard.planner.cli", "size a fleet: GPUs, racks and kW for a model and workload"),
     "simulate": ("tokenyard.sim.cli", "simulate a fleet under load with the router's policy"),
 }

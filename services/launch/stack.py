@@ -140,7 +140,9 @@ class LocalStack:
         try:
             # Before any process starts: a stack that cannot be whole does not start at all.
             inventory = facilities_inventory() if self.config.facilities else None
-            if not self.nats_url:
+            if self.config.nats_url:
+                self.nats_url = self._nats_url_for(auth.operator())
+            else:
                 self._start_nats()
             self._spawn(
                 "router",
@@ -211,11 +213,22 @@ class LocalStack:
         path.touch(mode=0o600)
         path.write_text(text)
 
-    def _nats_url_for(self, user: auth.NatsUser) -> str:
+    def _nats_url_for(self, user: auth.NatsUser, pool: str | None = None) -> str:
         """The URL a service connects with: its user's credentials on the embedded server.
         A user the server does not know yet (a worker added later) is added, and the
-        server reloads its configuration (SIGHUP) before the service starts."""
-        if not self.config.nats_auth or self.config.nats_url:
+        server reloads its configuration (SIGHUP) before the service starts.
+
+        On an external NATS: the URL's own credentials when it has some, else the
+        service's deployment user (a worker's is its `pool`) when its password is in the
+        environment (`TOKENYARD_NATS_<USER>_PASSWORD`, `tokenyard nats-config`)."""
+        if self.config.nats_url:
+            try:
+                return auth.credentials_from_env(
+                    self.config.nats_url, pool or user.name, os.environ
+                )
+            except ValueError as exc:
+                raise StackError(str(exc)) from exc
+        if not self.config.nats_auth:
             return self._nats_server_url
         known = {u.name: u for u in self.nats_users}
         if user.name not in known:
@@ -235,7 +248,9 @@ class LocalStack:
         module = "tokenyard.services.decode" if role == "decode" else "tokenyard.services.prefill"
         settings = {
             "TOKENYARD_WORKER_NUM_THREADS": str(self._threads_per_worker()),
-            "TOKENYARD_WORKER_NATS_URL": self._nats_url_for(auth.worker(role, worker_id)),
+            "TOKENYARD_WORKER_NATS_URL": self._nats_url_for(
+                auth.worker(role, worker_id), pool=role
+            ),
             "TOKENYARD_WORKER_ROLE": role,
             "TOKENYARD_GRPC_TOKEN": self.grpc_token,
             "TOKENYARD_WORKER_WORKER_ID": worker_id,

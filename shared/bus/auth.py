@@ -9,13 +9,19 @@ its role does:
 
 A new service gets its permissions by adding one function here (see `telemetry`).
 Replies to requests go to the requester's inbox and are allowed by `allow_responses`.
+
+A deployment (compose, Kubernetes) cannot know its workers' ids in advance, so it has one
+user per pool instead (`pool("decode")`), and its passwords are not in the file: the
+server reads each from an environment variable (`deployment_config()`, written by
+`tokenyard nats-config`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from tokenyard.bus import subjects
@@ -132,19 +138,63 @@ def telemetry() -> NatsUser:
     )
 
 
+def pool(role: str) -> NatsUser:
+    """Every worker of one role under one user (named after the role): what any of them
+    may do, for a deployment that scales a pool without naming its workers first."""
+    return replace(worker(role, "*"), name=role)
+
+
 def operator() -> NatsUser:
     """Everything: for the person running the stack (and tests that play a service)."""
     return NatsUser("operator", publish=[">"], subscribe=[">"], replies=True)
 
 
-def _user_block(user: NatsUser) -> dict:
+def deployment_users() -> list[NatsUser]:
+    """The users of a compose or Kubernetes deployment: one per service, one per pool."""
+    return [
+        operator(),
+        router(),
+        gateway(),
+        pool("prefill"),
+        pool("decode"),
+        facilities(),
+        telemetry(),
+    ]
+
+
+# nats-server parses an environment variable's value as it would a literal in its file: a
+# leading digit makes a number, `true` a boolean. A letter first and no punctuation but
+# `-` and `_` keeps a password a string (and needs no quoting in a URL).
+PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9_-]{15,}")
+
+
+def new_password() -> str:
+    return "p" + secrets.token_hex(24)
+
+
+def password_variable(name: str) -> str:
+    """The environment variable a deployment keeps user `name`'s password in."""
+    return f"TOKENYARD_NATS_{name.upper().replace('-', '_')}_PASSWORD"
+
+
+def check_password(name: str, password: str) -> str:
+    if not PASSWORD.fullmatch(password):
+        raise ValueError(
+            f"{name}: a NATS password must be 16 or more letters, digits, - or _, "
+            "starting with a letter (nats-server reads anything else as another type)"
+        )
+    return password
+
+
+def _user_block(user: NatsUser, password: str | None = None) -> dict:
     permissions: dict = {
         "publish": {"allow": user.publish or ["_NOTHING_"]},
         "subscribe": {"allow": user.subscribe or ["_NOTHING_"]},
     }
     if user.replies:
         permissions["allow_responses"] = True
-    return {"user": user.name, "password": user.password, "permissions": permissions}
+    password = user.password if password is None else password
+    return {"user": user.name, "password": password, "permissions": permissions}
 
 
 def server_config(users: list[NatsUser], *, host: str, port: int, store_dir: str) -> str:
@@ -157,6 +207,28 @@ def server_config(users: list[NatsUser], *, host: str, port: int, store_dir: str
         "authorization": {"users": [_user_block(u) for u in users]},
     }
     return json.dumps(config, indent=1)
+
+
+def deployment_config(users: list[NatsUser]) -> str:
+    """The `authorization` part of a nats-server configuration for these users, each
+    password a reference to its environment variable (`password_variable`): the file holds
+    no secret, and compose or Kubernetes set the variables from theirs."""
+    marker = "@@password@@"
+    blocks = [_user_block(u, f"{marker}{password_variable(u.name)}") for u in users]
+    text = "authorization: " + json.dumps({"users": blocks}, indent=1)
+    return re.sub(rf'"{marker}(\w+)"', r"$\1", text) + "\n"
+
+
+def credentials_from_env(server_url: str, name: str, env: dict[str, str]) -> str:
+    """The URL a service of a deployment connects with: the URL's own credentials when it
+    has some, else user `name` with its password from `env` when set, else the URL as is."""
+    if urlsplit(server_url).username is not None:
+        return server_url
+    variable = password_variable(name)
+    password = env.get(variable)
+    if not password:
+        return server_url
+    return NatsUser(name, [], [], password=check_password(variable, password)).url(server_url)
 
 
 def redact(url: str) -> str:
