@@ -34,32 +34,34 @@ from pathlib import Path
 
 import yaml
 
+from tokenyard.bus import auth
 from tokenyard.bus.embedded import nats_server_binary
 from tokenyard.services.launch.procs import ChildProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 HOST_SERVICES = {"redis": 6379, "postgres": 5432}  # served by the host's own daemons
+# What `tokenyard nats-config --format env >> .env` gives compose: a password per NATS user.
+NATS_PASSWORDS = {
+    auth.password_variable(u.name): auth.new_password() for u in auth.deployment_users()
+}
 
 
 def compose_config(*args: str) -> dict:
-    """`docker-compose config`, parsed: the file with anchors, interpolation and paths resolved."""
-    out = subprocess.run(
-        [
-            "docker-compose",
-            "-f",
-            str(COMPOSE_FILE),
-            "--project-directory",
-            str(ROOT),
-            *args,
-            "config",
-        ],
+    """`docker-compose config`, parsed: the file with anchors, interpolation and paths
+    resolved, with the NATS passwords an operator keeps in `.env`."""
+    return yaml.safe_load(run_compose(*args, "config", env=NATS_PASSWORDS).stdout)
+
+
+def run_compose(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+    command = ["docker-compose", "-f", str(COMPOSE_FILE), "--project-directory", str(ROOT)]
+    return subprocess.run(
+        [*command, *args],
         capture_output=True,
         text=True,
-        check=True,
-        env=image_environment(),
+        check=check,
+        env={**image_environment(), **env},
     )
-    return yaml.safe_load(out.stdout)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 No container engine runs here, so the compose file's service graph runs as host processes
 with the environment compose gives each container (tests/e2e/compose_hosts.py says how
-addresses and volumes are mapped), and a chat completion goes through the gateway.
+addresses and volumes are mapped), and a chat completion goes through the gateway. NATS
+runs with the compose file's users (infra/nats/users.conf, passwords as `.env` would give
+them), so every service, the telemetry console included, speaks as its own user.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ pytestmark = pytest.mark.slow
 
 # The compose file's router splits every request between the prefill and the decode
 # container (TOKENYARD_ROUTER_DISAGGREGATION: always); a long prompt makes the KV pull visible.
+# The services whose spans the console must show for a request split between the pools.
+SPAN_SOURCES = {"gateway", "router", "worker-prefill", "worker-decode"}
 PROMPT = "List the planets of the solar system in order, with one fact about each. " * 20
 
 
@@ -33,14 +37,14 @@ def compose(tmp_path_factory):
     hosts = ComposeHosts(compose_config(), log_dir=tmp_path_factory.mktemp("compose-logs"))
     try:
         hosts.start(timeout=420)
-        for name in ("gateway", "prefill", "decode", "facilities"):
+        for name in ("gateway", "prefill", "decode", "facilities", "telemetry"):
             hosts.wait_for(hosts.services[name], "service_healthy", 300)
         yield hosts
     finally:
         hosts.stop()
 
 
-def _post(url: str, body: dict, tries: int = 3) -> dict:
+def _post(url: str, body: dict, tries: int = 3) -> tuple[dict, str]:
     """POST as an OpenAI client would: a 503 means "retry after Retry-After seconds" (on
     this shared 2-core machine, the first request can find the router still busy)."""
     request = urllib.request.Request(
@@ -49,7 +53,7 @@ def _post(url: str, body: dict, tries: int = 3) -> dict:
     for attempt in range(tries):
         try:
             with urllib.request.urlopen(request, timeout=180) as resp:
-                return json.loads(resp.read())
+                return json.loads(resp.read()), resp.headers["x-request-id"]
         except urllib.error.HTTPError as exc:
             detail = f"{exc.code}: {exc.read().decode()}"
             if exc.code != 503 or attempt == tries - 1:
@@ -69,7 +73,7 @@ def test_a_request_goes_through_the_compose_graph(compose):
 
     with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as resp:
         model = json.loads(resp.read())["data"][0]["id"]
-    answer = _post(
+    answer, request_id = _post(
         f"{base}/v1/chat/completions",
         {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8},
     )
@@ -90,6 +94,43 @@ def test_a_request_goes_through_the_compose_graph(compose):
         r"KV pull \S+: \d+ blocks, [\d.]+ MB via (\w+)", _log(compose, "decode", "KV pull")
     )
     assert pulls and set(pulls) <= {"mooncake", "grpc"}
+
+    # The console saw the request's spans from the gateway and both pools (over NATS, as
+    # the telemetry user, from services each with their own user).
+    trace = _trace(compose, request_id)
+    assert {s["service"] for s in trace["spans"]} >= SPAN_SOURCES
+
+
+def test_nats_refuses_a_connection_without_a_user(compose):
+    import asyncio
+
+    from tokenyard.bus.nats import Bus, BusError
+
+    nats = compose.services["nats"]
+
+    async def anonymous() -> None:
+        await Bus.connect(f"nats://{nats.address}:4222", name="stranger", first_connect_timeout=3)
+
+    with pytest.raises(BusError, match="cannot connect"):
+        asyncio.run(anonymous())
+
+
+def _trace(compose: ComposeHosts, request_id: str, timeout: float = 60) -> dict:
+    telemetry = compose.services["telemetry"]
+    port = telemetry.spec["ports"][0]["target"]
+    url = f"http://{telemetry.address}:{port}/api/requests/{request_id}/trace"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                trace = json.loads(resp.read())
+            services = {s["service"] for s in trace["spans"]}
+            if services >= SPAN_SOURCES or time.monotonic() > deadline:
+                return trace
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404 or time.monotonic() > deadline:
+                raise
+        time.sleep(1)
 
 
 def _log(compose: ComposeHosts, service: str, wanted: str, timeout: float = 20) -> str:
