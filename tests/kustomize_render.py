@@ -10,7 +10,13 @@ from pathlib import Path
 import jsonpatch
 import yaml
 
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+CLUSTER_SCOPED = {
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "CustomResourceDefinition",
+    "APIService",
+}
 KNOWN_KEYS = {"apiVersion", "kind", "namespace", "resources", "images", "patches"}
 
 

@@ -5,6 +5,8 @@ wired the way docs/deploy.md says."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -13,6 +15,10 @@ import pytest
 import yaml
 from kustomize_render import containers, render
 from service_settings import SETTINGS
+
+from tokenyard.bus import auth
+from tokenyard.bus.embedded import nats_server_binary
+from tokenyard.bus.nats_config_cli import CONFIG_FILE, SECRET, secret_key
 
 K8S = Path(__file__).resolve().parents[2] / "infra" / "k8s"
 OVERLAYS = ["cpu", "gpu"]
@@ -23,6 +29,7 @@ CRD_SCHEMAS = {
     / "keda-scaledobject-v1alpha1.json"
 }
 SERVICES = {"gateway", "router", "prefill", "decode", "kvcache", "facilities", "telemetry"}
+ADAPTER = K8S / "prometheus-adapter"
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -157,3 +164,82 @@ def test_only_the_gateway_is_reachable_from_outside(overlay):
 def test_kustomizations_only_use_what_the_renderer_knows():
     for path in K8S.rglob("kustomization.yaml"):
         assert yaml.safe_load(path.read_text())["kind"] == "Kustomization"
+
+
+def test_nats_clients_log_in_as_their_own_user_with_a_password_from_the_secret(overlay):
+    _, docs = overlay
+    users = {u.name for u in auth.deployment_users()}
+    for name, doc in by(docs, "Deployment").items():
+        if name in ("kvcache", "redis"):  # no NATS
+            continue
+        env = containers(doc)[0]["env"]
+        names = [e["name"] for e in env]
+        url = next(e["value"] for e in env if e["name"].endswith("_NATS_URL"))
+        # Kubernetes expands $(VAR) only from variables defined before it.
+        assert url == f"nats://{name}:$(NATS_PASSWORD)@nats:4222", name
+        assert names.index("NATS_PASSWORD") < names.index(next(n for n in names if "NATS_URL" in n))
+        ref = env[names.index("NATS_PASSWORD")]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": SECRET, "key": secret_key(name)} and name in users
+
+
+def test_nats_reads_the_generated_users_and_every_password(overlay):
+    _, docs = overlay
+    nats = by(docs, "StatefulSet")["nats"]
+    sources = next(v for v in nats["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
+    maps = [s["configMap"]["name"] for s in sources["projected"]["sources"]]
+    assert maps == ["nats-config", "nats-users"]
+    users_conf = by(docs, "ConfigMap")["nats-users"]["data"][CONFIG_FILE]
+    assert users_conf == auth.deployment_config(auth.deployment_users())
+    assert f"include ./{CONFIG_FILE}" in by(docs, "ConfigMap")["nats-config"]["data"]["nats.conf"]
+    env = env_of(containers(nats)[0])
+    for user in auth.deployment_users():
+        ref = env[auth.password_variable(user.name)]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": SECRET, "key": secret_key(user.name)}
+        assert "optional" not in ref  # no Secret, no NATS: never one without passwords
+
+
+def test_nats_server_accepts_the_cluster_config_with_its_users(tmp_path):
+    docs = render(K8S / "base")
+    configs = by(docs, "ConfigMap")
+    for name in ("nats-config", "nats-users"):
+        for file, text in configs[name]["data"].items():
+            (tmp_path / file).write_text(text)
+    env = {auth.password_variable(u.name): auth.new_password() for u in auth.deployment_users()}
+    argv = [nats_server_binary(), "-t", "-c", str(tmp_path / "nats.conf")]
+    ok = subprocess.run(argv, capture_output=True, text=True, env={**env, "POD_NAME": "nats-0"})
+    assert ok.returncode == 0, ok.stderr
+    # A missing password stops the server: the test above is not vacuous.
+    del env[auth.password_variable("decode")]
+    bad = subprocess.run(argv, capture_output=True, text=True, env={**env, "POD_NAME": "nats-0"})
+    assert bad.returncode != 0 and "TOKENYARD_NATS_DECODE_PASSWORD" in bad.stderr
+
+
+def test_prometheus_adapter_is_valid_and_serves_the_decode_hpa_its_metric():
+    docs = render(ADAPTER)
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    api = by(docs, "APIService")["v1beta1.custom.metrics.k8s.io"]["spec"]
+    service = by(docs, "Service")[api["service"]["name"]]
+    assert service["metadata"]["namespace"] == api["service"]["namespace"]
+    adapter = by(docs, "Deployment")["prometheus-adapter"]
+    pod = adapter["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    main = containers(adapter)[0]
+    assert main["readinessProbe"] and main["livenessProbe"]
+    assert pod["spec"]["serviceAccountName"] == "prometheus-adapter"
+    # The RoleBinding that reads the API server's authentication settings stays in kube-system.
+    assert by(docs, "RoleBinding")["prometheus-adapter-auth-reader"]["metadata"]["namespace"] == (
+        "kube-system"
+    )
+    # --config is the mounted ConfigMap, whose rules name the metric the HPA asks for.
+    config = next(a.split("=", 1)[1] for a in main["args"] if a.startswith("--config="))
+    mount = next(m for m in main["volumeMounts"] if config.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+    data = by(docs, "ConfigMap")[volume["configMap"]["name"]]["data"]
+    rules = yaml.safe_load(data[config.rsplit("/", 1)[1]])["rules"]
+    served = {r["name"]["as"]: r["seriesQuery"] for r in rules}
+    hpa = by(render(K8S / "base"), "HorizontalPodAutoscaler")["decode"]["spec"]
+    wanted = hpa["metrics"][0]["pods"]["metric"]["name"]
+    series = re.match(r"([\w:]+)\{", served[wanted]).group(1)
+    worker_metrics = (K8S.parents[1] / "services" / "worker" / "metrics.py").read_text()
+    assert f'"{series}"' in worker_metrics
