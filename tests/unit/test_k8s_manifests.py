@@ -76,8 +76,7 @@ def test_every_service_runs_with_probes_and_resources(overlay):
         assert doc["metadata"]["namespace"] == "tokenyard"
         for c in containers(doc):
             assert c["resources"]["requests"], (name, c["name"])
-            if c["name"] != "metrics":
-                assert c.get("readinessProbe") and c.get("livenessProbe"), (name, c["name"])
+            assert c.get("readinessProbe") and c.get("livenessProbe"), (name, c["name"])
         if name in SERVICES:
             main = containers(doc)[0]
             assert main["readinessProbe"]["httpGet"]["path"] == "/ready", name

@@ -54,3 +54,12 @@ def test_gpu_placement_spreads_workers_and_splits_each_gpus_share():
     assert placed == [("cuda:0", 0.45), ("cuda:1", 0.9), ("cuda:0", 0.45)]
     with pytest.raises(StackError, match="no CUDA GPU is visible"):
         launch.gpu_placement(0, 1, 0, 0.9)
+
+
+def test_an_external_nats_password_nats_server_would_misread_stops_the_start(monkeypatch, tmp_path):
+    monkeypatch.setenv("TOKENYARD_NATS_OPERATOR_PASSWORD", "12345678901234567")
+    config = StackConfig(nats_url="nats://127.0.0.1:4222", facilities=False, log_dir=tmp_path)
+    stack = LocalStack(config)
+    with pytest.raises(StackError, match="TOKENYARD_NATS_OPERATOR_PASSWORD"):
+        stack.start()
+    assert stack.procs == []
