@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -219,7 +220,7 @@ def deployment_config(users: list[NatsUser]) -> str:
     return re.sub(rf'"{marker}(\w+)"', r"$\1", text) + "\n"
 
 
-def credentials_from_env(server_url: str, name: str, env: dict[str, str]) -> str:
+def credentials_from_env(server_url: str, name: str, env: Mapping[str, str]) -> str:
     """The URL a service of a deployment connects with: the URL's own credentials when it
     has some, else user `name` with its password from `env` when set, else the URL as is."""
     if urlsplit(server_url).username is not None:
