@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenyard.engine.spec.config import SpeculativeConfig
@@ -14,10 +15,38 @@ if TYPE_CHECKING:
     from tokenyard.kv.layout import KVLayout
 
 
+def auto_dtype(device: str) -> str:
+    """The faster activation dtype for ``device``: see ``EngineConfig.dtype``."""
+    if device.startswith("cuda") or cpu_has_native_bf16():
+        return "bfloat16"
+    return "float32"
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (from /proc/cpuinfo's flags).
+
+    Without them a bf16 matmul is emulated: measured on a 2-core AVX-512 machine without
+    avx512_bf16, SmolLM2's projections at 32 rows took 9.2 ms in bf16 against 2.2 ms in fp32.
+    """
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86, Arm
+            flags = set(value.split())
+            return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return False
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # a .gguf file or an HF folder; None = the default model
-    dtype: str = "float32"  # weights and activations: float32 | bfloat16
+    # Weights and activations: float32 | bfloat16 | float16, or "auto": bfloat16 on a GPU
+    # and on a CPU that multiplies bf16 natively (AVX512-BF16, AMX, Arm BF16), float32 on
+    # other CPUs, where oneDNN emulates bf16 GEMMs at a third of fp32's speed.
+    dtype: str = "float32"
     # None | "int8" | "int4" | "fp8" (weight-only; tokenyard.models.quantize)
     quantization: str | None = None
     block_size: int = 16
@@ -48,6 +77,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            self.dtype = auto_dtype(self.device)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in (None, "int8", "int4", "fp8"):

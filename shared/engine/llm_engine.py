@@ -11,6 +11,9 @@ It implements tokenyard.engine.contract.Engine; all calls must come from one thr
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import itertools
 import logging
 from typing import Any, cast
@@ -53,6 +56,16 @@ __all__ = [
 ]
 
 
+def release_freed_heap() -> None:
+    """Hands the heap that loading freed back to the OS (glibc keeps it otherwise).
+
+    Loading dequantizes every weight to fp32 before the model casts and quantizes its own
+    copies; without this a bf16 + int4 worker kept about 300 MiB more resident."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 class LLMEngine:
     def __init__(
         self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None
@@ -90,6 +103,8 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.last_step_tokens = 0  # tokens the last step computed (prefill chunks + decodes)
+        del loaded
+        release_freed_heap()
         log.info("engine ready: %s, %s", self.model_id, self.memory.describe())
 
     # --- requests ------------------------------------------------------------------------

@@ -32,23 +32,37 @@ from tokenyard.kernels import cpu as cpu_kernels
 from tokenyard.models.module import LeanModule
 
 GROUP_SIZE = 32
-# Rows per step above which the dense bf16 matmul beats the weight-only kernel, measured on
-# a 2-core AVX-512 machine over a 30-layer model's projections (weights cold in cache).
-DENSE_ABOVE_ROWS = {8: 8, 4: 12}
 MODES = ("int8", "int4", "fp8")
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
+# Rows per step above which a layer's dense copy beats the weight-only kernel, by bits, for
+# the dense copy's dtype and torch's thread count. Measured over SmolLM2's four projection
+# shapes (a 30-layer model's weights, cold in cache) on 2-core AVX-512 machines:
+# - bf16 dense where the CPU multiplies bf16 natively (avx512_bf16): 12 rows on two threads;
+#   on one thread (each worker of a two-worker stack) the int4 kernel loses from about 8
+#   rows (2.1 ms dense against 2.4 ms int4 at 8 rows, 1.4 against 1.2 at 4);
+# - fp32 dense (`dtype="auto"` on CPUs without native bf16): int4 took 0.70x fp32's time at
+#   14 rows and 1.03x at 16, on one thread;
+# - bf16 dense emulated (no native bf16): slower than int4 at every decode batch measured
+#   (9.2 ms against 3.3 ms at 32 rows), so only prefill-sized steps use it.
+DENSE_ABOVE_ROWS = {
+    "bf16_native": {8: 8, 4: 12},
+    "bf16_native_one_thread": {8: 8, 4: 6},
+    "fp32": {8: 8, 4: 14},
+    "bf16_emulated": {8: 64, 4: 64},
+}
 
-# With one torch thread (each worker of a two-worker stack on two cores) torch's int4 kernel
-# loses to the dense matmul from about 8 rows: SmolLM2's four projection shapes took
-# 2.1 ms dense against 2.4 ms int4 at 8 rows, 1.4 against 1.2 at 4.
-DENSE_ABOVE_ROWS_ONE_THREAD = {8: 8, 4: 6}
 
-
-def dense_above_rows(bits: int) -> int:
+def dense_above_rows(bits: int, dense_dtype: torch.dtype = torch.bfloat16) -> int:
     """The row count above which a layer uses its dense copy, for torch's thread count now."""
-    table = DENSE_ABOVE_ROWS_ONE_THREAD if torch.get_num_threads() == 1 else DENSE_ABOVE_ROWS
-    return table[bits]
+    if dense_dtype == torch.float32:
+        return DENSE_ABOVE_ROWS["fp32"][bits]
+    from tokenyard.engine.config import cpu_has_native_bf16
+
+    if not cpu_has_native_bf16():
+        return DENSE_ABOVE_ROWS["bf16_emulated"][bits]
+    one = torch.get_num_threads() == 1
+    return DENSE_ABOVE_ROWS["bf16_native_one_thread" if one else "bf16_native"][bits]
 
 
 class QuantizedLinear(LeanModule):
@@ -66,7 +80,7 @@ class QuantizedLinear(LeanModule):
         self.out_features, self.in_features = w.shape
         self.bias = linear.bias
         self.dense = linear.weight if keep_dense else None
-        self.dense_above = dense_above_rows(bits)
+        self.dense_above = dense_above_rows(bits, linear.weight.dtype)
         if bits == 8:
             scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
             self.register_buffer(
@@ -134,7 +148,7 @@ class QuantizedLinear(LeanModule):
         if (
             self.bits != 8
             or kernels is None
-            or (self.dense is not None and x.shape[0] > DENSE_ABOVE_ROWS[self.bits])
+            or (self.dense is not None and x.shape[0] > self.dense_above)
         ):
             return self(x).float()
         y = self._quantized_mm(x.float())

@@ -230,11 +230,12 @@ def test_engine_in_bf16_int8_still_answers(make_engine):
     engine.block_manager.check_no_leaks()
 
 
-def test_greedy_answer_survives_a_prefix_cache_hit_on_the_shipped_precision(make_engine):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # what dtype="auto" picks
+def test_greedy_answer_survives_a_prefix_cache_hit_on_the_shipped_precision(make_engine, dtype):
     """bf16 + int4: a warm prefix cache runs the prompt's tail through the int4 kernel where a
     cold one ran it dense. With bf16 logits the top two tokens tied and the answer flipped
     ("Il Coriobella, Italy." cold, "The capital of Italy is Rome." warm); fp32 logits keep it."""
-    engine = make_engine(dtype="bfloat16", quantization="int4")
+    engine = make_engine(dtype=dtype, quantization="int4")
     params = SamplingParams(max_tokens=12, temperature=0)
     question = ["What is the capital of Italy?"]
     cold = generate(engine, question, params, prefix="cold")[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenyard.kernels import cpu as cpu_kernels
@@ -149,13 +150,53 @@ def test_deterministic_mode_needs_a_row_wise_kernel():
             EngineConfig(dtype="bfloat16", quantization=quantization, deterministic=True)
 
 
-def test_one_thread_switches_int4_to_the_dense_weight_sooner():
+def test_one_thread_switches_int4_to_the_native_bf16_dense_weight_sooner(monkeypatch):
+    import tokenyard.engine.config as config
+
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = QuantizedLinear(_linear(), 4)
+        one = QuantizedLinear(_linear().to(torch.bfloat16), 4)
         torch.set_num_threads(2)
-        two = QuantizedLinear(_linear(), 4)
+        two = QuantizedLinear(_linear().to(torch.bfloat16), 4)
     finally:
         torch.set_num_threads(before)
-    assert one.dense_above == q.DENSE_ABOVE_ROWS_ONE_THREAD[4] < two.dense_above
+    assert one.dense_above == q.DENSE_ABOVE_ROWS["bf16_native_one_thread"][4] < two.dense_above
+
+
+def test_the_dense_switch_follows_the_dense_copys_dtype_and_the_cpu(monkeypatch):
+    import tokenyard.engine.config as config
+
+    fp32 = QuantizedLinear(_linear().float(), 4)
+    assert fp32.dense_above == q.DENSE_ABOVE_ROWS["fp32"][4]
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
+    emulated = QuantizedLinear(_linear().to(torch.bfloat16), 4)
+    # an emulated bf16 matmul loses to int4 at every decode batch: only prefill steps use it
+    assert emulated.dense_above > fp32.dense_above
+    x = torch.randn(emulated.dense_above, emulated.in_features, dtype=torch.bfloat16)
+    # at the threshold itself the int4 kernel still runs; one row more takes the dense copy
+    assert torch.equal(emulated(x), emulated._quantized_mm(x) + emulated.bias)
+    more = torch.randn(emulated.dense_above + 1, emulated.in_features, dtype=torch.bfloat16)
+    assert torch.equal(emulated(more), F.linear(more, emulated.dense, emulated.bias))
+
+
+def test_auto_dtype_follows_the_device_and_the_cpu(monkeypatch):
+    import tokenyard.engine.config as config
+
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
+    assert config.EngineConfig(dtype="auto").dtype == "float32"
+    assert config.auto_dtype("cuda") == "bfloat16"
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    assert config.EngineConfig(dtype="auto").dtype == "bfloat16"
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
+    import tokenyard.engine.config as config
+
+    real_path = config.Path
+    for flags, native in (("fpu avx2 avx512f", False), ("fpu avx512f avx512_bf16", True)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(config, "Path", lambda _p, info=info: real_path(info))
+        assert config.cpu_has_native_bf16() is native
