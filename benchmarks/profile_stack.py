@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/profile_stack.py --concurrency 32 --num-prompts 64 \
         --out benchmarks/results/profile_stack.json [--aggregated]
 
-Starts the stack as `tokenyard up` does (bf16 + int4 workers, KV-cache and facilities
-services), warms it, then loads it with `tokenyard bench serve` (chat, fixed lengths,
---ignore-eos) while `py-spy record --format raw` samples every Python process of the stack
+Starts the stack as `tokenyard up` does (its defaults: dtype auto + int4 workers, KV-cache,
+facilities and telemetry services), warms it, then loads it with `tokenyard bench serve`
+(chat, fixed lengths, --ignore-eos) while `py-spy record --format raw` samples every Python process of the stack
 and /proc gives every process's CPU seconds and resident memory. Samples are put in
 buckets by the innermost frame that names a known part (model compute, sampler,
 scheduling, tokenizer, protobuf, NATS, HTTP/SSE, event loop); the workers' own step
@@ -29,7 +29,8 @@ from collections import Counter
 from pathlib import Path
 
 from tokenyard.bus.embedded import free_port
-from tokenyard.services.launch.stack import LocalStack, StackConfig
+from tokenyard.services import up
+from tokenyard.services.launch.stack import LocalStack
 
 # Innermost matching frame wins; earlier rows win over later ones within one frame.
 BUCKETS: list[tuple[str, tuple[str, ...]]] = [
@@ -99,12 +100,10 @@ def proc_rss_bytes(pid: int) -> int:
 
 
 def start_stack(args: argparse.Namespace, log_dir: Path) -> LocalStack:
-    config = StackConfig(
-        port=free_port(),
-        aggregated=args.aggregated,
-        log_dir=log_dir,
-        worker_env={"TOKENYARD_WORKER_DTYPE": "bfloat16", "TOKENYARD_WORKER_QUANTIZATION": "int4"},
-    )
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)  # exactly what `tokenyard up` runs, defaults included
+    argv = ["--port", str(free_port()), "--log-dir", str(log_dir)]
+    config = up.config_from(parser.parse_args(argv + (["--aggregated"] if args.aggregated else [])))
     stack = LocalStack(config).start()
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
