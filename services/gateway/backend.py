@@ -251,7 +251,8 @@ class NatsBackend:
         async def on_chunk(chunk: pb.TokenChunk, _: Msg) -> None:
             queue.put_nowait(chunk)
 
-        sub = await bus.subscribe(subjects.tokens(rid), pb.TokenChunk, on_chunk)
+        gateway_id = self.settings.instance_id
+        sub = await bus.subscribe(subjects.tokens(gateway_id, rid), pb.TokenChunk, on_chunk)
         try:
             placement = await self._route(
                 bus, rid, model, prompt_ids, params.max_tokens, params.cache_salt
@@ -263,6 +264,7 @@ class NatsBackend:
                 params=params,
                 decode_worker_id=placement.decode_worker_id,
                 arrival_unix_ns=time.time_ns(),
+                gateway_id=gateway_id,
             )
             await bus.js_publish(
                 subjects.prefill_worker_jobs(placement.prefill_worker_id), job, msg_id=rid
@@ -293,6 +295,7 @@ class NatsBackend:
             output_token_ids=streamed,
             params=params,
             arrival_unix_ns=time.time_ns(),
+            gateway_id=self.settings.instance_id,
         )
         bus = self._bus()
         for worker_id in resume_candidates(self.fleet.live(time.monotonic()), exclude=dead):
@@ -367,4 +370,5 @@ class NatsBackend:
     async def cancel(self, rid: str, reason: str) -> None:
         if self.connected():
             assert self.bus is not None
-            await self.bus.publish(subjects.cancel(rid), pb.Cancel(request_id=rid, reason=reason))
+            subject = subjects.cancel(self.settings.instance_id, rid)
+            await self.bus.publish(subject, pb.Cancel(request_id=rid, reason=reason))

@@ -118,6 +118,7 @@ class WorkerBase:
     def new_stream(
         self,
         request_id: str,
+        gateway_id: str,
         *,
         start_index: int = 0,
         cached_tokens: int | None = None,
@@ -126,6 +127,7 @@ class WorkerBase:
         stream = TokenStream(
             self.bus,
             self.worker_id,
+            gateway_id,
             request_id,
             self.decode_text,
             start_index=start_index,
@@ -141,6 +143,7 @@ class WorkerBase:
     async def generate(
         self,
         request_id: str,
+        gateway_id: str,
         prompt: list[int],
         params: pb.SamplingParams,
         *,
@@ -148,7 +151,7 @@ class WorkerBase:
         arrival_unix_ns: int = 0,
     ) -> TokenStream:
         """Run a request (or just its prefill) here; returns its stream once it has ended."""
-        stream = self.new_stream(request_id, arrival_unix_ns=arrival_unix_ns)
+        stream = self.new_stream(request_id, gateway_id, arrival_unix_ns=arrival_unix_ns)
         attributes = {REQUEST_ID: request_id, WORKER_ID: self.worker_id}
         # The queue span starts at the request's arrival: the work queue plus admission here.
         with _tracer.start_as_current_span(
@@ -208,6 +211,7 @@ class WorkerBase:
         )
         stream = self.new_stream(
             rid,
+            handoff.gateway_id,
             start_index=len(handoff.output_token_ids),
             cached_tokens=handoff.num_cached_tokens,
             arrival_unix_ns=handoff.arrival_unix_ns,

@@ -17,6 +17,7 @@ from tokenyard.v1 import serving_pb2 as pb
 from tokenyard.v1.facilities_pb2 import RackState, RackStateKind
 
 PROMPT = [5, 6, 7, 8]
+GW = "gw-test"  # the gateway the requests came from
 
 
 class RecordingBus:
@@ -27,7 +28,7 @@ class RecordingBus:
         self.sent.append((subject, message))
 
     def chunks(self, rid: str) -> list[pb.TokenChunk]:
-        return [m for s, m in self.sent if s == subjects.tokens(rid)]
+        return [m for s, m in self.sent if s == subjects.tokens(GW, rid)]
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def tokens_after(last: int, n: int) -> list[int]:
 
 
 async def test_generate_streams_one_chunk_per_step_with_indices(worker):
-    stream = await worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=4))
+    stream = await worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=4))
     chunks = worker.bus.chunks("r1")
     assert [c.index for c in chunks] == [0, 1, 2, 3]
     assert [t for c in chunks for t in c.token_ids] == tokens_after(PROMPT[-1], 4)
@@ -62,7 +63,9 @@ async def test_generate_streams_one_chunk_per_step_with_indices(worker):
 
 
 async def test_prefill_only_first_token_is_not_an_end(worker):
-    stream = await worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=8), prefill_only=True)
+    stream = await worker.generate(
+        "r1", GW, PROMPT, pb.SamplingParams(max_tokens=8), prefill_only=True
+    )
     (chunk,) = worker.bus.chunks("r1")
     assert await stream.done == "prefilled"
     assert chunk.index == 0 and not chunk.finished and chunk.finish_reason == ""
@@ -70,10 +73,13 @@ async def test_prefill_only_first_token_is_not_an_end(worker):
 
 
 async def test_decode_here_continues_at_the_next_index(worker):
-    first = await worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=5), prefill_only=True)
+    first = await worker.generate(
+        "r1", GW, PROMPT, pb.SamplingParams(max_tokens=5), prefill_only=True
+    )
     exported = await worker.loop.call(worker.engine.export_sequence, "r1")
     await worker.loop.call(worker.engine.release, "r1")
     handoff = pb.DecodeHandoff(
+        gateway_id=GW,
         request_id="r1",
         prompt_token_ids=exported.prompt_token_ids,
         output_token_ids=exported.output_token_ids,
@@ -91,7 +97,9 @@ async def test_decode_here_continues_at_the_next_index(worker):
 
 async def test_cancel_aborts_and_frees_blocks(worker):
     worker.engine.step_s = 0.01
-    task = asyncio.create_task(worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=1000)))
+    task = asyncio.create_task(
+        worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=1000))
+    )
     while not worker.bus.chunks("r1"):
         await asyncio.sleep(0.005)
     await worker.on_cancel(pb.Cancel(request_id="r1"), None)
@@ -104,7 +112,7 @@ async def test_cancel_aborts_and_frees_blocks(worker):
 
 
 async def test_bad_prompt_is_an_error_chunk(worker):
-    await worker.generate("r1", [], pb.SamplingParams(max_tokens=4))
+    await worker.generate("r1", GW, [], pb.SamplingParams(max_tokens=4))
     (chunk,) = worker.bus.chunks("r1")
     assert chunk.finished and chunk.finish_reason == "error"
     assert chunk.error.code == pb.Error.INVALID_REQUEST and "empty" in chunk.error.message
@@ -148,7 +156,7 @@ async def run_many(worker, n: int, max_tokens: int) -> tuple[list, int]:
     peak = 0
     tasks = [
         asyncio.create_task(
-            worker.generate(f"r{i}", PROMPT, pb.SamplingParams(max_tokens=max_tokens))
+            worker.generate(f"r{i}", GW, PROMPT, pb.SamplingParams(max_tokens=max_tokens))
         )
         for i in range(n)
     ]
@@ -183,7 +191,7 @@ async def test_cap_lifted_wakes_waiting_requests(worker):
     worker.engine.step_s = 0.01
     await worker.on_rack_state(rack_state(RackStateKind.RACK_STATE_DERATE, cap=1), None)
     tasks = [
-        asyncio.create_task(worker.generate(f"r{i}", PROMPT, pb.SamplingParams(max_tokens=50)))
+        asyncio.create_task(worker.generate(f"r{i}", GW, PROMPT, pb.SamplingParams(max_tokens=50)))
         for i in range(3)
     ]
     await asyncio.sleep(0.05)
@@ -198,8 +206,10 @@ async def test_cap_lifted_wakes_waiting_requests(worker):
 async def test_cancel_while_waiting_for_the_cap_never_reaches_the_engine(worker):
     worker.engine.step_s = 0.01
     await worker.on_rack_state(rack_state(RackStateKind.RACK_STATE_DERATE, cap=1), None)
-    first = asyncio.create_task(worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=30)))
-    queued = asyncio.create_task(worker.generate("r2", PROMPT, pb.SamplingParams(max_tokens=30)))
+    first = asyncio.create_task(worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=30)))
+    queued = asyncio.create_task(
+        worker.generate("r2", GW, PROMPT, pb.SamplingParams(max_tokens=30))
+    )
     await asyncio.sleep(0.03)
     await worker.on_cancel(pb.Cancel(request_id="r2"), None)
     assert await (await asyncio.wait_for(queued, 5)).done == "abort"
@@ -221,9 +231,10 @@ async def test_other_racks_state_does_not_cap_this_worker(worker):
 async def test_decode_here_while_the_prefill_still_holds_the_sequence(worker):
     # A refused hand-off: the KV server frees the hold in a task of its own, which may run
     # after decode_here's import. That used to fail with "request id ... already in use".
-    await worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=5), prefill_only=True)
+    await worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=5), prefill_only=True)
     exported = await worker.loop.call(worker.engine.export_sequence, "r1")
     handoff = pb.DecodeHandoff(
+        gateway_id=GW,
         request_id="r1",
         prompt_token_ids=exported.prompt_token_ids,
         output_token_ids=exported.output_token_ids,
@@ -241,7 +252,7 @@ async def test_redelivered_job_waits_for_the_running_one_and_shares_its_outcome(
     async def job() -> bool:
         nonlocal runs
         runs += 1
-        stream = await worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=20))
+        stream = await worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=20))
         return await stream.done == "length"
 
     worker.engine.step_s = 0.005
@@ -302,7 +313,9 @@ async def test_a_heartbeat_does_not_wait_for_a_long_engine_step(worker):
         return real_step()
 
     worker.engine.step = long_step
-    task = asyncio.create_task(worker.generate("r-long", PROMPT, pb.SamplingParams(max_tokens=2)))
+    task = asyncio.create_task(
+        worker.generate("r-long", GW, PROMPT, pb.SamplingParams(max_tokens=2))
+    )
     assert await asyncio.to_thread(entered.wait, 10)
     try:
         beat = await asyncio.wait_for(worker.heartbeat(), 5)
