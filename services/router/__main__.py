@@ -39,6 +39,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         stack.push_async_callback(bus.close)
         await stack.enter_async_context(spans_to_bus(bus, "router"))
         handler = RouterHandler(bus, policy_config(settings))
+        stack.push_async_callback(handler.close)
         await handler.fleet.racks.start(bus)  # ty.facilities.state.*: drained / derated racks
         await bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, handler.on_heartbeat)
         await bus.subscribe(subjects.KV_EVENTS_ALL, pb.KVEvent, handler.on_kv_event)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 
@@ -66,6 +67,9 @@ class WorkerBase:
         # None failed): a redelivered copy of it waits for that instead of running twice.
         self.jobs: dict[str, asyncio.Future[bool | None]] = {}
         self.stopping = asyncio.Event()
+        # KV events are numbered 1, 2, ... within this process's epoch (the router's
+        # tokenyard.services.router.kv_sync): a gap or a new epoch makes it ask for a dump.
+        self.kv_epoch = secrets.token_hex(8)
         self._kv_seq = 0
         self.metrics = WorkerMetrics(self.worker_id, settings.role, self.model_id)
         self._loop_task: asyncio.Task[None]
@@ -87,12 +91,10 @@ class WorkerBase:
         await self.bus.subscribe(
             subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self.on_peer_heartbeat
         )
-        await self.bus.publish(
-            subjects.kv_events(self.worker_id),
-            pb.KVEvent(
-                worker_id=self.worker_id, kind=pb.KVEvent.CLEARED, hash_version=HASH_SPEC_VERSION
-            ),
+        await self.bus.subscribe(
+            subjects.kv_resync(self.worker_id), pb.KVResyncRequest, self.on_kv_resync
         )
+        await self._publish_kv_events([("cleared", [])])  # event 1: a new process holds nothing
         tg.create_task(self._heartbeats(), name="heartbeats")
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -320,6 +322,8 @@ class WorkerBase:
             step_ms_per_token=per_token_s * 1e3,
             pending_prompt_tokens=stats.num_pending_prompt_tokens,
             local_prefill=self.settings.takes_prefill_jobs and not self.settings.prefills,
+            kv_epoch=self.kv_epoch,
+            kv_seq=self._kv_seq,
         )
 
     def log_step_timings(self) -> None:
@@ -363,8 +367,26 @@ class WorkerBase:
                 block_hashes=hashes,
                 hash_version=HASH_SPEC_VERSION,
                 seq=self._kv_seq,
+                epoch=self.kv_epoch,
             )
             await self.bus.publish(subjects.kv_events(self.worker_id), event)
+
+    async def on_kv_resync(self, req: pb.KVResyncRequest, msg: Msg) -> None:
+        """A router lost the thread of our KV events: answer with every block we hold."""
+        # NOTE: the seq is read before the engine call. Every event up to it was drained
+        # before the dump is taken, so the dump includes it; later events may or may not be
+        # in the dump, and the router applies them on top, which ends in the same state.
+        seq = self._kv_seq
+        hashes = await self.loop.call(self.engine.cached_block_hashes)
+        dump = pb.KVDump(
+            worker_id=self.worker_id,
+            epoch=self.kv_epoch,
+            seq=seq,
+            block_hashes=hashes,
+            hash_version=HASH_SPEC_VERSION,
+        )
+        log.info("KV resync for a router (%s): %d blocks", req.reason or "no reason", len(hashes))
+        await self.bus.reply(msg, dump)
 
 
 def stream_attributes(stream: TokenStream, prompt_tokens: int, reason: str) -> dict[str, object]:

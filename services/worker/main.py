@@ -88,7 +88,9 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, ready: Ready
     bus = await Bus.connect(settings.nats_url, name=f"worker-{settings.worker_id}")
     worker = WorkerBase(settings, bus, engine, params_cls)
     prefill = PrefillHandler(worker) if settings.takes_prefill_jobs else None
-    decode = DecodeHandler(worker) if settings.decodes else None
+    # Every role takes hand-offs: a prefill worker is asked only to resume a request whose
+    # decode worker died (tokenyard.fleet.resume_candidates), and decodes it as any would.
+    decode = DecodeHandler(worker)
 
     async def on_drain(req: pb.DrainRequest, msg: Msg) -> None:
         """An operator's drain: the graceful stop of SIGTERM, asked over NATS."""
