@@ -75,6 +75,9 @@ class WorkerBase:
         self._loop_task: asyncio.Task[None]
         self._tokens_at = (time.monotonic(), 0)
         self._step_log_at = time.monotonic()
+        # More reasons the worker may not take work (its work queue's consumer), registered
+        # by the role handlers.
+        self.readiness_checks: list[Callable[[], str | None]] = []
 
     @property
     def model_id(self) -> str:
@@ -286,7 +289,21 @@ class WorkerBase:
     def is_cancelled(self, request_id: str) -> bool:
         return request_id in self.cancelled
 
-    # --- heartbeats and KV events ------------------------------------------------------
+    # --- readiness, heartbeats and KV events --------------------------------------------
+
+    def not_ready(self) -> str | None:
+        """Why this worker cannot take work now (None: it can), from what it knows without
+        asking anyone: its NATS connection, its engine, its handlers' last checks."""
+        if not self.bus.nc.is_connected:
+            return "not connected to NATS"
+        stuck = self.loop.busy_for(time.monotonic())
+        if stuck > self.settings.engine_stall_s:
+            return f"the engine has not answered for {stuck:.0f} s"
+        for check in self.readiness_checks:
+            reason = check()
+            if reason is not None:
+                return reason
+        return None
 
     async def on_peer_heartbeat(self, hb: pb.WorkerHeartbeat, _msg: Msg) -> None:
         self.fleet.on_heartbeat(hb, time.monotonic())
@@ -324,6 +341,7 @@ class WorkerBase:
             local_prefill=self.settings.takes_prefill_jobs and not self.settings.prefills,
             kv_epoch=self.kv_epoch,
             kv_seq=self._kv_seq,
+            not_ready=self.not_ready() or "",
         )
 
     def log_step_timings(self) -> None:

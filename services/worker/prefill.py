@@ -56,6 +56,7 @@ class PrefillHandler:
             alive=worker.peer_alive,
             stopping=worker.stopping,
         )
+        worker.readiness_checks.append(self.queue.problem)
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         await self.cache.start()

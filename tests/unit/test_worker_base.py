@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,6 +24,7 @@ GW = "gw-test"  # the gateway the requests came from
 class RecordingBus:
     def __init__(self) -> None:
         self.sent: list[tuple[str, object]] = []
+        self.nc = SimpleNamespace(is_connected=True)
 
     async def publish(self, subject, message, headers=None) -> None:
         self.sent.append((subject, message))
@@ -323,3 +325,48 @@ async def test_a_heartbeat_does_not_wait_for_a_long_engine_step(worker):
     finally:
         release.set()
     await task
+
+
+async def test_a_stuck_engine_makes_the_worker_say_it_cannot_take_work(worker):
+    """/ready and the heartbeat tell the truth: the process still beats, the engine does not
+    answer, so the worker is not ready (and says why) until the engine call returns."""
+    import threading
+
+    worker.settings.engine_stall_s = 0.2
+    await worker.heartbeat()  # a first snapshot, taken while idle
+    assert worker.not_ready() is None
+    release = threading.Event()
+    stuck = asyncio.create_task(worker.loop.call(release.wait, 30))
+    try:
+        await asyncio.sleep(0.5)
+        assert "the engine has not answered" in (worker.not_ready() or "")
+        beat = await asyncio.wait_for(worker.heartbeat(), 5)  # still beats, from the snapshot
+        assert beat.not_ready.startswith("the engine has not answered")
+        worker.bus.nc.is_connected = False
+        assert worker.not_ready() == "not connected to NATS"
+        worker.bus.nc.is_connected = True
+    finally:
+        release.set()
+    await stuck
+    assert worker.not_ready() is None
+    assert (await worker.heartbeat()).not_ready == ""
+
+
+async def test_kv_events_are_numbered_in_one_epoch_and_a_resync_dumps_the_cache(worker):
+    await worker._publish_kv_events([("cleared", []), ("stored", [1, 2]), ("removed", [1])])
+    events = [m for s, m in worker.bus.sent if s == subjects.kv_events("w1")]
+    assert [e.seq for e in events] == [1, 2, 3]
+    assert {e.epoch for e in events} == {worker.kv_epoch} and worker.kv_epoch
+    beat = await worker.heartbeat()
+    assert (beat.kv_epoch, beat.kv_seq) == (worker.kv_epoch, 3)
+
+    class Replies(RecordingBus):
+        async def reply(self, msg, message) -> None:
+            self.sent.append(("reply", message))
+
+    worker.bus = Replies()
+    worker.engine.cached_block_hashes = lambda: [7, 8]  # the fake engine caches nothing
+    await worker.on_kv_resync(pb.KVResyncRequest(worker_id="w1"), None)
+    ((_, dump),) = worker.bus.sent
+    assert (dump.worker_id, dump.epoch, dump.seq) == ("w1", worker.kv_epoch, 3)
+    assert list(dump.block_hashes) == [7, 8]
