@@ -166,7 +166,9 @@ class WorkQueue(Generic[M]):
         except NotFoundError:
             self._problem = f"its JetStream consumer {name} is missing"
         except Exception as exc:  # timeout, no JetStream, connection trouble
-            self._problem = f"JetStream does not answer ({type(exc).__name__})"
+            # NOTE: not kept for the heartbeats: a slow answer under load is no proof that
+            # jobs cannot reach us, and the router would stop placing here for it.
+            return f"JetStream does not answer ({type(exc).__name__})"
         else:
             self._problem = None
         return self._problem
@@ -276,8 +278,7 @@ class WorkQueue(Generic[M]):
                 return
             try:
                 infos = await self.bus.js.consumers_info(self.spec.stream)
-            except Exception as exc:
-                self._problem = f"JetStream does not answer ({type(exc).__name__})"
+            except Exception:
                 log.debug("listing the consumers of %s failed", self.spec.stream, exc_info=True)
                 continue
             await self._keep_own_consumer({info.name for info in infos})
