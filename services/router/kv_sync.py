@@ -9,7 +9,7 @@ a dump of its cached blocks (``ty.kv.resync.<worker>``) and rebuild that worker'
     event after a gap, or of a new epoch    -> keep it aside, resync
       (a new epoch's seq 1 is a worker's first event: its stream starts there)
     heartbeat of an epoch we do not follow  -> resync (this router or that worker restarted)
-    two heartbeats announcing a seq we lack -> resync (the last events were lost)
+    a heartbeat's seq still missing at the next -> resync (the last events were lost)
     dump (epoch, seq, hashes)               -> replace the worker's blocks, then apply the
                                                events kept aside with seq after the dump's
 
@@ -35,7 +35,7 @@ class WorkerStream:
     seq: int = 0  # the last event applied
     resyncing: bool = False  # a dump was asked for and has not come
     buffered: list[pb.KVEvent] = field(default_factory=list)
-    behind: bool = False  # the last heartbeat announced an event we have not applied
+    announced: int = 0  # the seq the worker's last heartbeat announced
 
 
 class KVSync:
@@ -71,13 +71,12 @@ class KVSync:
             return False
         if hb.kv_epoch != s.epoch:
             return self._start_resync(s)
-        # NOTE: one heartbeat ahead is normal (the event may be on its way on another
-        # subscription); still ahead one interval later, the events are lost.
-        ahead = hb.kv_seq > s.seq
-        if ahead and s.behind:
-            return self._start_resync(s)
-        s.behind = ahead
-        return False
+        # NOTE: a busy worker's heartbeat is always a little ahead (its latest events are on
+        # their way on another subscription); what the previous heartbeat announced, one
+        # interval ago, must have arrived by now, or it was lost.
+        lost = s.announced > s.seq
+        s.announced = hb.kv_seq
+        return self._start_resync(s) if lost else False
 
     def on_dump(self, dump: pb.KVDump) -> bool:
         """Rebuild the worker's blocks from its dump; True = the events kept aside have a
@@ -87,7 +86,7 @@ class KVSync:
             self.index.replace(dump.worker_id, list(dump.block_hashes))
         else:
             self.index.forget(dump.worker_id)  # hashes of another scheme mean nothing here
-        s.epoch, s.seq, s.resyncing, s.behind = dump.epoch, dump.seq, False, False
+        s.epoch, s.seq, s.resyncing, s.announced = dump.epoch, dump.seq, False, 0
         later = [e for e in s.buffered if e.epoch == dump.epoch and e.seq > dump.seq]
         s.buffered = []
         later.sort(key=lambda e: e.seq)
