@@ -292,7 +292,12 @@ class WorkQueue(Generic[M]):
         if name in names:
             self._problem = None
             return
-        self._problem = f"its JetStream consumer {name} is missing"
+        if self.stopping.is_set():
+            return
+        # The listing is one page (256 consumers): ask for ours by name before making it.
+        await self.check()
+        if self._problem is None:  # it is there, or JetStream did not say it is not
+            return
         log.warning("consumer %s is gone; making it again", name)
         try:
             await self._add_own_consumer()
