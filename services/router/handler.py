@@ -90,10 +90,11 @@ class RouterHandler:
                 return
             again = self.kv.on_dump(dump)
             log.info(
-                "KV index of %s rebuilt: %d blocks as of event %d",
+                "KV index of %s rebuilt: %d blocks as of event %d%s",
                 worker_id,
                 len(dump.block_hashes),
                 dump.seq,
+                " (the most recent: more than one message holds)" if dump.truncated else "",
             )
 
     async def close(self) -> None:

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 CANCELLED_TTL_S = 300.0  # remember cancelled ids this long (their job may still be queued)
 STEP_LOG_S = 10.0  # how often a busy worker logs its step timings
+# A KV dump's bytes besides its hashes (ids, epoch, headers): what it leaves of max_payload.
+DUMP_OVERHEAD_BYTES = 4096
 
 
 class WorkerBase:
@@ -396,14 +398,21 @@ class WorkerBase:
         # in the dump, and the router applies them on top, which ends in the same state.
         seq = self._kv_seq
         hashes = await self.loop.call(self.engine.cached_block_hashes)
+        fits = max(0, (self.bus.nc.max_payload - DUMP_OVERHEAD_BYTES) // 8)  # fixed64 each
         dump = pb.KVDump(
             worker_id=self.worker_id,
             epoch=self.kv_epoch,
             seq=seq,
-            block_hashes=hashes,
+            block_hashes=hashes[-fits:] if fits else [],
             hash_version=HASH_SPEC_VERSION,
+            truncated=len(hashes) > fits,
         )
-        log.info("KV resync for a router (%s): %d blocks", req.reason or "no reason", len(hashes))
+        log.info(
+            "KV resync for a router (%s): %d of %d blocks",
+            req.reason or "no reason",
+            len(dump.block_hashes),
+            len(hashes),
+        )
         await self.bus.reply(msg, dump)
 
 

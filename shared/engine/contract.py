@@ -76,5 +76,6 @@ class Engine(Handoff, KVEngine, Protocol):
         ...
 
     def cached_block_hashes(self) -> list[int]:
-        """Every block hash the prefix cache holds now: the state those events describe."""
+        """Every block hash the prefix cache holds now (oldest cached first): the state
+        those events describe."""
         ...

@@ -327,18 +327,20 @@ class KVResyncRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class KVDump(_message.Message):
-    __slots__ = ("worker_id", "epoch", "seq", "block_hashes", "hash_version")
+    __slots__ = ("worker_id", "epoch", "seq", "block_hashes", "hash_version", "truncated")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     HASH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: str
     seq: int
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     hash_version: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., hash_version: _Optional[str] = ...) -> None: ...
+    truncated: bool
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., hash_version: _Optional[str] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class HandoffAck(_message.Message):
     __slots__ = ("request_id", "accepted", "message")

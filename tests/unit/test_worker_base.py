@@ -10,7 +10,7 @@ import pytest
 
 from tokenyard.bus import subjects
 from tokenyard.engine.sampling_params import SamplingParams
-from tokenyard.services.worker.base import WorkerBase
+from tokenyard.services.worker.base import DUMP_OVERHEAD_BYTES, WorkerBase
 from tokenyard.services.worker.convert import engine_params
 from tokenyard.services.worker.fake_engine import FakeEngine, next_token
 from tokenyard.services.worker.settings import WorkerSettings
@@ -24,7 +24,7 @@ GW = "gw-test"  # the gateway the requests came from
 class RecordingBus:
     def __init__(self) -> None:
         self.sent: list[tuple[str, object]] = []
-        self.nc = SimpleNamespace(is_connected=True)
+        self.nc = SimpleNamespace(is_connected=True, max_payload=1 << 20)
 
     async def publish(self, subject, message, headers=None) -> None:
         self.sent.append((subject, message))
@@ -369,4 +369,12 @@ async def test_kv_events_are_numbered_in_one_epoch_and_a_resync_dumps_the_cache(
     await worker.on_kv_resync(pb.KVResyncRequest(worker_id="w1"), None)
     ((_, dump),) = worker.bus.sent
     assert (dump.worker_id, dump.epoch, dump.seq) == ("w1", worker.kv_epoch, 3)
-    assert list(dump.block_hashes) == [7, 8]
+    assert list(dump.block_hashes) == [7, 8] and not dump.truncated
+
+    # More blocks than one message holds: the most recently cached ones, said so.
+    worker.bus = Replies()
+    worker.bus.nc.max_payload = DUMP_OVERHEAD_BYTES + 2 * 8
+    worker.engine.cached_block_hashes = lambda: [5, 6, 7, 8]  # oldest first
+    await worker.on_kv_resync(pb.KVResyncRequest(worker_id="w1"), None)
+    ((_, dump),) = worker.bus.sent
+    assert list(dump.block_hashes) == [7, 8] and dump.truncated
