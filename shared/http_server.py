@@ -5,7 +5,8 @@
         await stop.wait()
 
 - ``GET /health``: 200 while the process lives (the event loop answers).
-- ``GET /ready``: 200 when ``ready()`` returns None, else 503 with the reason it returned.
+- ``GET /ready``: 200 when ``ready()`` returns (or its awaitable resolves to) None, else 503
+  with the reason it returned; an async check may ask the service's dependencies live.
 - ``GET /metrics``: the Prometheus registry (the process-wide one by default), text format.
 
 Port 0 binds any free port (tests); ``ops.port`` then says which. Services that already
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import uvicorn
@@ -26,8 +28,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
 SHUTDOWN_GRACE_S = 3  # seconds
-# The reason the service cannot take work now, or None when it can.
-Readiness = Callable[[], str | None]
+# The reason the service cannot take work now, or None when it can (or an awaitable of that).
+Readiness = Callable[[], str | None | Awaitable[str | None]]
 
 
 def always_ready() -> str | None:
@@ -68,7 +70,8 @@ def ops_router(
 
     @router.get("/ready", responses={503: {"description": "Not ready, with the reason"}})
     async def readiness() -> JSONResponse:
-        reason = ready()
+        answer = ready()
+        reason = await answer if inspect.isawaitable(answer) else answer
         body = {"ready": reason is None, "reason": reason}
         return JSONResponse(body, status_code=200 if reason is None else 503)
 

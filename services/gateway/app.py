@@ -127,7 +127,8 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
         async with AsyncExitStack() as stack:
             app.state.gateway = state or await build_state(settings, stack)
             log.info(
-                "gateway serving %s on %s:%d",
+                "gateway %s serving %s on %s:%d",
+                settings.instance_id,
                 app.state.gateway.model_id,
                 settings.host,
                 settings.port,

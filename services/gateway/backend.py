@@ -159,7 +159,7 @@ class NatsTokenStream:
             return
         if self._streamed and self._resume is not None:
             # Mid-decode: the prompt is done and its job acked, so nobody else will pick it
-            # up; continue it on a live decode worker from the tokens already streamed.
+            # up; continue it on a live worker from the tokens already streamed.
             await self._resume_elsewhere()
         elif silent > self._grace():
             raise self._lost("the request was lost")
@@ -177,7 +177,7 @@ class NatsTokenStream:
         dead = self._worker
         taker = await self._resume(list(self._streamed), dead)
         if taker is None:
-            raise self._lost("no live decode worker could resume the request")
+            raise self._lost("no live worker could resume the request")
         log.warning(
             "worker %s died; resumed %s on %s after %d tokens",
             dead,
@@ -251,7 +251,8 @@ class NatsBackend:
         async def on_chunk(chunk: pb.TokenChunk, _: Msg) -> None:
             queue.put_nowait(chunk)
 
-        sub = await bus.subscribe(subjects.tokens(rid), pb.TokenChunk, on_chunk)
+        gateway_id = self.settings.instance_id
+        sub = await bus.subscribe(subjects.tokens(gateway_id, rid), pb.TokenChunk, on_chunk)
         try:
             placement = await self._route(
                 bus, rid, model, prompt_ids, params.max_tokens, params.cache_salt
@@ -263,6 +264,7 @@ class NatsBackend:
                 params=params,
                 decode_worker_id=placement.decode_worker_id,
                 arrival_unix_ns=time.time_ns(),
+                gateway_id=gateway_id,
             )
             await bus.js_publish(
                 subjects.prefill_worker_jobs(placement.prefill_worker_id), job, msg_id=rid
@@ -282,7 +284,8 @@ class NatsBackend:
         streamed: list[int],
         dead: str,
     ) -> str | None:
-        """Hand a request whose decode worker died to a live one, as a stopping decode worker
+        """Hand a request whose decode worker died to a live worker (decode-capable first,
+        prefill workers when none is left or each refuses), as a stopping decode worker
         hands over its own: the tokens so far travel as output tokens (so sampling positions
         and chunk indexes go on where they stopped) and, with no KV to pull, the new worker
         recomputes them. Returns the worker that took it, or None."""
@@ -293,6 +296,7 @@ class NatsBackend:
             output_token_ids=streamed,
             params=params,
             arrival_unix_ns=time.time_ns(),
+            gateway_id=self.settings.instance_id,
         )
         bus = self._bus()
         for worker_id in resume_candidates(self.fleet.live(time.monotonic()), exclude=dead):
@@ -308,7 +312,7 @@ class NatsBackend:
                 continue
             if ack.accepted:
                 return worker_id
-            log.info("decode worker %s refused to resume %s: %s", worker_id, rid, ack.message)
+            log.info("worker %s refused to resume %s: %s", worker_id, rid, ack.message)
         return None
 
     async def _route(
@@ -367,4 +371,5 @@ class NatsBackend:
     async def cancel(self, rid: str, reason: str) -> None:
         if self.connected():
             assert self.bus is not None
-            await self.bus.publish(subjects.cancel(rid), pb.Cancel(request_id=rid, reason=reason))
+            subject = subjects.cancel(self.settings.instance_id, rid)
+            await self.bus.publish(subject, pb.Cancel(request_id=rid, reason=reason))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated
 
 from pydantic import Field, field_validator
@@ -12,6 +13,12 @@ class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENYARD_GATEWAY_", protected_namespaces=())
 
     nats_url: str = "nats://127.0.0.1:4222"
+    # This gateway's own prefix for its requests' tokens and cancels (ty.tokens.<id>.<request>):
+    # with per-gateway NATS users (`tokenyard up`) it must be the id the user was made for.
+    # Unset: a fresh random id per process.
+    instance_id: str = Field(
+        default_factory=lambda: f"gw-{secrets.token_hex(4)}", pattern=r"^[A-Za-z0-9_-]{1,64}$"
+    )
     # Copies of the prefill work queue on a NATS cluster (3 on a 3-node cluster); the
     # workers' TOKENYARD_WORKER_JETSTREAM_REPLICAS must say the same.
     jetstream_replicas: int = Field(default=1, ge=1, le=5)

@@ -29,6 +29,9 @@ from tokenyard.bus.embedded import free_port, nats_server_binary
 from tokenyard.services.launch.procs import ChildProcess
 from tokenyard.services.launch.supervise import GaveUp, RestartPolicy, Supervisor
 
+# The stack's one gateway: its NATS user reads only ty.tokens.<GATEWAY_ID>.*.
+GATEWAY_ID = "gw-1"
+
 
 class StackError(RuntimeError):
     pass
@@ -199,7 +202,7 @@ class LocalStack:
         self.nats_users = [
             auth.operator(),
             auth.router(),
-            auth.gateway(),
+            auth.gateway(GATEWAY_ID),
             auth.facilities(),
             auth.telemetry(),
         ]
@@ -297,7 +300,9 @@ class LocalStack:
 
     def _start_gateway(self) -> None:
         env = {
-            "TOKENYARD_GATEWAY_NATS_URL": self._nats_url_for(auth.gateway()),
+            "TOKENYARD_GATEWAY_NATS_URL": self._nats_url_for(auth.gateway(GATEWAY_ID)),
+            # Its NATS user may read only this prefix's tokens: the two must agree.
+            "TOKENYARD_GATEWAY_INSTANCE_ID": GATEWAY_ID,
             "TOKENYARD_GATEWAY_HOST": self.config.host,
             "TOKENYARD_GATEWAY_PORT": str(self.config.port),
             **({"TOKENYARD_GATEWAY_MODEL_PATH": self.config.model} if self.config.model else {}),

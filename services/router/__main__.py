@@ -21,6 +21,8 @@ from tokenyard.v1 import serving_pb2 as pb
 
 log = logging.getLogger("tokenyard.router")
 
+READY_PING_TIMEOUT_S = 2
+
 
 def policy_config(settings: RouterSettings) -> PolicyConfig:
     return PolicyConfig(
@@ -39,6 +41,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         stack.push_async_callback(bus.close)
         await stack.enter_async_context(spans_to_bus(bus, "router"))
         handler = RouterHandler(bus, policy_config(settings))
+        stack.push_async_callback(handler.close)
         await handler.fleet.racks.start(bus)  # ty.facilities.state.*: drained / derated racks
         await bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, handler.on_heartbeat)
         await bus.subscribe(subjects.KV_EVENTS_ALL, pb.KVEvent, handler.on_kv_event)
@@ -54,8 +57,15 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         log.info("router stopping")
 
 
-def _not_ready(bus: Bus) -> str | None:
-    return None if bus.nc.is_connected else "not connected to NATS"
+async def _not_ready(bus: Bus) -> str | None:
+    """Ready while NATS answers a round trip: the route requests reach us through it."""
+    if not bus.nc.is_connected:
+        return "not connected to NATS"
+    try:
+        await bus.nc.flush(timeout=READY_PING_TIMEOUT_S)
+    except Exception as exc:  # a connection that looks up but carries nothing
+        return f"NATS does not answer ({type(exc).__name__})"
+    return None
 
 
 def main() -> None:

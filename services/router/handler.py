@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 
 from nats.aio.msg import Msg
 
+from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.facilities.tracker import RackStateTracker
 from tokenyard.fleet import FleetView
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
+from tokenyard.services.router.kv_sync import KVSync
 from tokenyard.services.router.policy import FacilityState, PolicyConfig, RouteInput, choose
 from tokenyard.services.router.state import BlockIndex
 from tokenyard.tracing import REQUEST_ID, tracer
@@ -19,6 +23,9 @@ from tokenyard.v1 import serving_pb2 as pb
 
 _tracer = tracer("tokenyard.router")
 log = logging.getLogger(__name__)
+
+RESYNC_TIMEOUT_S = 5.0  # a worker answers at once, between two engine steps
+RESYNC_RETRY_S = 1.0  # after a failed resync, wait this long before asking that worker again
 
 
 def facility_states(racks: RackStateTracker) -> dict[str, FacilityState]:
@@ -45,14 +52,59 @@ class RouterHandler:
         # arrives on ty.facilities.state.*).
         self.fleet = FleetView(config.missed_heartbeats, racks=racks)
         self.index = BlockIndex()
+        self.kv = KVSync(self.index)
+        self._resyncs: dict[str, asyncio.Task[None]] = {}  # worker id -> its resync, one at a time
 
     async def on_heartbeat(self, hb: pb.WorkerHeartbeat, _msg: Msg) -> None:
         if hb.worker_id not in self.fleet:
             log.info("worker %s (%s, %s) joined", hb.worker_id, hb.role, hb.model)
         self.fleet.on_heartbeat(hb, self.clock())
+        if self.kv.on_heartbeat(hb):
+            self._resync(hb.worker_id, "its heartbeat says we miss KV events")
 
     async def on_kv_event(self, event: pb.KVEvent, _msg: Msg) -> None:
-        self.index.on_event(event)
+        if self.kv.on_event(event):
+            self._resync(event.worker_id, f"KV event {event.seq} of {event.epoch!r} out of order")
+
+    def _resync(self, worker_id: str, reason: str) -> None:
+        if worker_id in self._resyncs:
+            return
+        task = asyncio.get_running_loop().create_task(self._ask_dump(worker_id, reason))
+        self._resyncs[worker_id] = task
+        task.add_done_callback(lambda _: self._resyncs.pop(worker_id, None))
+
+    async def _ask_dump(self, worker_id: str, reason: str) -> None:
+        """Ask the worker for its cached blocks until its part of the index is whole again."""
+        log.info("resyncing the KV index of %s: %s", worker_id, reason)
+        request = pb.KVResyncRequest(worker_id=worker_id, reason=reason)
+        again = True
+        while again:
+            try:
+                dump = await self.bus.request(
+                    subjects.kv_resync(worker_id), request, pb.KVDump, timeout=RESYNC_TIMEOUT_S
+                )
+            except Exception as exc:  # gone, or not answering: the next event or beat asks again
+                log.info("KV resync of %s failed: %s", worker_id, type(exc).__name__)
+                await asyncio.sleep(RESYNC_RETRY_S)
+                self.kv.resync_failed(worker_id)
+                return
+            again = self.kv.on_dump(dump)
+            log.info(
+                "KV index of %s rebuilt: %d blocks as of event %d%s",
+                worker_id,
+                len(dump.block_hashes),
+                dump.seq,
+                " (the most recent: more than one message holds)" if dump.truncated else "",
+            )
+
+    async def close(self) -> None:
+        """Stop the resyncs in flight."""
+        tasks = list(self._resyncs.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def on_route(self, req: pb.RouteRequest, msg: Msg) -> None:
         # A child of the gateway's span: the bus restored its context for this handler.
@@ -71,7 +123,7 @@ class RouterHandler:
         now = self.clock()
         for worker_id in self.fleet.forget_dead(now):
             log.info("worker %s is gone", worker_id)
-            self.index.forget(worker_id)
+            self.kv.forget(worker_id)
         cached = (
             self.index.overlap(list(req.block_hashes))
             if req.hash_version in ("", HASH_SPEC_VERSION)

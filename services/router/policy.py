@@ -81,7 +81,8 @@ def choose(
 ) -> pb.Placement | pb.RouteError:
     config = config or PolicyConfig()
     facilities = facilities or {}
-    live = [w for w in workers.values() if w.alive(now, config.missed_heartbeats)]
+    # A worker that says it cannot take work (its consumer gone, its engine stuck) gets none.
+    live = [w for w in workers.values() if w.alive(now, config.missed_heartbeats) and w.ready]
     if request.model:
         serving = [w for w in live if w.model == request.model]
         if live and not serving:

@@ -30,6 +30,16 @@ class BlockIndex:
             for h in event.block_hashes:
                 self._drop(h, worker)
 
+    def replace(self, worker: str, block_hashes: Sequence[int]) -> None:
+        """The worker holds exactly these blocks now (a resync's dump)."""
+        self.forget(worker)
+        for h in block_hashes:
+            self._holders[h].add(worker)
+            self._by_worker[worker].add(h)
+
+    def blocks_of(self, worker: str) -> set[int]:
+        return set(self._by_worker.get(worker, ()))
+
     def forget(self, worker: str) -> None:
         for h in self._by_worker.pop(worker, set()):
             holders = self._holders.get(h)

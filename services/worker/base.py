@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 CANCELLED_TTL_S = 300.0  # remember cancelled ids this long (their job may still be queued)
 STEP_LOG_S = 10.0  # how often a busy worker logs its step timings
+# A KV dump's bytes besides its hashes (ids, epoch, headers): what it leaves of max_payload.
+DUMP_OVERHEAD_BYTES = 4096
 
 
 class WorkerBase:
@@ -66,11 +69,17 @@ class WorkerBase:
         # None failed): a redelivered copy of it waits for that instead of running twice.
         self.jobs: dict[str, asyncio.Future[bool | None]] = {}
         self.stopping = asyncio.Event()
+        # KV events are numbered 1, 2, ... within this process's epoch (the router's
+        # tokenyard.services.router.kv_sync): a gap or a new epoch makes it ask for a dump.
+        self.kv_epoch = secrets.token_hex(8)
         self._kv_seq = 0
         self.metrics = WorkerMetrics(self.worker_id, settings.role, self.model_id)
         self._loop_task: asyncio.Task[None]
         self._tokens_at = (time.monotonic(), 0)
         self._step_log_at = time.monotonic()
+        # More reasons the worker may not take work (its work queue's consumer), registered
+        # by the role handlers.
+        self.readiness_checks: list[Callable[[], str | None]] = []
 
     @property
     def model_id(self) -> str:
@@ -87,12 +96,10 @@ class WorkerBase:
         await self.bus.subscribe(
             subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self.on_peer_heartbeat
         )
-        await self.bus.publish(
-            subjects.kv_events(self.worker_id),
-            pb.KVEvent(
-                worker_id=self.worker_id, kind=pb.KVEvent.CLEARED, hash_version=HASH_SPEC_VERSION
-            ),
+        await self.bus.subscribe(
+            subjects.kv_resync(self.worker_id), pb.KVResyncRequest, self.on_kv_resync
         )
+        await self._publish_kv_events([("cleared", [])])  # event 1: a new process holds nothing
         tg.create_task(self._heartbeats(), name="heartbeats")
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -118,6 +125,7 @@ class WorkerBase:
     def new_stream(
         self,
         request_id: str,
+        gateway_id: str,
         *,
         start_index: int = 0,
         cached_tokens: int | None = None,
@@ -126,6 +134,7 @@ class WorkerBase:
         stream = TokenStream(
             self.bus,
             self.worker_id,
+            gateway_id,
             request_id,
             self.decode_text,
             start_index=start_index,
@@ -141,6 +150,7 @@ class WorkerBase:
     async def generate(
         self,
         request_id: str,
+        gateway_id: str,
         prompt: list[int],
         params: pb.SamplingParams,
         *,
@@ -148,7 +158,7 @@ class WorkerBase:
         arrival_unix_ns: int = 0,
     ) -> TokenStream:
         """Run a request (or just its prefill) here; returns its stream once it has ended."""
-        stream = self.new_stream(request_id, arrival_unix_ns=arrival_unix_ns)
+        stream = self.new_stream(request_id, gateway_id, arrival_unix_ns=arrival_unix_ns)
         attributes = {REQUEST_ID: request_id, WORKER_ID: self.worker_id}
         # The queue span starts at the request's arrival: the work queue plus admission here.
         with _tracer.start_as_current_span(
@@ -208,6 +218,7 @@ class WorkerBase:
         )
         stream = self.new_stream(
             rid,
+            handoff.gateway_id,
             start_index=len(handoff.output_token_ids),
             cached_tokens=handoff.num_cached_tokens,
             arrival_unix_ns=handoff.arrival_unix_ns,
@@ -280,7 +291,21 @@ class WorkerBase:
     def is_cancelled(self, request_id: str) -> bool:
         return request_id in self.cancelled
 
-    # --- heartbeats and KV events ------------------------------------------------------
+    # --- readiness, heartbeats and KV events --------------------------------------------
+
+    def not_ready(self) -> str | None:
+        """Why this worker cannot take work now (None: it can), from what it knows without
+        asking anyone: its NATS connection, its engine, its handlers' last checks."""
+        if not self.bus.nc.is_connected:
+            return "not connected to NATS"
+        stuck = self.loop.busy_for(time.monotonic())
+        if stuck > self.settings.engine_stall_s:
+            return f"the engine has not answered for {stuck:.0f} s"
+        for check in self.readiness_checks:
+            reason = check()
+            if reason is not None:
+                return reason
+        return None
 
     async def on_peer_heartbeat(self, hb: pb.WorkerHeartbeat, _msg: Msg) -> None:
         self.fleet.on_heartbeat(hb, time.monotonic())
@@ -316,6 +341,9 @@ class WorkerBase:
             step_ms_per_token=per_token_s * 1e3,
             pending_prompt_tokens=stats.num_pending_prompt_tokens,
             local_prefill=self.settings.takes_prefill_jobs and not self.settings.prefills,
+            kv_epoch=self.kv_epoch,
+            kv_seq=self._kv_seq,
+            not_ready=self.not_ready() or "",
         )
 
     def log_step_timings(self) -> None:
@@ -359,8 +387,33 @@ class WorkerBase:
                 block_hashes=hashes,
                 hash_version=HASH_SPEC_VERSION,
                 seq=self._kv_seq,
+                epoch=self.kv_epoch,
             )
             await self.bus.publish(subjects.kv_events(self.worker_id), event)
+
+    async def on_kv_resync(self, req: pb.KVResyncRequest, msg: Msg) -> None:
+        """A router lost the thread of our KV events: answer with every block we hold."""
+        # NOTE: the seq is read before the engine call. Every event up to it was drained
+        # before the dump is taken, so the dump includes it; later events may or may not be
+        # in the dump, and the router applies them on top, which ends in the same state.
+        seq = self._kv_seq
+        hashes = await self.loop.call(self.engine.cached_block_hashes)
+        fits = max(0, (self.bus.nc.max_payload - DUMP_OVERHEAD_BYTES) // 8)  # fixed64 each
+        dump = pb.KVDump(
+            worker_id=self.worker_id,
+            epoch=self.kv_epoch,
+            seq=seq,
+            block_hashes=hashes[-fits:] if fits else [],
+            hash_version=HASH_SPEC_VERSION,
+            truncated=len(hashes) > fits,
+        )
+        log.info(
+            "KV resync for a router (%s): %d of %d blocks",
+            req.reason or "no reason",
+            len(dump.block_hashes),
+            len(hashes),
+        )
+        await self.bus.reply(msg, dump)
 
 
 def stream_attributes(stream: TokenStream, prompt_tokens: int, reason: str) -> dict[str, object]:

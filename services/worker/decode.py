@@ -49,9 +49,10 @@ class DecodeHandler:
 
     async def _take(self, handoff: pb.DecodeHandoff, msg: Msg) -> None:
         rid = handoff.request_id
-        if self.w.stopping.is_set() or self.w.is_cancelled(rid):
+        refusal = self._refusal(handoff)
+        if refusal:
             await self.bus.reply(
-                msg, pb.HandoffAck(request_id=rid, accepted=False, message="not taking work")
+                msg, pb.HandoffAck(request_id=rid, accepted=False, message=refusal)
             )
             return
         try:
@@ -74,6 +75,14 @@ class DecodeHandler:
         stream.done.add_done_callback(lambda done: _end_decode_span(decode, stream, done))
         with trace.use_span(decode):
             await self.w.commit(rid, kv_ok=kv_ok)
+
+    def _refusal(self, handoff: pb.DecodeHandoff) -> str:
+        """Why this hand-off is not taken here ("" = it is)."""
+        if not handoff.gateway_id:
+            return "the hand-off names no gateway to stream its tokens to"
+        if self.w.stopping.is_set() or self.w.is_cancelled(handoff.request_id):
+            return "not taking work"
+        return ""
 
     async def stop_taking(self) -> None:
         if self._sub is not None:

@@ -61,10 +61,25 @@ class EngineLoop:
         self.timing = StepTiming()
         self._stepping = False
         self._last_stats: Any = None
+        self._busy_since: float | None = None  # when the engine call running now began
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(self._pool, partial(self._timed, fn, *args, **kwargs))
+
+    def _timed(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        # On the engine thread.
+        self._busy_since = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._busy_since = None
+
+    def busy_for(self, now: float) -> float:
+        """How long the engine call running now has run (0 when the thread is idle): a stuck
+        engine shows here, since every step and the heartbeats' stats read are calls."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, now - since)
 
     def wake(self) -> None:
         self._wake.set()
@@ -94,13 +109,14 @@ class EngineLoop:
         return bool(await self.call(self.engine.abort, request_id))
 
     async def stats(self) -> Any:
-        """The engine's stats without queueing behind a step: while one runs, the snapshot
-        taken after the previous step; a fresh read otherwise.
+        """The engine's stats without queueing behind a step: while one runs (or any engine
+        call), the snapshot taken after the previous step; a fresh read otherwise.
 
         NOTE: heartbeats come from here. Waiting for the engine thread made a worker busy
         with a long step (a big prefill, a batch of resumed sequences) miss its heartbeats
         and be declared dead while it was working."""
-        if self._stepping and self._last_stats is not None:
+        busy = self._stepping or self._busy_since is not None
+        if busy and self._last_stats is not None:
             return self._last_stats
         self._last_stats = await self.call(self.engine.stats)
         return self._last_stats

@@ -196,6 +196,9 @@ class FakeEngine:
     def drain_kv_events(self) -> list[tuple[str, list[int]]]:
         return []  # no prefix cache, so nothing is ever stored or removed
 
+    def cached_block_hashes(self) -> list[int]:
+        return []
+
     # --- kv.engine_port: no prefix cache, so nothing is ever found or kept ------------------
 
     def cached_block_ids(self, hashes: list[int]) -> list[tuple[int, int]]:

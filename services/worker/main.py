@@ -75,20 +75,43 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
     return LLMEngine(config), SamplingParams
 
 
+class Readiness:
+    """The worker's /ready: 200 only when it can really take work now. Starting and
+    stopping say so; then NATS, the engine (WorkerBase.not_ready) and, asked of JetStream
+    live, the consumer its prefill jobs come through."""
+
+    def __init__(self) -> None:
+        self.flag = ReadyFlag("loading the model")
+        self.worker: WorkerBase | None = None
+        self.prefill: PrefillHandler | None = None
+
+    async def __call__(self) -> str | None:
+        reason = self.flag()
+        if reason is not None or self.worker is None:
+            return reason or "starting"
+        if reason := self.worker.not_ready():
+            return reason
+        return await self.prefill.queue.check() if self.prefill is not None else None
+
+
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     # The ops server answers /health while the model loads; /ready once work can come.
-    ready = ReadyFlag("loading the model")
+    ready = Readiness()
     async with ops_server(settings.ops_host, settings.ops_port, ready=ready) as ops:
         log.info("worker %s ops on %s", settings.worker_id, ops.url)
         await run_worker(settings, stop, ready)
 
 
-async def run_worker(settings: WorkerSettings, stop: asyncio.Event, ready: ReadyFlag) -> None:
+async def run_worker(settings: WorkerSettings, stop: asyncio.Event, readiness: Readiness) -> None:
+    ready = readiness.flag
     engine, params_cls = await asyncio.to_thread(build_engine, settings)
     bus = await Bus.connect(settings.nats_url, name=f"worker-{settings.worker_id}")
     worker = WorkerBase(settings, bus, engine, params_cls)
     prefill = PrefillHandler(worker) if settings.takes_prefill_jobs else None
-    decode = DecodeHandler(worker) if settings.decodes else None
+    readiness.worker, readiness.prefill = worker, prefill
+    # Every role takes hand-offs: a prefill worker is asked only to resume a request whose
+    # decode worker died (tokenyard.fleet.resume_candidates), and decodes it as any would.
+    decode = DecodeHandler(worker)
 
     async def on_drain(req: pb.DrainRequest, msg: Msg) -> None:
         """An operator's drain: the graceful stop of SIGTERM, asked over NATS."""

@@ -56,6 +56,7 @@ class PrefillHandler:
             alive=worker.peer_alive,
             stopping=worker.stopping,
         )
+        worker.readiness_checks.append(self.queue.problem)
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         await self.cache.start()
@@ -68,6 +69,9 @@ class PrefillHandler:
 
     async def run(self, delivery: Delivery[pb.PrefillJob]) -> Outcome:
         job = delivery.job
+        if not job.gateway_id:  # nobody could read its tokens: a malformed job
+            log.warning("dropping job %s: it names no gateway", job.request_id)
+            return Outcome.DONE
         if delivery.adopted or delivery.attempt > 1:
             log.info("job %s redelivered (delivery %d)", job.request_id, delivery.attempt)
         # A redelivery of a job still running here waits for it, never re-adds it.
@@ -80,7 +84,7 @@ class PrefillHandler:
         chunk = error_chunk(
             rid, 0, self.w.worker_id, pb.Error.INTERNAL, f"the request failed: {error}"
         )
-        await self.bus.publish(subjects.tokens(rid), chunk)
+        await self.bus.publish(subjects.tokens(delivery.job.gateway_id, rid), chunk)
 
     # --- one job -------------------------------------------------------------------------
 
@@ -96,6 +100,7 @@ class PrefillHandler:
             span.set_attribute("tokenyard.fetched_tokens", fetched)
         stream = await self.w.generate(
             rid,
+            job.gateway_id,
             prompt,
             job.params,
             prefill_only=not aggregated,
@@ -132,6 +137,7 @@ class PrefillHandler:
             src_block_ids=exported.block_ids,
             num_cached_tokens=cached_tokens,
             arrival_unix_ns=job.arrival_unix_ns,
+            gateway_id=job.gateway_id,
         )
         with _tracer.start_as_current_span(
             "handoff",

@@ -55,6 +55,9 @@ class WorkerSettings(BaseSettings):
     gpu_memory_utilization: float = 0.9  # on CUDA: this worker's share of the device
     tensor_parallel_size: int = 1
     heartbeat_interval_s: float = 1.0
+    # One engine call (a step, a stats read) running longer than this means the engine is
+    # stuck: /ready turns 503 and heartbeats say so, though the process still beats.
+    engine_stall_s: float = Field(default=60.0, gt=0)
     host: str = "127.0.0.1"  # where the KV transfer server listens (0.0.0.0: everywhere)
     # Where other workers reach this one (its KV endpoint). Empty: the bound address, or,
     # bound to 0.0.0.0, this host's own address (tokenyard.net); Kubernetes sets the pod IP.

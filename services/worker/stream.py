@@ -1,4 +1,5 @@
-"""One request's token stream: engine outputs in, TokenChunks out on ``ty.tokens.<rid>``."""
+"""One request's token stream: engine outputs in, TokenChunks out on
+``ty.tokens.<gateway>.<rid>`` (the prefix of the gateway that waits for them)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class TokenStream:
         self,
         bus: Bus,
         worker_id: str,
+        gateway_id: str,
         request_id: str,
         decode: Callable[[list[int]], str],
         *,
@@ -34,6 +36,7 @@ class TokenStream:
         self.bus = bus
         self.worker_id = worker_id
         self.request_id = request_id
+        self.subject = subjects.tokens(gateway_id, request_id)
         self.decode = decode
         self.next_index = start_index
         self.cached_tokens = cached_tokens
@@ -55,13 +58,13 @@ class TokenStream:
         self.output_token_ids.extend(out.new_token_ids)
         if self.timer is not None:
             self.timer.on_tokens(len(out.new_token_ids))
-        await self.bus.publish(subjects.tokens(self.request_id), chunk)
+        await self.bus.publish(self.subject, chunk)
         if out.finished:
             self._finish(out.finish_reason or "stop")
 
     async def fail(self, code: pb.Error.Code, message: str) -> None:
         chunk = error_chunk(self.request_id, self.next_index, self.worker_id, code, message)
-        await self.bus.publish(subjects.tokens(self.request_id), chunk)
+        await self.bus.publish(self.subject, chunk)
         self._finish("error")
 
     async def aborted(self) -> None:
@@ -71,7 +74,7 @@ class TokenStream:
         )
         chunk.finish_reason = "abort"
         chunk.ClearField("error")
-        await self.bus.publish(subjects.tokens(self.request_id), chunk)
+        await self.bus.publish(self.subject, chunk)
         self._finish("abort")
 
     def hand_back(self) -> None:

@@ -4,7 +4,7 @@
 connection is refused and a service that is compromised or buggy can only publish where
 its role does:
 
-    users = [router(), gateway(), worker("decode", "decode-2"), facilities()]
+    users = [router(), gateway("gw-1"), worker("decode", "decode-2"), facilities()]
     text = server_config(users, port=4222, store_dir="/var/lib/nats")
 
 A new service gets its permissions by adding one function here (see `telemetry`).
@@ -59,43 +59,46 @@ class NatsUser:
 def router() -> NatsUser:
     return NatsUser(
         "router",
-        publish=[subjects.telemetry_spans("router")],
+        publish=[subjects.telemetry_spans("router"), subjects.kv_resync("*")],
         subscribe=[
             subjects.HEARTBEATS_ALL,
             subjects.KV_EVENTS_ALL,
             subjects.ROUTER_ROUTE,
             subjects.FACILITIES_STATE_ALL,
+            INBOX,
         ],
         replies=True,
     )
 
 
-def gateway(name: str = "gateway") -> NatsUser:
-    """Asks the router, queues prefill jobs, resumes decodes, cancels, reads tokens."""
+def gateway(gateway_id: str) -> NatsUser:
+    """Asks the router, queues prefill jobs, resumes decodes; reads the tokens and cancels
+    the requests of this gateway only (its own prefix: one gateway never sees another's)."""
     return NatsUser(
-        name,
+        f"gateway-{gateway_id}",
         publish=[
             subjects.ROUTER_ROUTE,
             subjects.PREFILL_JOBS,
             f"{subjects.PREFILL_JOBS}.>",
             DECODE_JOBS_ANY,
-            subjects.CANCEL_ALL,
+            subjects.cancel(gateway_id, "*"),
             subjects.telemetry_spans("gateway"),
             *PREFILL_JS_API,
         ],
-        subscribe=[subjects.tokens("*"), subjects.HEARTBEATS_ALL, INBOX],
+        subscribe=[subjects.tokens(gateway_id, "*"), subjects.HEARTBEATS_ALL, INBOX],
     )
 
 
 def worker(role: str, worker_id: str) -> NatsUser:
     """Publishes its own heartbeats and KV events, tokens of the requests it runs, and
-    hand-offs to decode workers; reads its own decode jobs and the prefill queue."""
+    hand-offs (and resumes) to other workers; reads its own decode jobs, KV resync requests
+    and the prefill queue."""
     return NatsUser(
         f"worker-{worker_id}",
         publish=[
             subjects.heartbeat(role, worker_id),
             subjects.kv_events(worker_id),
-            subjects.tokens("*"),
+            subjects.tokens("*", "*"),
             DECODE_JOBS_ANY,
             PREFILL_JS_ACK,
             subjects.telemetry_spans(worker_id),
@@ -103,6 +106,7 @@ def worker(role: str, worker_id: str) -> NatsUser:
         ],
         subscribe=[
             subjects.decode_jobs(worker_id),
+            subjects.kv_resync(worker_id),
             subjects.drain(worker_id),
             subjects.CANCEL_ALL,
             subjects.FACILITIES_STATE_ALL,
@@ -145,6 +149,13 @@ def pool(role: str) -> NatsUser:
     return replace(worker(role, "*"), name=role)
 
 
+def gateway_pool() -> NatsUser:
+    """Every gateway replica under one user `gateway`: each names itself at start
+    (TOKENYARD_GATEWAY_INSTANCE_ID, random when unset), so the user reads any gateway's
+    tokens; a deployment that needs gateways kept apart gives each its own `gateway(id)`."""
+    return replace(gateway("*"), name="gateway")
+
+
 def operator() -> NatsUser:
     """Everything: for the person running the stack (and tests that play a service)."""
     return NatsUser("operator", publish=[">"], subscribe=[">"], replies=True)
@@ -155,7 +166,7 @@ def deployment_users() -> list[NatsUser]:
     return [
         operator(),
         router(),
-        gateway(),
+        gateway_pool(),
         pool("prefill"),
         pool("decode"),
         facilities(),

@@ -22,15 +22,18 @@ def decode_jobs(worker_id: str) -> str:
     return f"{PREFIX}.decode.{worker_id}.jobs"
 
 
-def tokens(request_id: str) -> str:
-    return f"{PREFIX}.tokens.{request_id}"
+def tokens(gateway_id: str, request_id: str) -> str:
+    """One request's token chunks, under the prefix of the gateway that waits for them:
+    each gateway's NATS user may read only ``tokens(its id, "*")``."""
+    return f"{PREFIX}.tokens.{gateway_id}.{request_id}"
 
 
-def cancel(request_id: str) -> str:
-    return f"{PREFIX}.cancel.{request_id}"
+def cancel(gateway_id: str, request_id: str) -> str:
+    """Cancel one request; a gateway may publish only under its own prefix."""
+    return f"{PREFIX}.cancel.{gateway_id}.{request_id}"
 
 
-CANCEL_ALL = f"{PREFIX}.cancel.*"
+CANCEL_ALL = f"{PREFIX}.cancel.*.*"
 
 
 def kv_events(worker_id: str) -> str:
@@ -38,6 +41,12 @@ def kv_events(worker_id: str) -> str:
 
 
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.*"
+
+
+def kv_resync(worker_id: str) -> str:
+    """Request/reply: a router that lost the thread of a worker's KV events asks it for a
+    dump of the blocks it holds (KVResyncRequest -> KVDump)."""
+    return f"{PREFIX}.kv.resync.{worker_id}"
 
 
 def heartbeat(role: str, worker_id: str) -> str:

@@ -14,6 +14,10 @@ A worker that dies leaves its unacked jobs in its consumer. Live workers notice 
 (``alive(worker_id)`` turns false: no heartbeats) and pull from that consumer too, so the jobs
 are redelivered to them once ack_wait runs out; the consumer is deleted once it is empty.
 
+A consumer of ours that goes missing (deleted by hand, its inactivity threshold, a NATS
+restart without its store) is noticed by the same scan and made again; until then
+:meth:`WorkQueue.problem` says why no job can reach us (the worker's /ready and heartbeat).
+
     queue = WorkQueue(bus, spec, worker_id, pb.PrefillJob, handler, alive=..., stopping=...)
     await queue.start(tg)
     ...
@@ -127,6 +131,7 @@ class WorkQueue(Generic[M]):
         self._slots = asyncio.Semaphore(spec.max_in_flight)
         self._tg: asyncio.TaskGroup | None = None
         self._started = time.monotonic()
+        self._problem: str | None = None  # why our consumer cannot deliver now
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         """Create the stream and our consumer (or reuse them), then consume and adopt."""
@@ -135,15 +140,38 @@ class WorkQueue(Generic[M]):
         await self.bus.ensure_work_queue(
             self.spec.stream, self.spec.subjects, replicas=self.spec.replicas
         )
+        name = await self._add_own_consumer()
+        psub = await self.bus.js.pull_subscribe_bind(name, self.spec.stream)
+        tg.create_task(self._consume(psub, adopted=False), name=f"{name} consume")
+        tg.create_task(self._scan(), name=f"{name} scan")
+
+    async def _add_own_consumer(self) -> str:
         config = self.spec.consumer_config(self.worker_id)
         try:
             await self.bus.js.add_consumer(self.spec.stream, config)
         except BadRequestError as exc:  # ours from an earlier run, with other settings: reuse it
             log.info("reusing consumer %s (%s)", config.durable_name, exc.description)
         assert config.durable_name is not None
-        psub = await self.bus.js.pull_subscribe_bind(config.durable_name, self.spec.stream)
-        tg.create_task(self._consume(psub, adopted=False), name=f"{config.durable_name} consume")
-        tg.create_task(self._adopt_orphans(), name=f"{config.durable_name} adopt")
+        return config.durable_name
+
+    def problem(self) -> str | None:
+        """Why jobs cannot reach us now, as the last check found (None: they can)."""
+        return self._problem
+
+    async def check(self, timeout: float = 2.0) -> str | None:
+        """Ask JetStream now whether our consumer exists (the worker's /ready)."""
+        name = self.spec.consumer_name(self.worker_id)
+        try:
+            await asyncio.wait_for(self.bus.js.consumer_info(self.spec.stream, name), timeout)
+        except NotFoundError:
+            self._problem = f"its JetStream consumer {name} is missing"
+        except Exception as exc:  # timeout, no JetStream, connection trouble
+            # NOTE: not kept for the heartbeats: a slow answer under load is no proof that
+            # jobs cannot reach us, and the router would stop placing here for it.
+            return f"JetStream does not answer ({type(exc).__name__})"
+        else:
+            self._problem = None
+        return self._problem
 
     async def remove_own_consumer_if_empty(self) -> None:
         """On a clean stop: delete our consumer unless jobs still wait in it."""
@@ -241,21 +269,43 @@ class WorkQueue(Generic[M]):
 
     # --- departed workers' jobs ----------------------------------------------------------
 
-    async def _adopt_orphans(self) -> None:
-        """Pull from the consumers of workers that are gone and left jobs behind."""
+    async def _scan(self) -> None:
+        """Each scan_interval_s: make our consumer again if it is gone, and pull from the
+        consumers of workers that are gone and left jobs behind."""
         while not self.stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), self.spec.scan_interval_s)
                 return
-            if time.monotonic() - self._started < self.spec.adopt_after_s:
-                continue
             try:
                 infos = await self.bus.js.consumers_info(self.spec.stream)
             except Exception:
                 log.debug("listing the consumers of %s failed", self.spec.stream, exc_info=True)
                 continue
+            await self._keep_own_consumer({info.name for info in infos})
+            if time.monotonic() - self._started < self.spec.adopt_after_s:
+                continue
             for info in infos:
                 self._maybe_adopt(info)
+
+    async def _keep_own_consumer(self, names: set[str | None]) -> None:
+        name = self.spec.consumer_name(self.worker_id)
+        if name in names:
+            self._problem = None
+            return
+        if self.stopping.is_set():
+            return
+        # The listing is one page (256 consumers): ask for ours by name before making it.
+        await self.check()
+        if self._problem is None:  # it is there, or JetStream did not say it is not
+            return
+        log.warning("consumer %s is gone; making it again", name)
+        try:
+            await self._add_own_consumer()
+        except Exception:
+            log.exception("making consumer %s again failed", name)
+            return
+        # Our pull subscription asks for jobs by the consumer's name: it goes on as before.
+        self._problem = None
 
     def _maybe_adopt(self, info: ConsumerInfo) -> None:
         name = info.name or ""

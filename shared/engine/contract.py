@@ -74,3 +74,8 @@ class Engine(Handoff, KVEngine, Protocol):
     def drain_kv_events(self) -> list[tuple[str, list[int]]]:
         """("stored" | "removed", block hashes) runs since the last call, in order."""
         ...
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds now (oldest cached first): the state
+        those events describe."""
+        ...

@@ -202,6 +202,9 @@ class LLMEngine:
                 grouped.append((kind, [h]))
         return grouped
 
+    def cached_block_hashes(self) -> list[int]:
+        return list(self.block_manager.cached)
+
     # --- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

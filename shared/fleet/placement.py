@@ -22,8 +22,11 @@ def missing_role(live: Sequence[WorkerView]) -> str | None:
 
 def resume_candidates(live: Iterable[WorkerView], *, exclude: str) -> list[str]:
     """Which live workers can continue a decode that ``exclude`` (dead, or stopping) was
-    running, best first: the least busy, then the most free KV blocks, since the taker
-    recomputes the sequence from its tokens and the least busy starts that soonest."""
-    takers = [w for w in live if w.decodes and w.worker_id != exclude]
-    takers.sort(key=lambda w: (w.load, -w.num_free_blocks, w.worker_id))
+    running, best first: decode-capable workers (decode, both), then prefill workers, which
+    decode a resumed request as well as any (same engine) and save it when no decode worker
+    is live or each refuses. Within each group the least busy, then the most free KV blocks,
+    since the taker recomputes the sequence from its tokens and the least busy starts that
+    soonest."""
+    takers = [w for w in live if w.worker_id != exclude]
+    takers.sort(key=lambda w: (not w.decodes, w.load, -w.num_free_blocks, w.worker_id))
     return [w.worker_id for w in takers]

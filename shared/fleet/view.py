@@ -65,6 +65,12 @@ class WorkerView:
         return can_decode(self.role)
 
     @cached_property
+    def ready(self) -> bool:
+        """It says it can take work (alive is another matter: a worker whose engine is stuck
+        still beats, and one whose work-queue consumer is gone still runs its requests)."""
+        return not self.heartbeat.not_ready
+
+    @cached_property
     def interval_s(self) -> float:
         return liveness.announced_interval_s(self.heartbeat)
 
@@ -149,6 +155,10 @@ class FleetView:
 
     def live(self, now: float) -> list[WorkerView]:
         return [w for w in self.workers.values() if w.alive(now, self.missed)]
+
+    def ready(self, now: float) -> list[WorkerView]:
+        """Live workers that say they can take work."""
+        return [w for w in self.live(now) if w.ready]
 
     def forget_dead(self, now: float, grace_s: float = FORGET_GRACE_S) -> list[str]:
         """Drop workers dead for longer than ``grace_s``; returns their ids."""

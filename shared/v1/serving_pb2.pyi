@@ -121,23 +121,25 @@ class RouteReply(_message.Message):
     def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., error: _Optional[_Union[RouteError, _Mapping]] = ...) -> None: ...
 
 class PrefillJob(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "params", "decode_worker_id", "arrival_unix_ns")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "params", "decode_worker_id", "arrival_unix_ns", "gateway_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     decode_worker_id: str
     arrival_unix_ns: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., arrival_unix_ns: _Optional[int] = ...) -> None: ...
+    gateway_id: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., arrival_unix_ns: _Optional[int] = ..., gateway_id: _Optional[str] = ...) -> None: ...
 
 class DecodeHandoff(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "output_token_ids", "params", "prefill_worker_id", "kv_endpoint", "src_block_ids", "num_cached_tokens", "arrival_unix_ns")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "output_token_ids", "params", "prefill_worker_id", "kv_endpoint", "src_block_ids", "num_cached_tokens", "arrival_unix_ns", "gateway_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +150,7 @@ class DecodeHandoff(_message.Message):
     SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -158,7 +161,8 @@ class DecodeHandoff(_message.Message):
     src_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     arrival_unix_ns: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., arrival_unix_ns: _Optional[int] = ...) -> None: ...
+    gateway_id: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., arrival_unix_ns: _Optional[int] = ..., gateway_id: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token")
@@ -239,7 +243,7 @@ class Cancel(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class WorkerHeartbeat(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "max_num_seqs", "tokens_per_s", "kv_endpoint", "host", "sent_unix_ms", "block_size", "heartbeat_interval_ms", "max_model_len", "seq_cap", "step_fixed_ms", "step_ms_per_token", "pending_prompt_tokens", "local_prefill")
+    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "max_num_seqs", "tokens_per_s", "kv_endpoint", "host", "sent_unix_ms", "block_size", "heartbeat_interval_ms", "max_model_len", "seq_cap", "step_fixed_ms", "step_ms_per_token", "pending_prompt_tokens", "local_prefill", "not_ready", "kv_epoch", "kv_seq")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +264,9 @@ class WorkerHeartbeat(_message.Message):
     STEP_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PENDING_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    NOT_READY_FIELD_NUMBER: _ClassVar[int]
+    KV_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KV_SEQ_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -280,10 +287,13 @@ class WorkerHeartbeat(_message.Message):
     step_ms_per_token: float
     pending_prompt_tokens: int
     local_prefill: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_endpoint: _Optional[str] = ..., host: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., block_size: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., seq_cap: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_token: _Optional[float] = ..., pending_prompt_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    not_ready: str
+    kv_epoch: str
+    kv_seq: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_endpoint: _Optional[str] = ..., host: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., block_size: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., seq_cap: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_token: _Optional[float] = ..., pending_prompt_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., not_ready: _Optional[str] = ..., kv_epoch: _Optional[str] = ..., kv_seq: _Optional[int] = ...) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("worker_id", "kind", "block_hashes", "hash_version", "seq")
+    __slots__ = ("worker_id", "kind", "block_hashes", "hash_version", "seq", "epoch")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[KVEvent.Kind]
@@ -299,12 +309,38 @@ class KVEvent(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     HASH_VERSION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     kind: KVEvent.Kind
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     hash_version: str
     seq: int
-    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., hash_version: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+    epoch: str
+    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., hash_version: _Optional[str] = ..., seq: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
+
+class KVResyncRequest(_message.Message):
+    __slots__ = ("worker_id", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class KVDump(_message.Message):
+    __slots__ = ("worker_id", "epoch", "seq", "block_hashes", "hash_version", "truncated")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HASH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: str
+    seq: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    hash_version: str
+    truncated: bool
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., hash_version: _Optional[str] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class HandoffAck(_message.Message):
     __slots__ = ("request_id", "accepted", "message")

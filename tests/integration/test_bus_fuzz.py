@@ -87,9 +87,9 @@ async def test_garbage_on_every_subject_leaves_every_service_running(stack: Loca
         subjects.heartbeat("decode", "decode-2"),
         subjects.kv_events("prefill-1"),
         subjects.decode_jobs("decode-2"),
-        subjects.cancel("nobody"),
+        subjects.cancel("nobody", "nobody"),
         subjects.facilities_state("rack-a"),
-        subjects.tokens("nobody"),
+        subjects.tokens("nobody", "nobody"),
     ]
     bus = await Bus.connect(stack.nats_url, name="fuzzer")
     try:

@@ -82,26 +82,28 @@ async def test_request_goes_through_router_and_queue_and_comes_back_in_order(bac
     job = await take_job(bus)
     assert job.request_id == "r1" and list(job.prompt_token_ids) == list(range(40))
     assert job.params.max_tokens == 5 and job.decode_worker_id == WORKER
+    assert job.gateway_id == backend.settings.instance_id  # workers publish tokens under it
     assert seen[0].num_prompt_tokens == 40 and len(seen[0].block_hashes) == 2
     # out of order, with a duplicate (a redelivered job's first token)
     for c in (chunk(0, "ab"), chunk(3, "d", finished=True), chunk(0, "ab"), chunk(2, "c")):
-        await bus.publish(subjects.tokens("r1"), c)
+        await bus.publish(subjects.tokens(backend.settings.instance_id, "r1"), c)
     got = [c async for c in stream]
     await stream.close()
     assert "".join(c.text for c in got) == "abcd" and got[-1].finished
 
 
 async def test_cancel_reaches_the_workers(backend, bus):
-    cancels: asyncio.Queue[pb.Cancel] = asyncio.Queue()
+    cancels: asyncio.Queue[tuple[str, pb.Cancel]] = asyncio.Queue()
 
-    async def on_cancel(c: pb.Cancel, _) -> None:
-        cancels.put_nowait(c)
+    async def on_cancel(c: pb.Cancel, msg) -> None:
+        cancels.put_nowait((msg.subject, c))
 
     await bus.subscribe(subjects.CANCEL_ALL, pb.Cancel, on_cancel)
     await synced(bus)
     await backend.cancel("r9", "client disconnected")
-    got = await asyncio.wait_for(cancels.get(), 2)
+    subject, got = await asyncio.wait_for(cancels.get(), 2)
     assert got.request_id == "r9"
+    assert subject == subjects.cancel(backend.settings.instance_id, "r9")
 
 
 async def test_no_router_is_503_at_once(backend):
@@ -139,7 +141,7 @@ async def test_worker_error_chunk_is_an_openai_error(backend, bus):
         finish_reason="error",
         error=pb.Error(code=pb.Error.INVALID_REQUEST, message="bad params"),
     )
-    await bus.publish(subjects.tokens("r4"), error)
+    await bus.publish(subjects.tokens(backend.settings.instance_id, "r4"), error)
     with pytest.raises(OpenAIError) as info:
         await anext(stream)
     assert info.value.status == 400 and info.value.message == "bad params"
@@ -154,7 +156,7 @@ async def test_a_dead_worker_fails_the_request_instead_of_hanging(backend, bus):
     )
     stream = await backend.submit("r5", "m", [1], pb.SamplingParams(max_tokens=5))
     await take_job(bus)
-    await bus.publish(subjects.tokens("r5"), chunk(0, "a"))
+    await bus.publish(subjects.tokens(backend.settings.instance_id, "r5"), chunk(0, "a"))
     assert (await anext(stream)).text == "a"
     t0 = time.monotonic()
     with pytest.raises(OpenAIError) as info:  # no more heartbeats, no more chunks
@@ -174,7 +176,9 @@ async def test_a_request_past_its_deadline_ends_with_504_while_tokens_still_flow
         await take_job(bus)
         with pytest.raises(OpenAIError) as info:
             for i in range(100):  # a worker that keeps sending, slowly, never finishing
-                await bus.publish(subjects.tokens("r-late"), chunk(i, "x"))
+                await bus.publish(
+                    subjects.tokens(backend.settings.instance_id, "r-late"), chunk(i, "x")
+                )
                 await anext(stream)
                 await asyncio.sleep(0.05)
         assert info.value.status == 504 and "deadline" in info.value.message
@@ -201,8 +205,10 @@ async def test_a_job_waiting_for_its_restarted_prefill_worker_is_not_given_up(na
         await asyncio.sleep(2.0)  # the worker is dead (no heartbeats) for 4x the grace
         assert not first.done()
         await bus.publish(subjects.heartbeat("both", WORKER), beat)  # back after a restart
-        await bus.publish(subjects.tokens("r-back"), chunk(0, "a"))
-        await bus.publish(subjects.tokens("r-back"), chunk(1, "b", finished=True))
+        await bus.publish(subjects.tokens(backend.settings.instance_id, "r-back"), chunk(0, "a"))
+        await bus.publish(
+            subjects.tokens(backend.settings.instance_id, "r-back"), chunk(1, "b", finished=True)
+        )
         assert (await asyncio.wait_for(first, 5)).text == "a"
         assert [c.text async for c in stream] == ["b"]
         await stream.close()

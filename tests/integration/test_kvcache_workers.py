@@ -30,6 +30,7 @@ from tokenyard.v1 import serving_pb2 as pb
 pytestmark = pytest.mark.slow
 
 BLOCK = 16
+GW = "gw-test"  # the gateway this test plays
 PREFIX = [(i * 7919) % 30000 + 100 for i in range(BLOCK * 10)]  # 10 full blocks
 PROMPT_A = PREFIX + [501, 502, 503]
 PROMPT_B = PREFIX + [777, 778, 779, 780, 781]
@@ -80,9 +81,10 @@ async def run(bus: Bus, handler: PrefillHandler, rid: str, prompt: list[int]) ->
     async def on_chunk(chunk: pb.TokenChunk, _msg) -> None:
         chunks.append(chunk)
 
-    sub = await bus.subscribe(subjects.tokens(rid), pb.TokenChunk, on_chunk)
+    sub = await bus.subscribe(subjects.tokens(GW, rid), pb.TokenChunk, on_chunk)
     job = pb.PrefillJob(
         request_id=rid,
+        gateway_id=GW,
         prompt_token_ids=prompt,
         params=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0),
     )

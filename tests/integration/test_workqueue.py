@@ -229,3 +229,18 @@ async def test_a_clean_stop_removes_an_empty_consumer_only(bus):
     await queue.remove_own_consumer_if_empty()
     with pytest.raises(NotFoundError):
         await bus.js.consumer_info(spec.stream, spec.consumer_name("me"))
+
+
+async def test_a_deleted_consumer_is_reported_and_made_again(bus):
+    spec = make_spec(scan_interval_s=0.5)
+    handler = Recorder(done)
+    async with running(bus, spec, handler) as queue:
+        assert await queue.check() is None and queue.problem() is None
+        await bus.js.delete_consumer(spec.stream, spec.consumer_name("me"))
+        said = await queue.check()
+        assert said == "its JetStream consumer w-me is missing" and queue.problem() == said
+        await until(lambda: queue.problem() is None)  # the scan made it again
+        assert await queue.check() is None
+        # The same pull subscription takes jobs from the new consumer.
+        await publish(bus, spec, "me", "after")
+        await until(lambda: handler.attempts("after") == [1])

@@ -11,6 +11,8 @@ from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.v1 import serving_pb2 as pb
 
+GATEWAY_ID = "test-gw"  # the prefix this stand-in reads its requests' tokens under
+
 
 @dataclass
 class Result:
@@ -58,7 +60,7 @@ class Request:
 
     async def submit(self) -> pb.RouteReply:
         self._sub = await self.bus.subscribe(
-            subjects.tokens(self.rid), pb.TokenChunk, self._on_chunk
+            subjects.tokens(GATEWAY_ID, self.rid), pb.TokenChunk, self._on_chunk
         )
         reply = await self.route()
         if reply.WhichOneof("result") != "placement":
@@ -71,6 +73,7 @@ class Request:
             params=self.params,
             decode_worker_id=reply.placement.decode_worker_id,
             arrival_unix_ns=time.time_ns(),
+            gateway_id=GATEWAY_ID,
         )
         await self.bus.js_publish(
             subjects.prefill_worker_jobs(reply.placement.prefill_worker_id), job, msg_id=self.rid
@@ -84,7 +87,7 @@ class Request:
 
     async def cancel(self) -> None:
         await self.bus.publish(
-            subjects.cancel(self.rid), pb.Cancel(request_id=self.rid, reason="test")
+            subjects.cancel(GATEWAY_ID, self.rid), pb.Cancel(request_id=self.rid, reason="test")
         )
 
 

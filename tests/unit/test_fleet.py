@@ -146,14 +146,28 @@ def fleet() -> FleetView:
 
 def test_resume_candidates_are_live_decoders_least_busy_first(fleet):
     now = 3.5
-    # Equal load: more free KV blocks first; a prefill-only or silent worker never.
-    assert resume_candidates(fleet.live(now), exclude="dying") == ["both", "d-idle", "d-busy"]
-    assert resume_candidates(fleet.live(now), exclude="both") == ["dying", "d-idle", "d-busy"]
+    # Equal load: more free KV blocks first; a prefill-only worker last; a silent one never.
+    assert resume_candidates(fleet.live(now), exclude="dying") == ["both", "d-idle", "d-busy", "p"]
+    assert resume_candidates(fleet.live(now), exclude="both") == ["dying", "d-idle", "d-busy", "p"]
+
+
+def test_prefill_workers_resume_when_no_decode_worker_is_live():
+    fleet = FleetView(missed_heartbeats=3)
+    fleet.on_heartbeat(busy("d", "decode", 0, 100), now=0.0)
+    fleet.on_heartbeat(busy("p-busy", "prefill", 2, 100), now=0.0)
+    fleet.on_heartbeat(busy("p-idle", "prefill", 0, 100), now=0.0)
+    assert resume_candidates(fleet.live(1.0), exclude="d") == ["p-idle", "p-busy"]
+    assert resume_candidates(fleet.live(1.0), exclude="p-idle") == ["d", "p-busy"]
 
 
 def test_resume_candidates_follow_the_clock(fleet):
     fleet.on_heartbeat(busy("d-busy", "decode", 3, 100), now=4.0)  # only d-busy keeps beating
-    assert resume_candidates(fleet.live(4.9), exclude="dying") == ["both", "d-idle", "d-busy"]
+    assert resume_candidates(fleet.live(4.9), exclude="dying") == [
+        "both",
+        "d-idle",
+        "d-busy",
+        "p",
+    ]
     assert resume_candidates(fleet.live(5.1), exclude="dying") == ["d-busy"]
     assert resume_candidates(fleet.live(7.1), exclude="dying") == []
 
@@ -161,7 +175,12 @@ def test_resume_candidates_follow_the_clock(fleet):
 def test_resume_candidates_count_placements_since_the_last_beat(fleet):
     for _ in range(3):
         fleet.placed("both")
-    assert resume_candidates(fleet.live(3.5), exclude="dying") == ["d-idle", "d-busy", "both"]
+    assert resume_candidates(fleet.live(3.5), exclude="dying") == [
+        "d-idle",
+        "d-busy",
+        "both",
+        "p",
+    ]
 
 
 def test_equal_candidates_are_ordered_by_worker_id():

@@ -227,6 +227,20 @@ def test_ready_reports_workers(backend, http):
     assert {w["worker_id"] for w in body["workers"]} == {"p1", "d1"}
 
 
+def test_ready_counts_only_workers_that_say_they_can_take_work(backend, http):
+    missing = "its JetStream consumer prefill-p1 is missing"
+    for worker_id, role, not_ready in (("p1", "prefill", missing), ("d1", "decode", "")):
+        beat = pb.WorkerHeartbeat(worker_id=worker_id, role=role, model=MODEL, not_ready=not_ready)
+        backend.fleet.on_heartbeat(beat, time.monotonic())
+    r = http.get("/ready")
+    assert r.status_code == 503
+    assert r.json()["reason"] == f"no live worker can prefill (p1: {missing})"
+    backend.fleet.on_heartbeat(
+        pb.WorkerHeartbeat(worker_id="p1", role="prefill", model=MODEL), time.monotonic()
+    )
+    assert http.get("/ready").status_code == 200
+
+
 def test_metrics_count_requests_and_tokens(oai, http):
     oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     http.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required"})

@@ -36,3 +36,20 @@ async def test_the_port_is_closed_after_the_block():
         except httpx.ConnectError:
             return
     raise AssertionError("the ops server still answers after its block ended")
+
+
+async def test_an_async_readiness_check_is_awaited():
+    reasons = ["its JetStream consumer is missing", None]
+
+    async def check() -> str | None:
+        return reasons.pop(0)
+
+    async with (
+        ops_server("127.0.0.1", 0, ready=check) as ops,
+        httpx.AsyncClient(base_url=ops.url) as client,
+    ):
+        first = await client.get("/ready")
+        second = await client.get("/ready")
+    assert first.status_code == 503
+    assert first.json() == {"ready": False, "reason": "its JetStream consumer is missing"}
+    assert second.status_code == 200 and second.json() == {"ready": True, "reason": None}

@@ -302,3 +302,19 @@ def test_without_local_prefill_a_decode_worker_never_takes_the_prompt():
     workers = table(worker("p1", "prefill", running=5), worker("d1", "decode", running=0))
     out = choose(workers, req(100), NOW)
     assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p1"
+
+
+def not_ready(w: WorkerView, reason: str) -> WorkerView:
+    hb = pb.WorkerHeartbeat()
+    hb.CopyFrom(w.heartbeat)
+    hb.not_ready = reason
+    return WorkerView(hb, last_seen=w.last_seen)
+
+
+def test_a_worker_that_says_it_cannot_take_work_gets_none():
+    stuck = not_ready(worker("p1", "prefill"), "the engine has not answered for 75 s")
+    fine = worker("p2", "prefill", running=7)  # busy, but able
+    placed = choose(table(stuck, fine, worker("d1", "decode")), req(), NOW)
+    assert isinstance(placed, pb.Placement) and placed.prefill_worker_id == "p2"
+    alone = choose(table(stuck, worker("d1", "decode")), req(), NOW)
+    assert isinstance(alone, pb.RouteError) and alone.code == pb.RouteError.NO_WORKERS

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from tokenyard.bus import subjects
 from tokenyard.engine.sampling_params import SamplingParams
-from tokenyard.services.worker.base import WorkerBase
+from tokenyard.services.worker.base import DUMP_OVERHEAD_BYTES, WorkerBase
 from tokenyard.services.worker.convert import engine_params
 from tokenyard.services.worker.fake_engine import FakeEngine, next_token
 from tokenyard.services.worker.settings import WorkerSettings
@@ -17,17 +18,19 @@ from tokenyard.v1 import serving_pb2 as pb
 from tokenyard.v1.facilities_pb2 import RackState, RackStateKind
 
 PROMPT = [5, 6, 7, 8]
+GW = "gw-test"  # the gateway the requests came from
 
 
 class RecordingBus:
     def __init__(self) -> None:
         self.sent: list[tuple[str, object]] = []
+        self.nc = SimpleNamespace(is_connected=True, max_payload=1 << 20)
 
     async def publish(self, subject, message, headers=None) -> None:
         self.sent.append((subject, message))
 
     def chunks(self, rid: str) -> list[pb.TokenChunk]:
-        return [m for s, m in self.sent if s == subjects.tokens(rid)]
+        return [m for s, m in self.sent if s == subjects.tokens(GW, rid)]
 
 
 @pytest.fixture
@@ -50,7 +53,7 @@ def tokens_after(last: int, n: int) -> list[int]:
 
 
 async def test_generate_streams_one_chunk_per_step_with_indices(worker):
-    stream = await worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=4))
+    stream = await worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=4))
     chunks = worker.bus.chunks("r1")
     assert [c.index for c in chunks] == [0, 1, 2, 3]
     assert [t for c in chunks for t in c.token_ids] == tokens_after(PROMPT[-1], 4)
@@ -62,7 +65,9 @@ async def test_generate_streams_one_chunk_per_step_with_indices(worker):
 
 
 async def test_prefill_only_first_token_is_not_an_end(worker):
-    stream = await worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=8), prefill_only=True)
+    stream = await worker.generate(
+        "r1", GW, PROMPT, pb.SamplingParams(max_tokens=8), prefill_only=True
+    )
     (chunk,) = worker.bus.chunks("r1")
     assert await stream.done == "prefilled"
     assert chunk.index == 0 and not chunk.finished and chunk.finish_reason == ""
@@ -70,10 +75,13 @@ async def test_prefill_only_first_token_is_not_an_end(worker):
 
 
 async def test_decode_here_continues_at_the_next_index(worker):
-    first = await worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=5), prefill_only=True)
+    first = await worker.generate(
+        "r1", GW, PROMPT, pb.SamplingParams(max_tokens=5), prefill_only=True
+    )
     exported = await worker.loop.call(worker.engine.export_sequence, "r1")
     await worker.loop.call(worker.engine.release, "r1")
     handoff = pb.DecodeHandoff(
+        gateway_id=GW,
         request_id="r1",
         prompt_token_ids=exported.prompt_token_ids,
         output_token_ids=exported.output_token_ids,
@@ -91,7 +99,9 @@ async def test_decode_here_continues_at_the_next_index(worker):
 
 async def test_cancel_aborts_and_frees_blocks(worker):
     worker.engine.step_s = 0.01
-    task = asyncio.create_task(worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=1000)))
+    task = asyncio.create_task(
+        worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=1000))
+    )
     while not worker.bus.chunks("r1"):
         await asyncio.sleep(0.005)
     await worker.on_cancel(pb.Cancel(request_id="r1"), None)
@@ -104,7 +114,7 @@ async def test_cancel_aborts_and_frees_blocks(worker):
 
 
 async def test_bad_prompt_is_an_error_chunk(worker):
-    await worker.generate("r1", [], pb.SamplingParams(max_tokens=4))
+    await worker.generate("r1", GW, [], pb.SamplingParams(max_tokens=4))
     (chunk,) = worker.bus.chunks("r1")
     assert chunk.finished and chunk.finish_reason == "error"
     assert chunk.error.code == pb.Error.INVALID_REQUEST and "empty" in chunk.error.message
@@ -148,7 +158,7 @@ async def run_many(worker, n: int, max_tokens: int) -> tuple[list, int]:
     peak = 0
     tasks = [
         asyncio.create_task(
-            worker.generate(f"r{i}", PROMPT, pb.SamplingParams(max_tokens=max_tokens))
+            worker.generate(f"r{i}", GW, PROMPT, pb.SamplingParams(max_tokens=max_tokens))
         )
         for i in range(n)
     ]
@@ -183,7 +193,7 @@ async def test_cap_lifted_wakes_waiting_requests(worker):
     worker.engine.step_s = 0.01
     await worker.on_rack_state(rack_state(RackStateKind.RACK_STATE_DERATE, cap=1), None)
     tasks = [
-        asyncio.create_task(worker.generate(f"r{i}", PROMPT, pb.SamplingParams(max_tokens=50)))
+        asyncio.create_task(worker.generate(f"r{i}", GW, PROMPT, pb.SamplingParams(max_tokens=50)))
         for i in range(3)
     ]
     await asyncio.sleep(0.05)
@@ -198,8 +208,10 @@ async def test_cap_lifted_wakes_waiting_requests(worker):
 async def test_cancel_while_waiting_for_the_cap_never_reaches_the_engine(worker):
     worker.engine.step_s = 0.01
     await worker.on_rack_state(rack_state(RackStateKind.RACK_STATE_DERATE, cap=1), None)
-    first = asyncio.create_task(worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=30)))
-    queued = asyncio.create_task(worker.generate("r2", PROMPT, pb.SamplingParams(max_tokens=30)))
+    first = asyncio.create_task(worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=30)))
+    queued = asyncio.create_task(
+        worker.generate("r2", GW, PROMPT, pb.SamplingParams(max_tokens=30))
+    )
     await asyncio.sleep(0.03)
     await worker.on_cancel(pb.Cancel(request_id="r2"), None)
     assert await (await asyncio.wait_for(queued, 5)).done == "abort"
@@ -221,9 +233,10 @@ async def test_other_racks_state_does_not_cap_this_worker(worker):
 async def test_decode_here_while_the_prefill_still_holds_the_sequence(worker):
     # A refused hand-off: the KV server frees the hold in a task of its own, which may run
     # after decode_here's import. That used to fail with "request id ... already in use".
-    await worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=5), prefill_only=True)
+    await worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=5), prefill_only=True)
     exported = await worker.loop.call(worker.engine.export_sequence, "r1")
     handoff = pb.DecodeHandoff(
+        gateway_id=GW,
         request_id="r1",
         prompt_token_ids=exported.prompt_token_ids,
         output_token_ids=exported.output_token_ids,
@@ -241,7 +254,7 @@ async def test_redelivered_job_waits_for_the_running_one_and_shares_its_outcome(
     async def job() -> bool:
         nonlocal runs
         runs += 1
-        stream = await worker.generate("r1", PROMPT, pb.SamplingParams(max_tokens=20))
+        stream = await worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=20))
         return await stream.done == "length"
 
     worker.engine.step_s = 0.005
@@ -302,7 +315,9 @@ async def test_a_heartbeat_does_not_wait_for_a_long_engine_step(worker):
         return real_step()
 
     worker.engine.step = long_step
-    task = asyncio.create_task(worker.generate("r-long", PROMPT, pb.SamplingParams(max_tokens=2)))
+    task = asyncio.create_task(
+        worker.generate("r-long", GW, PROMPT, pb.SamplingParams(max_tokens=2))
+    )
     assert await asyncio.to_thread(entered.wait, 10)
     try:
         beat = await asyncio.wait_for(worker.heartbeat(), 5)
@@ -310,3 +325,56 @@ async def test_a_heartbeat_does_not_wait_for_a_long_engine_step(worker):
     finally:
         release.set()
     await task
+
+
+async def test_a_stuck_engine_makes_the_worker_say_it_cannot_take_work(worker):
+    """/ready and the heartbeat tell the truth: the process still beats, the engine does not
+    answer, so the worker is not ready (and says why) until the engine call returns."""
+    import threading
+
+    worker.settings.engine_stall_s = 0.2
+    await worker.heartbeat()  # a first snapshot, taken while idle
+    assert worker.not_ready() is None
+    release = threading.Event()
+    stuck = asyncio.create_task(worker.loop.call(release.wait, 30))
+    try:
+        await asyncio.sleep(0.5)
+        assert "the engine has not answered" in (worker.not_ready() or "")
+        beat = await asyncio.wait_for(worker.heartbeat(), 5)  # still beats, from the snapshot
+        assert beat.not_ready.startswith("the engine has not answered")
+        worker.bus.nc.is_connected = False
+        assert worker.not_ready() == "not connected to NATS"
+        worker.bus.nc.is_connected = True
+    finally:
+        release.set()
+    await stuck
+    assert worker.not_ready() is None
+    assert (await worker.heartbeat()).not_ready == ""
+
+
+async def test_kv_events_are_numbered_in_one_epoch_and_a_resync_dumps_the_cache(worker):
+    await worker._publish_kv_events([("cleared", []), ("stored", [1, 2]), ("removed", [1])])
+    events = [m for s, m in worker.bus.sent if s == subjects.kv_events("w1")]
+    assert [e.seq for e in events] == [1, 2, 3]
+    assert {e.epoch for e in events} == {worker.kv_epoch} and worker.kv_epoch
+    beat = await worker.heartbeat()
+    assert (beat.kv_epoch, beat.kv_seq) == (worker.kv_epoch, 3)
+
+    class Replies(RecordingBus):
+        async def reply(self, msg, message) -> None:
+            self.sent.append(("reply", message))
+
+    worker.bus = Replies()
+    worker.engine.cached_block_hashes = lambda: [7, 8]  # the fake engine caches nothing
+    await worker.on_kv_resync(pb.KVResyncRequest(worker_id="w1"), None)
+    ((_, dump),) = worker.bus.sent
+    assert (dump.worker_id, dump.epoch, dump.seq) == ("w1", worker.kv_epoch, 3)
+    assert list(dump.block_hashes) == [7, 8] and not dump.truncated
+
+    # More blocks than one message holds: the most recently cached ones, said so.
+    worker.bus = Replies()
+    worker.bus.nc.max_payload = DUMP_OVERHEAD_BYTES + 2 * 8
+    worker.engine.cached_block_hashes = lambda: [5, 6, 7, 8]  # oldest first
+    await worker.on_kv_resync(pb.KVResyncRequest(worker_id="w1"), None)
+    ((_, dump),) = worker.bus.sent
+    assert list(dump.block_hashes) == [7, 8] and dump.truncated

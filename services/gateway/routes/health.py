@@ -8,7 +8,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tokenyard.fleet import missing_role
+from tokenyard.fleet import FleetView, missing_role
 from tokenyard.services.gateway.deps import State
 from tokenyard.services.gateway.schemas import Health, Readiness, WorkerInfo
 
@@ -29,9 +29,10 @@ async def ready(state: State) -> JSONResponse:
     now = time.monotonic()
     fleet = state.backend.fleet
     connected = state.backend.connected()
-    missing = missing_role(fleet.live(now))
+    # A worker counts once it says it can take work, not merely while it beats.
+    missing = missing_role(fleet.ready(now))
     reason = None if connected else "not connected to NATS"
-    reason = reason or (f"no live worker can {missing}" if missing else None)
+    reason = reason or (f"no live worker can {missing}{_why_not(fleet, now)}" if missing else None)
     workers = [
         WorkerInfo(
             worker_id=w.worker_id,
@@ -53,6 +54,12 @@ async def ready(state: State) -> JSONResponse:
         reason=reason,
     )
     return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
+
+
+def _why_not(fleet: FleetView, now: float) -> str:
+    """What the live workers that are not ready say about themselves."""
+    said = [f"{w.worker_id}: {w.heartbeat.not_ready}" for w in fleet.live(now) if not w.ready]
+    return f" ({'; '.join(said)})" if said else ""
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
