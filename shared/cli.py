@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "keys": ("tokenyard.services.keys", "create, list and revoke the gateway's API keys"),
     "plan": ("tokenyard.planner.cli", "size a fleet: GPUs, racks and kW for a model and workload"),
     "simulate": ("tokenyard.sim.cli", "simulate a fleet under load with the router's policy"),
+    "ctl": ("tokenyard.ctl", "drain workers, fault racks, inspect the KV cache (gRPC control)"),
 }
 
 

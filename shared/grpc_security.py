@@ -1,5 +1,6 @@
-"""Internal gRPC (KV transfer, the KV-cache service) closed to strangers: a per-stack token
-in every call's metadata, and TLS when certificates are configured.
+"""Internal gRPC (KV transfer, the KV-cache service, the control APIs) closed to strangers:
+a per-stack token in every call's metadata, and TLS (mutual, with a CA) when certificates
+are configured.
 
     server = grpc.aio.server(options=..., interceptors=server_interceptors())
     port = add_port(server, "127.0.0.1:0")
@@ -26,14 +27,39 @@ class GrpcSecurity(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENYARD_GRPC_")
 
     token: str = ""
-    # PEM files. Server: cert + key; client: ca (the authority that signed the servers).
+    # PEM files; empty = plaintext (the local default). One identity per process: a server
+    # presents cert + key, and so does a client when it has them (mutual TLS).
     tls_cert: str = ""
     tls_key: str = ""
+    # The authority that signed the stack's certificates. A client checks servers against
+    # it; a server with it requires every client to show a certificate it signed (mTLS),
+    # unless tls_client_auth is off.
     tls_ca: str = ""
+    tls_client_auth: bool = True
+    # The name a client expects in the server's certificate, when it is not the host it
+    # dials (certificates naming a service rather than each pod's address).
+    tls_server_name: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert and self.tls_key)
 
 
 def _bearer(token: str) -> str:
     return f"Bearer {token}"
+
+
+def presented_token(metadata: object) -> str:
+    """The bearer token in a call's metadata, or ""."""
+    given = dict(metadata or ()).get(METADATA_KEY, "")  # type: ignore[call-overload]
+    if not isinstance(given, str) or not given.startswith("Bearer "):
+        return ""
+    return given[len("Bearer ") :]
+
+
+def token_matches(given: str, expected: str) -> bool:
+    """Constant-time comparison; an empty expected token matches nothing."""
+    return bool(expected) and hmac.compare_digest(given.encode(), expected.encode())
 
 
 class RequireToken(grpc.aio.ServerInterceptor):
@@ -46,7 +72,7 @@ class RequireToken(grpc.aio.ServerInterceptor):
         self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails
     ) -> Any:
         given = dict(details.invocation_metadata or ()).get(METADATA_KEY, "")
-        if isinstance(given, str) and hmac.compare_digest(given, self._expected):
+        if isinstance(given, str) and hmac.compare_digest(given.encode(), self._expected.encode()):
             return await continuation(details)
         handler = await continuation(details)
         return _refusal(handler) if handler is not None else None
@@ -111,12 +137,19 @@ def server_interceptors(security: GrpcSecurity | None = None) -> list[grpc.aio.S
 
 
 def add_port(server: grpc.aio.Server, address: str, security: GrpcSecurity | None = None) -> int:
-    """Bind `address`, with TLS when a certificate and key are configured."""
+    """Bind `address`, with TLS when a certificate and key are configured (mutual TLS when
+    a CA is configured too)."""
     security = security or GrpcSecurity()
-    if security.tls_cert and security.tls_key:
-        pair = (Path(security.tls_key).read_bytes(), Path(security.tls_cert).read_bytes())
-        return server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
-    return server.add_insecure_port(address)
+    if not security.tls:
+        return server.add_insecure_port(address)
+    pair = (Path(security.tls_key).read_bytes(), Path(security.tls_cert).read_bytes())
+    mutual = bool(security.tls_ca) and security.tls_client_auth
+    credentials = grpc.ssl_server_credentials(
+        [pair],
+        root_certificates=Path(security.tls_ca).read_bytes() if mutual else None,
+        require_client_auth=mutual,
+    )
+    return server.add_secure_port(address, credentials)
 
 
 def open_channel(
@@ -125,9 +158,15 @@ def open_channel(
     """A channel to `endpoint` that carries the stack's token (and TLS when a CA is set)."""
     security = security or GrpcSecurity()
     interceptors = client_interceptors(security.token) if security.token else None
-    if security.tls_ca:
-        credentials = grpc.ssl_channel_credentials(Path(security.tls_ca).read_bytes())
-        return grpc.aio.secure_channel(
-            endpoint, credentials, options=options, interceptors=interceptors
-        )
-    return grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
+    if not security.tls_ca:
+        return grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=Path(security.tls_ca).read_bytes(),
+        private_key=Path(security.tls_key).read_bytes() if security.tls else None,
+        certificate_chain=Path(security.tls_cert).read_bytes() if security.tls else None,
+    )
+    if security.tls_server_name:
+        options = [*options, ("grpc.ssl_target_name_override", security.tls_server_name)]
+    return grpc.aio.secure_channel(
+        endpoint, credentials, options=options, interceptors=interceptors
+    )

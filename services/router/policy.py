@@ -81,7 +81,10 @@ def choose(
 ) -> pb.Placement | pb.RouteError:
     config = config or PolicyConfig()
     facilities = facilities or {}
-    live = [w for w in workers.values() if w.alive(now, config.missed_heartbeats)]
+    # A worker an operator drained is alive but takes nothing new: as if it were not there.
+    live = [
+        w for w in workers.values() if w.alive(now, config.missed_heartbeats) and not w.draining
+    ]
     if request.model:
         serving = [w for w in live if w.model == request.model]
         if live and not serving:

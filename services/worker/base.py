@@ -66,6 +66,11 @@ class WorkerBase:
         # None failed): a redelivered copy of it waits for that instead of running twice.
         self.jobs: dict[str, asyncio.Future[bool | None]] = {}
         self.stopping = asyncio.Event()
+        # Cleared while an operator has drained this worker (control.py): no new work.
+        self.accepting = asyncio.Event()
+        self.accepting.set()
+        self.drain_reason = ""
+        self.control_endpoint = ""  # the WorkerControl server, once started
         self._kv_seq = 0
         self.metrics = WorkerMetrics(self.worker_id, settings.role, self.model_id)
         self._loop_task: asyncio.Task[None]
@@ -316,6 +321,8 @@ class WorkerBase:
             step_ms_per_token=per_token_s * 1e3,
             pending_prompt_tokens=stats.num_pending_prompt_tokens,
             local_prefill=self.settings.takes_prefill_jobs and not self.settings.prefills,
+            draining=not self.accepting.is_set(),
+            control_endpoint=self.control_endpoint,
         )
 
     def log_step_timings(self) -> None:

@@ -49,7 +49,8 @@ class DecodeHandler:
 
     async def _take(self, handoff: pb.DecodeHandoff, msg: Msg) -> None:
         rid = handoff.request_id
-        if self.w.stopping.is_set() or self.w.is_cancelled(rid):
+        taking = self.w.accepting.is_set() and not self.w.stopping.is_set()
+        if not taking or self.w.is_cancelled(rid):
             await self.bus.reply(
                 msg, pb.HandoffAck(request_id=rid, accepted=False, message="not taking work")
             )

@@ -55,6 +55,7 @@ class PrefillHandler:
             self,
             alive=worker.peer_alive,
             stopping=worker.stopping,
+            accepting=worker.accepting,
         )
 
     async def start(self, tg: asyncio.TaskGroup) -> None:

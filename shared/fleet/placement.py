@@ -24,6 +24,6 @@ def resume_candidates(live: Iterable[WorkerView], *, exclude: str) -> list[str]:
     """Which live workers can continue a decode that ``exclude`` (dead, or stopping) was
     running, best first: the least busy, then the most free KV blocks, since the taker
     recomputes the sequence from its tokens and the least busy starts that soonest."""
-    takers = [w for w in live if w.decodes and w.worker_id != exclude]
+    takers = [w for w in live if w.decodes and not w.draining and w.worker_id != exclude]
     takers.sort(key=lambda w: (w.load, -w.num_free_blocks, w.worker_id))
     return [w.worker_id for w in takers]
