@@ -131,9 +131,93 @@ def client_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
     return [kind(token) for kind in kinds]
 
 
+class _Undecodable:
+    """What a request that is not the method's message decodes to (see RejectUndecodable)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def abort(self, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid message: {self.error}"
+        )
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf's DecodeError, and whatever a custom one raises
+            return _Undecodable(exc)
+
+    return decode
+
+
+class RejectUndecodable(grpc.aio.ServerInterceptor):
+    """A request that does not parse as its method's message is refused with
+    INVALID_ARGUMENT; without this, gRPC answers INTERNAL, as for a bug of ours."""
+
+    async def intercept_service(
+        self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(details)
+        return None if handler is None else _checked(handler)
+
+
+def _checked(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    decode = _lenient(handler.request_deserializer)
+    encode = handler.response_serializer
+    if handler.request_streaming:
+
+        async def requests(iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for request in iterator:
+                if isinstance(request, _Undecodable):
+                    await request.abort(context)
+                yield request
+
+        if handler.response_streaming:
+            inner_ss = handler.stream_stream
+
+            async def stream_stream(iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+                async for reply in inner_ss(requests(iterator, context), context):
+                    yield reply
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, decode, encode)
+        inner_su = handler.stream_unary
+
+        async def stream_unary(iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await inner_su(requests(iterator, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, decode, encode)
+    if handler.response_streaming:
+        inner_us = handler.unary_stream
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                await request.abort(context)
+            async for reply in inner_us(request, context):
+                yield reply
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, decode, encode)
+    inner_uu = handler.unary_unary
+
+    async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await request.abort(context)
+        return await inner_uu(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(unary_unary, decode, encode)
+
+
 def server_interceptors(security: GrpcSecurity | None = None) -> list[grpc.aio.ServerInterceptor]:
+    """The token check (when a token is configured), then the refusal of undecodable
+    requests: every internal gRPC server takes these."""
     security = security or GrpcSecurity()
-    return [RequireToken(security.token)] if security.token else []
+    token = [RequireToken(security.token)] if security.token else []
+    return [*token, RejectUndecodable()]
 
 
 def add_port(server: grpc.aio.Server, address: str, security: GrpcSecurity | None = None) -> int:

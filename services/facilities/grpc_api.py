@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import grpc
 
-from tokenyard.grpc_security import GrpcSecurity, add_port, presented_token, token_matches
+from tokenyard.grpc_security import (
+    GrpcSecurity,
+    RejectUndecodable,
+    add_port,
+    presented_token,
+    token_matches,
+)
 from tokenyard.services.facilities.control import (
     AdminRefusal,
     ControlError,
@@ -126,7 +132,8 @@ class FacilitiesControlServer:
 
     async def start(self) -> str:
         s = self.settings
-        self._server = grpc.aio.server()
+        # Tokens are checked per method (reads: the stack's; changes: the admin token).
+        self._server = grpc.aio.server(interceptors=[RejectUndecodable()])
         control_pb2_grpc.add_FacilitiesControlServicer_to_server(
             FacilitiesControlHandler(self.control, s, self.security), self._server
         )
