@@ -249,3 +249,30 @@ async def test_rest_admin_still_answers_as_before(fsettings):
         assert r.status_code == 400 and r.json()["error"]["param"] == "power_cap_kw"
         r = await http.delete("/v1/admin/racks/nope/drain", headers={"X-Admin-Token": TOKEN})
         assert r.status_code == 404
+
+
+@pytest.mark.slow
+async def test_ctl_drains_and_undrains_a_rack(fsettings):
+    addr = f"127.0.0.1:{fsettings.grpc_port}"
+    async with running(fsettings) as http:
+        rc, out, err = await ctl(
+            "facilities",
+            "--addr",
+            addr,
+            "--admin-token",
+            TOKEN,
+            "drain",
+            "rack-a",
+            "--reason",
+            "ctl",
+        )
+        assert rc == 0, err
+        drained = json.loads(out)
+        assert drained["operatorDrain"] is True and drained["state"]["state"] == "RACK_STATE_DRAIN"
+        assert (await http.get("/v1/racks/rack-a")).json()["state"] == "drain"
+        rc, out, err = await ctl("facilities", "--addr", addr, "drain", "rack-a")  # no token
+        assert rc == 1 and "UNAUTHENTICATED" in err
+        rc, out, err = await ctl(
+            "facilities", "--addr", addr, "--admin-token", TOKEN, "undrain", "rack-a"
+        )
+        assert rc == 0 and json.loads(out)["operatorDrain"] is False

@@ -21,6 +21,7 @@ from tokenyard.kv.hashing import prefix_block_hashes
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store import KVCacheClient
 from tokenyard.kv.store.client import KVCacheError
+from tokenyard.kv.transfer import KVTransferClient, KVTransferError, KVTransferServer
 from tokenyard.services.kvcache.server import serve
 from tokenyard.services.kvcache.settings import KVCacheSettings
 from tokenyard.v1 import control_pb2_grpc, kv_pb2
@@ -34,6 +35,7 @@ class Pki:
     server: tuple[Path, Path]  # cert, key
     client: tuple[Path, Path]
     rogue: tuple[Path, Path]  # a client certificate from another CA
+    node: tuple[Path, Path]  # one identity for both ends, as a worker has
 
 
 def _name(cn: str) -> x509.Name:
@@ -72,7 +74,7 @@ def _ca(cn: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
 
 
 def _leaf(
-    ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], cn: str, usage: x509.ObjectIdentifier
+    ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], cn: str, *usage: x509.ObjectIdentifier
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
@@ -90,7 +92,7 @@ def _leaf(
             ),
             critical=False,
         )
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(list(usage)), critical=False)
         .sign(ca[1], hashes.SHA256())
     )
     return cert, key
@@ -107,6 +109,10 @@ def pki(tmp_path_factory) -> Pki:
         server=_write(d / "server", *_leaf(ca, "kvcache", ExtendedKeyUsageOID.SERVER_AUTH)),
         client=_write(d / "client", *_leaf(ca, "worker", ExtendedKeyUsageOID.CLIENT_AUTH)),
         rogue=_write(d / "rogue", *_leaf(other, "rogue", ExtendedKeyUsageOID.CLIENT_AUTH)),
+        node=_write(
+            d / "node",
+            *_leaf(ca, "worker", ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH),
+        ),
     )
 
 
@@ -172,3 +178,31 @@ async def test_a_client_refuses_a_server_its_ca_did_not_sign(pki, tmp_path):
 
 def test_tls_is_off_by_default():
     assert not GrpcSecurity().tls and GrpcSecurity().tls_ca == ""
+
+
+async def test_kv_transfer_between_workers_over_mutual_tls(pki, monkeypatch):
+    """Workers take TLS from TOKENYARD_GRPC_TLS_*, one certificate for both ends."""
+    monkeypatch.setenv("TOKENYARD_GRPC_TLS_CERT", str(pki.node[0]))
+    monkeypatch.setenv("TOKENYARD_GRPC_TLS_KEY", str(pki.node[1]))
+    monkeypatch.setenv("TOKENYARD_GRPC_TLS_CA", str(pki.ca))
+    src = torch.randn(LAYOUT.pool_shape(4))
+    released: list[str] = []
+    sender = KVTransferServer(src, LAYOUT, on_release=released.append, allowed=["grpc"])
+    endpoint = await sender.start()
+    try:
+        sender.offer("r1", [0, 1])
+        dst = torch.zeros(LAYOUT.pool_shape(4))
+        async with KVTransferClient(dst, LAYOUT, allowed=["grpc"]) as receiver:
+            result = await receiver.pull(endpoint, "r1", [0, 1], [2, 3])
+        assert result.transport == "grpc" and released == ["r1"]
+        assert torch.equal(dst[2:], src[:2])
+
+        # A receiver without the certificate cannot even ask.
+        sender.offer("r2", [0, 1])
+        monkeypatch.delenv("TOKENYARD_GRPC_TLS_CERT")
+        monkeypatch.delenv("TOKENYARD_GRPC_TLS_KEY")
+        async with KVTransferClient(dst, LAYOUT, allowed=["grpc"]) as stranger:
+            with pytest.raises(KVTransferError, match="UNAVAILABLE"):
+                await stranger.pull(endpoint, "r2", [0, 1], [2, 3])
+    finally:
+        await sender.stop()
