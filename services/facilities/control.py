@@ -57,7 +57,7 @@ class RackControl:
     def racks(self) -> list[RackRuntime]:
         return list(self.monitor.racks.values())
 
-    def inject(self, name: str, kind: str, power_cap_kw: float | None = None) -> RackRuntime:
+    async def inject(self, name: str, kind: str, power_cap_kw: float | None = None) -> RackRuntime:
         rt = self.rack(name)
         if kind not in FAULT_KINDS:
             raise ControlError(
@@ -75,7 +75,7 @@ class RackControl:
         self.monitor.inject(rt.spec.name, kind, power_cap_kw)
         return rt
 
-    def clear(self, name: str) -> RackRuntime:
+    async def clear(self, name: str) -> RackRuntime:
         rt = self.rack(name)
         self.monitor.clear(rt.spec.name)
         return rt

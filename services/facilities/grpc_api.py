@@ -7,6 +7,8 @@ every change needs the admin token, as the REST admin API does.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import grpc
 
 from tokenyard.grpc_security import (
@@ -64,58 +66,47 @@ class FacilitiesControlHandler(control_pb2_grpc.FacilitiesControlServicer):
         except AdminRefusal as refusal:
             await context.abort(_REFUSAL_CODES[refusal.kind], refusal.message)
 
-    async def _fail(self, context: grpc.aio.ServicerContext, error: ControlError) -> None:
-        await context.abort(_ERROR_CODES[error.kind], error.message)
-
-    def _info(self, rt: RackRuntime) -> cpb.RackInfo:
+    async def _change(
+        self, context: grpc.aio.ServicerContext, action: Callable[[], Awaitable[RackRuntime]]
+    ) -> cpb.RackInfo:
+        """An admin-only change through RackControl, its refusals as gRPC statuses."""
+        await self._admin(context)
+        try:
+            rt = await action()
+        except ControlError as error:
+            await context.abort(_ERROR_CODES[error.kind], error.message)
+            raise  # abort raised already; this keeps `rt` bound for the reader and mypy
         return rack_info(self.control.monitor, rt)
 
     async def ListRacks(
         self, request: cpb.ListRacksRequest, context: grpc.aio.ServicerContext
     ) -> cpb.ListRacksReply:
         await self._read_allowed(context)
-        return cpb.ListRacksReply(racks=[self._info(rt) for rt in self.control.racks()])
+        monitor = self.control.monitor
+        return cpb.ListRacksReply(racks=[rack_info(monitor, rt) for rt in self.control.racks()])
 
     async def SetFault(
         self, request: cpb.SetFaultRequest, context: grpc.aio.ServicerContext
     ) -> cpb.RackInfo:
-        await self._admin(context)
-        try:
-            cap = request.power_cap_kw if request.kind == "power_cap" else None
-            return self._info(self.control.inject(request.rack, request.kind, cap))
-        except ControlError as error:
-            await self._fail(context, error)
-            raise
+        cap = request.power_cap_kw if request.kind == "power_cap" else None
+        return await self._change(
+            context, lambda: self.control.inject(request.rack, request.kind, cap)
+        )
 
     async def ClearFaults(
         self, request: cpb.RackRequest, context: grpc.aio.ServicerContext
     ) -> cpb.RackInfo:
-        await self._admin(context)
-        try:
-            return self._info(self.control.clear(request.rack))
-        except ControlError as error:
-            await self._fail(context, error)
-            raise
+        return await self._change(context, lambda: self.control.clear(request.rack))
 
     async def DrainRack(
         self, request: cpb.DrainRackRequest, context: grpc.aio.ServicerContext
     ) -> cpb.RackInfo:
-        await self._admin(context)
-        try:
-            return self._info(await self.control.drain(request.rack, request.reason))
-        except ControlError as error:
-            await self._fail(context, error)
-            raise
+        return await self._change(context, lambda: self.control.drain(request.rack, request.reason))
 
     async def UndrainRack(
         self, request: cpb.RackRequest, context: grpc.aio.ServicerContext
     ) -> cpb.RackInfo:
-        await self._admin(context)
-        try:
-            return self._info(await self.control.undrain(request.rack))
-        except ControlError as error:
-            await self._fail(context, error)
-            raise
+        return await self._change(context, lambda: self.control.undrain(request.rack))
 
 
 class FacilitiesControlServer:

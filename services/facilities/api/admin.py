@@ -31,14 +31,14 @@ def answers() -> Iterator[None]:
 @router.post("/{rack}/faults")
 async def inject_fault(rack: str, body: FaultIn, control: Control) -> FaultsOut:
     with answers():
-        rt = control.inject(rack, body.kind, body.power_cap_kw)
+        rt = await control.inject(rack, body.kind, body.power_cap_kw)
     return FaultsOut(rack=rt.spec.name, faults=rt.faults.active())
 
 
 @router.delete("/{rack}/faults")
 async def clear_faults(rack: str, control: Control) -> FaultsOut:
     with answers():
-        rt = control.clear(rack)
+        rt = await control.clear(rack)
     return FaultsOut(rack=rt.spec.name, faults=[])
 
 
