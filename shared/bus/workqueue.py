@@ -261,6 +261,8 @@ class WorkQueue(Generic[M]):
                 return
             if time.monotonic() - self._started < self.spec.adopt_after_s:
                 continue
+            if self.accepting is not None and not self.accepting.is_set():
+                continue  # drained: a departed worker's jobs are for the others
             try:
                 infos = await self.bus.js.consumers_info(self.spec.stream)
             except Exception:
