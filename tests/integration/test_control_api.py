@@ -276,3 +276,18 @@ async def test_ctl_drains_and_undrains_a_rack(fsettings):
             "facilities", "--addr", addr, "--admin-token", TOKEN, "undrain", "rack-a"
         )
         assert rc == 0 and json.loads(out)["operatorDrain"] is False
+
+
+async def test_an_operator_drain_survives_a_restart(fsettings):
+    async with running(fsettings):
+        channel, stub = facilities_stub(fsettings, TOKEN)
+        await stub.DrainRack(cpb.DrainRackRequest(rack="rack-b", reason="maintenance"))
+        await channel.close()
+    async with running(fsettings) as http:  # same database
+        rack_b = (await http.get("/v1/racks/rack-b")).json()
+        assert rack_b["state"] == "drain" and rack_b["operator_drain"] is True
+        assert rack_b["reason"] == "drained by an operator: maintenance"
+        channel, stub = facilities_stub(fsettings, TOKEN)
+        info = await stub.UndrainRack(cpb.RackRequest(rack="rack-b"))
+        assert not info.operator_drain and info.state.state != RackStateKind.RACK_STATE_DRAIN
+        await channel.close()
