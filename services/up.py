@@ -234,6 +234,10 @@ def _banner(stack: LocalStack) -> None:
             f"  curl -XPOST {fac}/v1/admin/racks/rack-a/faults -H 'Authorization: Bearer {token}' \\\n"
             "    -H 'Content-Type: application/json' -d '{\"kind\": \"pump_failure\"}'"
         )
+        print(
+            f"  tokenyard ctl facilities --addr {stack.facilities_control} "
+            f"--admin-token {token} racks"
+        )
     if stack.console_url:
         print(f"console: {stack.console_url}  (admin token: {stack.console_admin_token})")
     print("Ctrl-C stops everything.", flush=True)

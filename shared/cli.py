@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "plan": ("tokenyard.planner.cli", "size a fleet: GPUs, racks and kW for a model and workload"),
     "simulate": ("tokenyard.sim.cli", "simulate a fleet under load with the router's policy"),
+    "ctl": ("tokenyard.ctl", "drain workers, fault racks, inspect the KV cache (gRPC control)"),
 }
 
 

@@ -32,6 +32,8 @@ from tokenyard.v1.serving_pb2 import WorkerHeartbeat
 log = logging.getLogger(__name__)
 
 PRUNE_EVERY_S = 3600.0
+# The reason of an operator's drain starts so; a restart resumes the drain from it.
+OPERATOR_DRAIN = "drained by an operator: "
 
 
 @dataclass
@@ -44,6 +46,7 @@ class RackRuntime:
     latest: policy.Reading | None = None
     latest_id: int | None = None
     last_published: float = 0.0
+    operator_drain: str = ""  # why an operator drained it; "" = the readings decide
 
     @property
     def limits(self) -> policy.RackLimits:
@@ -97,9 +100,10 @@ class RackMonitor:
         """Resume each rack's last recorded state, then listen."""
         for name, stored in (await asyncio.to_thread(self.store.last_states)).items():
             if name in self.racks:
-                self.racks[name].status = policy.RackStatus(
-                    stored.state, stored.since, stored.reason
-                )
+                rt = self.racks[name]
+                rt.status = policy.RackStatus(stored.state, stored.since, stored.reason)
+                if stored.reason.startswith(OPERATOR_DRAIN):
+                    rt.operator_drain = stored.reason.removeprefix(OPERATOR_DRAIN)
         await self.bus.subscribe(subjects.FACILITIES_READINGS_ALL, FacilityReading, self.on_reading)
         await self.bus.subscribe(subjects.HEARTBEATS_ALL, WorkerHeartbeat, self.on_heartbeat)
 
@@ -134,13 +138,21 @@ class RackMonitor:
 
     # --- state -------------------------------------------------------------------------
 
-    async def evaluate(self, rt: RackRuntime, now: float) -> None:
-        if rt.latest is None and now - self.started <= self.policy.stale_after_s:
+    async def evaluate(self, rt: RackRuntime, now: float, *, operator: bool = False) -> None:
+        """The rack's next state. `operator`: an operator just drained or undrained it; an
+        undrain lets the readings decide afresh, without the drain's hysteresis."""
+        if not operator and rt.latest is None and now - self.started <= self.policy.stale_after_s:
             return  # just started: readings have not had time to arrive
         async with self._lock:
             prev = rt.status
-            rt.status = policy.evaluate(rt.latest, rt.limits, prev, now, self.policy)
-            if rt.status.state == prev.state:
+            undrained = operator and not rt.operator_drain
+            base = policy.initial_status(now) if undrained else prev
+            rt.status = policy.evaluate(rt.latest, rt.limits, base, now, self.policy)
+            if rt.operator_drain:
+                since = prev.since if prev.state is policy.State.DRAIN else now
+                reason = OPERATOR_DRAIN + rt.operator_drain
+                rt.status = policy.RackStatus(policy.State.DRAIN, since, reason)
+            if rt.status.state == prev.state and not (operator and rt.status.reason != prev.reason):
                 return
             cap = self.seq_cap(rt)
             log.warning(
@@ -242,3 +254,18 @@ class RackMonitor:
     def clear(self, rack: str) -> None:
         self.racks[rack].faults = Faults()
         log.warning("rack %s: faults cleared", rack)
+
+    # --- operator drain (control API) --------------------------------------------------
+
+    async def drain(self, rack: str, reason: str) -> None:
+        """Drain the rack whatever its readings say, until undrain()."""
+        rt = self.racks[rack]
+        rt.operator_drain = reason or "no reason given"
+        await self.evaluate(rt, self.clock(), operator=True)
+
+    async def undrain(self, rack: str) -> None:
+        """Lift an operator's drain: the readings decide the state again, at once."""
+        rt = self.racks[rack]
+        if rt.operator_drain:
+            rt.operator_drain = ""
+            await self.evaluate(rt, self.clock(), operator=True)

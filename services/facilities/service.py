@@ -11,6 +11,8 @@ from tokenyard.db import default_url, make_engine, make_sessionmaker, migrate
 from tokenyard.facilities.inventory import load_inventory
 from tokenyard.http_server import serve_app
 from tokenyard.services.facilities.api import create_app
+from tokenyard.services.facilities.control import RackControl
+from tokenyard.services.facilities.grpc_api import FacilitiesControlServer
 from tokenyard.services.facilities.monitor import RackMonitor
 from tokenyard.services.facilities.settings import FacilitiesSettings
 from tokenyard.services.facilities.store import FacilitiesStore
@@ -34,12 +36,17 @@ async def serve(settings: FacilitiesSettings, stop: asyncio.Event | None = None)
         monitor = RackMonitor(inventory, store, bus, settings)
         await monitor.start()
 
-        app = create_app(monitor, store, settings)
+        control = RackControl(monitor)
+        app = create_app(monitor, store, settings, control)
         api = await stack.enter_async_context(serve_app(app, settings.host, settings.port))
+        grpc_server = FacilitiesControlServer(control, settings)
+        await grpc_server.start()
+        stack.push_async_callback(grpc_server.stop)
         log.info(
-            "facilities: %d racks, API on %s, database %s",
+            "facilities: %d racks, API on %s, control (gRPC) on %s, database %s",
             len(monitor.racks),
             api.url,
+            grpc_server.endpoint,
             engine.url.render_as_string(),
         )
         await monitor.run(stop)

@@ -23,6 +23,8 @@ class FacilitiesSettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8095, ge=0, le=65535)  # 0 = any free port
+    # The gRPC control API (FacilitiesControl) on `host`; 0 = any free port.
+    grpc_port: int = Field(default=50075, ge=0, le=65535)
 
     tick_s: float = Field(default=1.0, gt=0)  # simulator step and staleness check
     dwell_s: float = Field(default=30.0, ge=0)  # minimum calm time before a milder state

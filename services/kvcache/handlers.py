@@ -30,16 +30,21 @@ def refusal(layout: KVLayout) -> str | None:
 _tracer = tracer("tokenyard.kvcache")
 
 
+async def checked_layout(desc: kv_pb2.KVLayoutDesc, context) -> KVLayout:
+    """The call's layout, or the call aborted with the reason it is refused."""
+    layout = layout_from_proto(desc)
+    why = refusal(layout)
+    if why is not None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+    return layout
+
+
 class KVCacheHandler(kv_pb2_grpc.KVCacheServicer):
     def __init__(self, store: TieredStore):
         self.store = store
 
     async def _layout(self, desc: kv_pb2.KVLayoutDesc, context) -> KVLayout:
-        layout = layout_from_proto(desc)
-        why = refusal(layout)
-        if why is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
-        return layout
+        return await checked_layout(desc, context)
 
     async def Put(self, request_iterator, context):
         layout: KVLayout | None = None
@@ -106,6 +111,7 @@ def stats_reply(store: TieredStore) -> kv_pb2.StatsReply:
                 bytes=t.index.nbytes,
                 blocks=len(t.index.sizes),
                 hits=t.counters.hits,
+                misses=t.counters.misses,
                 evictions=t.counters.evictions,
                 capacity_bytes=t.index.capacity_bytes,
             )

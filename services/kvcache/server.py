@@ -7,13 +7,14 @@ import logging
 
 import grpc
 
-from tokenyard.grpc_security import add_port, server_interceptors
+from tokenyard.grpc_security import GrpcSecurity, add_port, server_interceptors
 from tokenyard.kv.store.tiered import TieredStore
 from tokenyard.kv.store.tiers import DiskTier, RamTier, RedisTier, Tier
 from tokenyard.kv.transfer.server import GRPC_OPTIONS
+from tokenyard.services.kvcache.admin import KVCacheAdminHandler
 from tokenyard.services.kvcache.handlers import KVCacheHandler
 from tokenyard.services.kvcache.settings import KVCacheSettings
-from tokenyard.v1 import kv_pb2_grpc
+from tokenyard.v1 import control_pb2_grpc, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,14 @@ class KVCacheServer:
         await self.server.wait_for_termination()
 
 
-async def serve(settings: KVCacheSettings) -> KVCacheServer:
-    """Start the service; returns once it is accepting calls."""
+async def serve(settings: KVCacheSettings, security: GrpcSecurity | None = None) -> KVCacheServer:
+    """Start the service (KVCache and its KVCacheAdmin); returns once it accepts calls."""
     store = build_store(settings)
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors())
+    security = security or GrpcSecurity()
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors(security))
     kv_pb2_grpc.add_KVCacheServicer_to_server(KVCacheHandler(store), server)
-    port = add_port(server, f"{settings.host}:{settings.port}")
+    control_pb2_grpc.add_KVCacheAdminServicer_to_server(KVCacheAdminHandler(store), server)
+    port = add_port(server, f"{settings.host}:{settings.port}", security)
     if port == 0:
         raise OSError(f"KV cache cannot bind {settings.host}:{settings.port}")
     await server.start()

@@ -123,6 +123,7 @@ class LocalStack:
         # Where an operator injects faults (empty when the facilities service is not run).
         self.facilities_url = ""
         self.facilities_admin_token = ""
+        self.facilities_control = ""  # its gRPC control API (FacilitiesControl), host:port
         # The telemetry service's console (empty when it is not run) and its admin token.
         self.console_url = ""
         self.console_admin_token = ""
@@ -339,7 +340,7 @@ class LocalStack:
     def _start_facilities(self, inventory: Path) -> None:
         data = self._tmp / "facilities"
         data.mkdir()
-        port = free_port()
+        port, grpc_port = free_port(), free_port()
         # The operator's own token if set, else a fresh one: the admin API is never open.
         token = os.environ.get("TOKENYARD_FACILITIES_ADMIN_TOKEN") or secrets.token_urlsafe(16)
         env = {
@@ -347,11 +348,14 @@ class LocalStack:
             "TOKENYARD_FACILITIES_INVENTORY_PATH": str(inventory),
             "TOKENYARD_FACILITIES_DATA_DIR": str(data),
             "TOKENYARD_FACILITIES_PORT": str(port),
+            "TOKENYARD_FACILITIES_GRPC_PORT": str(grpc_port),
             "TOKENYARD_FACILITIES_ADMIN_TOKEN": token,
+            "TOKENYARD_GRPC_TOKEN": self.grpc_token,
             **self.config.facilities_env,
         }
         self._spawn("facilities", "tokenyard.services.facilities", env)
         self.facilities_url = f"http://127.0.0.1:{port}"
+        self.facilities_control = f"127.0.0.1:{grpc_port}"
         self.facilities_admin_token = token
 
     def _start_telemetry(self, inventory: Path | None) -> None:

@@ -81,8 +81,10 @@ def choose(
 ) -> pb.Placement | pb.RouteError:
     config = config or PolicyConfig()
     facilities = facilities or {}
-    # A worker that says it cannot take work (its consumer gone, its engine stuck) gets none.
-    live = [w for w in workers.values() if w.alive(now, config.missed_heartbeats) and w.ready]
+    alive = [w for w in workers.values() if w.alive(now, config.missed_heartbeats)]
+    # A worker that says it cannot take work (its consumer gone, its engine stuck) gets none,
+    # and one an operator drained is alive but takes nothing new: as if it were not there.
+    live = [w for w in alive if w.ready and not w.draining]
     if request.model:
         serving = [w for w in live if w.model == request.model]
         if live and not serving:
@@ -96,6 +98,12 @@ def choose(
     local_ok = config.disaggregation != "always"
     prefill_live = [w for w in live if w.prefills or (local_ok and w.local_prefill)]
     if not prefill_live:
+        if any(w.draining and w.prefills for w in alive):
+            return _error(
+                pb.RouteError.ALL_DRAINED,
+                "every prefill worker is drained by an operator",
+                config.overloaded_retry_after_s,
+            )
         return _error(pb.RouteError.NO_WORKERS, "no live prefill worker")
     open_ = [w for w in prefill_live if facilities.get(w.worker_id, NORMAL).state != "drain"]
     if not open_:

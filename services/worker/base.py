@@ -72,6 +72,11 @@ class WorkerBase:
         # KV events are numbered 1, 2, ... within this process's epoch (the router's
         # tokenyard.services.router.kv_sync): a gap or a new epoch makes it ask for a dump.
         self.kv_epoch = secrets.token_hex(8)
+        # Cleared while an operator has drained this worker (control.py): no new work.
+        self.accepting = asyncio.Event()
+        self.accepting.set()
+        self.drain_reason = ""
+        self.control_endpoint = ""  # the WorkerControl server, once started
         self._kv_seq = 0
         self.metrics = WorkerMetrics(self.worker_id, settings.role, self.model_id)
         self._loop_task: asyncio.Task[None]
@@ -344,6 +349,8 @@ class WorkerBase:
             kv_epoch=self.kv_epoch,
             kv_seq=self._kv_seq,
             not_ready=self.not_ready() or "",
+            draining=not self.accepting.is_set(),
+            control_endpoint=self.control_endpoint,
         )
 
     def log_step_timings(self) -> None:

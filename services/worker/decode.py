@@ -80,7 +80,8 @@ class DecodeHandler:
         """Why this hand-off is not taken here ("" = it is)."""
         if not handoff.gateway_id:
             return "the hand-off names no gateway to stream its tokens to"
-        if self.w.stopping.is_set() or self.w.is_cancelled(handoff.request_id):
+        taking = self.w.accepting.is_set() and not self.w.stopping.is_set()
+        if not taking or self.w.is_cancelled(handoff.request_id):
             return "not taking work"
         return ""
 

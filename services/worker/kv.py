@@ -61,6 +61,11 @@ class KVPort:
         if self._releases:
             await asyncio.gather(*self._releases, return_exceptions=True)
 
+    @property
+    def num_held(self) -> int:
+        """Prefilled requests whose blocks wait here for a decode worker's pull."""
+        return 0 if self._server is None else len(self._server.holds)
+
     def offer(self, request_id: str, block_ids: list[int]) -> str:
         """Hold the blocks for a pull; returns the endpoint, or "" (then release them yourself)."""
         if self._server is None:

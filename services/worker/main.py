@@ -22,6 +22,7 @@ from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.fleet.roles import ROLES, Role
 from tokenyard.http_server import ReadyFlag, ops_server
 from tokenyard.lifecycle import run_until_signalled
+from tokenyard.services.worker import control
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.decode import DecodeHandler
 from tokenyard.services.worker.prefill import PrefillHandler
@@ -113,9 +114,12 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, readiness: R
     # decode worker died (tokenyard.fleet.resume_candidates), and decodes it as any would.
     decode = DecodeHandler(worker)
 
+    control_server = control.ControlServer(worker)
+
     async def on_drain(req: pb.DrainRequest, msg: Msg) -> None:
-        """An operator's drain: the graceful stop of SIGTERM, asked over NATS."""
-        log.warning("worker %s draining: %s", settings.worker_id, req.reason or "no reason")
+        """An operator's drain over NATS (the ops console): the control API's drain, then
+        the graceful stop of SIGTERM."""
+        control.drain(worker, req.reason)
         await bus.reply(msg, pb.DrainReply(accepted=True, message="draining, then exiting"))
         stop.set()
 
@@ -125,6 +129,7 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, readiness: R
             for handler in (decode, prefill):
                 if handler is not None:
                     await handler.start(tg)
+            await control_server.start()
             await bus.subscribe(subjects.drain(settings.worker_id), pb.DrainRequest, on_drain)
             ready.set(None)
             log.info(
@@ -138,6 +143,7 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, readiness: R
             ready.set("stopping")
             await shutdown(worker, prefill, decode)
     finally:
+        await control_server.stop()
         await bus.close()
 
 

@@ -55,6 +55,7 @@ class PrefillHandler:
             self,
             alive=worker.peer_alive,
             stopping=worker.stopping,
+            accepting=worker.accepting,
         )
         worker.readiness_checks.append(self.queue.problem)
 

@@ -63,6 +63,9 @@ class WorkerSettings(BaseSettings):
     # bound to 0.0.0.0, this host's own address (tokenyard.net); Kubernetes sets the pod IP.
     advertise_host: str = ""
     kv_port: int = 0  # 0 = any free port
+    # The WorkerControl gRPC server (drain, undrain, status) on `host`; 0 = any free port.
+    # Its endpoint rides in the heartbeats (control_endpoint).
+    control_port: int = Field(default=0, ge=0, le=65535)
     kv_transfer: bool = True  # False: decode workers always recompute the prompt
     # A decode worker also takes whole requests (prefill here, then decode): the router's
     # cost model sends it one when a hand-off from a prefill worker would not pay.

@@ -119,6 +119,7 @@ class WorkQueue(Generic[M]):
         *,
         alive: Callable[[str], bool],
         stopping: asyncio.Event,
+        accepting: asyncio.Event | None = None,
     ) -> None:
         self.bus = bus
         self.spec = spec
@@ -127,6 +128,8 @@ class WorkQueue(Generic[M]):
         self.handler = handler
         self.alive = alive
         self.stopping = stopping
+        # Cleared: fetch nothing new (a drained worker); jobs already taken run on.
+        self.accepting = accepting
         self.adopting: set[str] = set()  # worker ids whose consumers we pull from now
         self._slots = asyncio.Semaphore(spec.max_in_flight)
         self._tg: asyncio.TaskGroup | None = None
@@ -189,7 +192,7 @@ class WorkQueue(Generic[M]):
         """Fetch one job per free slot; an adopted consumer is left once idle for a while."""
         idle_since = time.monotonic()
         try:
-            while not self.stopping.is_set():
+            while await self._open():
                 await self._slots.acquire()
                 try:
                     msgs = await psub.fetch(1, timeout=self.spec.fetch_timeout_s)
@@ -212,6 +215,15 @@ class WorkQueue(Generic[M]):
         finally:
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
+
+    async def _open(self) -> bool:
+        """Wait while fetching is paused; False once the queue is stopping."""
+        while self.accepting is not None and not self.accepting.is_set():
+            if self.stopping.is_set():
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.accepting.wait(), self.spec.fetch_timeout_s)
+        return not self.stopping.is_set()
 
     async def _run(self, msg: Msg, *, adopted: bool) -> None:
         try:
@@ -284,6 +296,8 @@ class WorkQueue(Generic[M]):
             await self._keep_own_consumer({info.name for info in infos})
             if time.monotonic() - self._started < self.spec.adopt_after_s:
                 continue
+            if self.accepting is not None and not self.accepting.is_set():
+                continue  # drained: a departed worker's jobs are for the others
             for info in infos:
                 self._maybe_adopt(info)
 

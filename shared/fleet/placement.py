@@ -27,6 +27,6 @@ def resume_candidates(live: Iterable[WorkerView], *, exclude: str) -> list[str]:
     is live or each refuses. Within each group the least busy, then the most free KV blocks,
     since the taker recomputes the sequence from its tokens and the least busy starts that
     soonest."""
-    takers = [w for w in live if w.worker_id != exclude]
+    takers = [w for w in live if not w.draining and w.worker_id != exclude]
     takers.sort(key=lambda w: (not w.decodes, w.load, -w.num_free_blocks, w.worker_id))
     return [w.worker_id for w in takers]

@@ -71,6 +71,11 @@ class WorkerView:
         return not self.heartbeat.not_ready
 
     @cached_property
+    def draining(self) -> bool:
+        """Drained by an operator: alive, finishing its requests, taking no new ones."""
+        return self.heartbeat.draining
+
+    @cached_property
     def interval_s(self) -> float:
         return liveness.announced_interval_s(self.heartbeat)
 

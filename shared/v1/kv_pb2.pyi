@@ -163,20 +163,22 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "bytes", "blocks", "hits", "evictions", "capacity_bytes")
+    __slots__ = ("name", "bytes", "blocks", "hits", "evictions", "capacity_bytes", "misses")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
     name: str
     bytes: int
     blocks: int
     hits: int
     evictions: int
     capacity_bytes: int
-    def __init__(self, name: _Optional[str] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    misses: int
+    def __init__(self, name: _Optional[str] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("hits", "misses", "evictions", "tiers")

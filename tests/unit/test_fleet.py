@@ -188,3 +188,11 @@ def test_equal_candidates_are_ordered_by_worker_id():
     for worker_id in ("d2", "d3", "d1"):
         fleet.on_heartbeat(busy(worker_id, "decode", 0, 10), now=0.0)
     assert resume_candidates(fleet.live(0.0), exclude="x") == ["d1", "d2", "d3"]
+
+
+def test_a_drained_worker_is_no_resume_candidate(fleet):
+    fleet.on_heartbeat(
+        hb("d-idle", "decode", num_running=1, num_free_blocks=50, num_blocks=100, draining=True),
+        now=2.0,
+    )
+    assert resume_candidates(fleet.live(3.5), exclude="dying") == ["both", "d-busy", "p"]

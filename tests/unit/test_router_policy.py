@@ -318,3 +318,33 @@ def test_a_worker_that_says_it_cannot_take_work_gets_none():
     assert isinstance(placed, pb.Placement) and placed.prefill_worker_id == "p2"
     alone = choose(table(stuck, worker("d1", "decode")), req(), NOW)
     assert isinstance(alone, pb.RouteError) and alone.code == pb.RouteError.NO_WORKERS
+
+
+def drained(w: WorkerView) -> WorkerView:
+    hb = pb.WorkerHeartbeat()
+    hb.CopyFrom(w.heartbeat)
+    hb.draining = True
+    return WorkerView(hb, last_seen=w.last_seen)
+
+
+def test_a_drained_worker_gets_nothing_new_even_when_idle():
+    workers = table(drained(worker("b1", "both")), worker("b2", "both", running=7))
+    out = choose(workers, req(100), NOW)
+    assert isinstance(out, pb.Placement)
+    assert (out.prefill_worker_id, out.decode_worker_id) == ("b2", "b2")
+
+
+def test_a_drained_decode_worker_is_no_hand_off_target():
+    workers = table(
+        worker("p1", "prefill", running=6),
+        drained(worker("d1", "decode")),
+        worker("d2", "decode", running=5),
+    )
+    out = choose(workers, RouteInput("r1", MODEL, 100, {}, max_tokens=128), NOW)
+    assert isinstance(out, pb.Placement) and out.decode_worker_id != "d1"
+
+
+def test_every_worker_drained_is_a_route_error():
+    out = choose(table(drained(worker("b1", "both"))), req(100), NOW)
+    assert isinstance(out, pb.RouteError) and out.code == pb.RouteError.ALL_DRAINED
+    assert "drained by an operator" in out.message and out.retry_after_s > 0

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from tokenyard.http_server import ops_router
 from tokenyard.services.facilities.api import admin, errors, events, health, inventory, racks
+from tokenyard.services.facilities.control import RackControl
 from tokenyard.services.facilities.metrics import RackCollector
 from tokenyard.services.facilities.monitor import RackMonitor
 from tokenyard.services.facilities.settings import FacilitiesSettings
@@ -14,10 +15,14 @@ from tokenyard.services.facilities.store import FacilitiesStore
 
 
 def create_app(
-    monitor: RackMonitor, store: FacilitiesStore, settings: FacilitiesSettings
+    monitor: RackMonitor,
+    store: FacilitiesStore,
+    settings: FacilitiesSettings,
+    control: RackControl | None = None,
 ) -> FastAPI:
     app = FastAPI(title="Tokenyard facilities", version="1")
     app.state.monitor = monitor
+    app.state.control = control or RackControl(monitor)
     app.state.store = store
     app.state.settings = settings
     errors.install(app)

@@ -1,27 +1,58 @@
-"""/v1/admin: fault injection (pump, chiller, power cap, dead sensor) behind the admin token."""
+"""/v1/admin: fault injection (pump, chiller, power cap, dead sensor) and an operator's
+drain, behind the admin token: a thin adapter over RackControl, which the gRPC control API
+(FacilitiesControl) calls too."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from fastapi import APIRouter
 
-from tokenyard.services.facilities.api.deps import Admin, Monitor, Rack
+from tokenyard.services.facilities.api.deps import Admin, Control, Monitor
 from tokenyard.services.facilities.api.errors import ApiError
-from tokenyard.services.facilities.api.schemas import FaultIn, FaultsOut
+from tokenyard.services.facilities.api.racks import rack_out
+from tokenyard.services.facilities.api.schemas import DrainIn, FaultIn, FaultsOut, RackOut
+from tokenyard.services.facilities.control import ControlError
 
 router = APIRouter(prefix="/v1/admin/racks", tags=["admin"], dependencies=[Admin])
 
 
+@contextmanager
+def answers() -> Iterator[None]:
+    """RackControl's refusals as the API's errors."""
+    try:
+        yield
+    except ControlError as error:
+        status = 404 if error.kind == "not_found" else 400
+        raise ApiError(status, error.message, code=error.code, param=error.param) from error
+
+
 @router.post("/{rack}/faults")
-async def inject_fault(body: FaultIn, monitor: Monitor, rt: Rack) -> FaultsOut:
-    if body.kind == "power_cap" and body.power_cap_kw is None:
-        raise ApiError(
-            400, "a power_cap fault needs power_cap_kw", code="missing_param", param="power_cap_kw"
-        )
-    faults = monitor.inject(rt.spec.name, body.kind, body.power_cap_kw)
-    return FaultsOut(rack=rt.spec.name, faults=faults.active())
+async def inject_fault(rack: str, body: FaultIn, control: Control) -> FaultsOut:
+    with answers():
+        rt = await control.inject(rack, body.kind, body.power_cap_kw)
+    return FaultsOut(rack=rt.spec.name, faults=rt.faults.active())
 
 
 @router.delete("/{rack}/faults")
-async def clear_faults(monitor: Monitor, rt: Rack) -> FaultsOut:
-    monitor.clear(rt.spec.name)
+async def clear_faults(rack: str, control: Control) -> FaultsOut:
+    with answers():
+        rt = await control.clear(rack)
     return FaultsOut(rack=rt.spec.name, faults=[])
+
+
+@router.post("/{rack}/drain")
+async def drain_rack(rack: str, body: DrainIn, control: Control, monitor: Monitor) -> RackOut:
+    """Drain the rack whatever its readings say, until undrained."""
+    with answers():
+        rt = await control.drain(rack, body.reason)
+    return rack_out(monitor, rt)
+
+
+@router.delete("/{rack}/drain")
+async def undrain_rack(rack: str, control: Control, monitor: Monitor) -> RackOut:
+    """Lift an operator's drain: the readings decide the rack's state again."""
+    with answers():
+        rt = await control.undrain(rack)
+    return rack_out(monitor, rt)

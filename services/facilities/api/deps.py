@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
 from tokenyard.services.facilities.api.errors import ApiError
+from tokenyard.services.facilities.control import AdminRefusal, RackControl, check_admin
 from tokenyard.services.facilities.monitor import RackMonitor, RackRuntime
 from tokenyard.services.facilities.settings import FacilitiesSettings
 from tokenyard.services.facilities.store import FacilitiesStore
@@ -25,7 +25,12 @@ def _settings(request: Request) -> FacilitiesSettings:
     return request.app.state.settings
 
 
+def _control(request: Request) -> RackControl:
+    return request.app.state.control
+
+
 Monitor = Annotated[RackMonitor, Depends(_monitor)]
+Control = Annotated[RackControl, Depends(_control)]
 Store = Annotated[FacilitiesStore, Depends(_store)]
 Settings = Annotated[FacilitiesSettings, Depends(_settings)]
 
@@ -46,21 +51,17 @@ def require_admin(
     x_admin_token: Annotated[str | None, Header()] = None,
 ) -> None:
     """`Authorization: Bearer <token>` or `X-Admin-Token: <token>`; 401 when absent, 403 when wrong."""
-    if not settings.admin_token:
-        raise ApiError(
-            403,
-            "the admin API is disabled: set TOKENYARD_FACILITIES_ADMIN_TOKEN",
-            code="admin_disabled",
-        )
     given = x_admin_token
     if authorization and authorization.lower().startswith("bearer "):
         given = authorization[7:].strip()
-    if not given:
+    try:
+        check_admin(settings.admin_token, given)
+    except AdminRefusal as refusal:
+        status = 401 if refusal.kind == "missing" else 403
+        code = {"missing": "missing_admin_token", "wrong": "invalid_admin_token"}
         raise ApiError(
-            401, "missing admin token (Authorization: Bearer <token>)", code="missing_admin_token"
-        )
-    if not hmac.compare_digest(given.encode(), settings.admin_token.encode()):
-        raise ApiError(403, "invalid admin token", code="invalid_admin_token")
+            status, refusal.message, code=code.get(refusal.kind, "admin_disabled")
+        ) from refusal
 
 
 Admin = Depends(require_admin)

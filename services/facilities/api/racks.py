@@ -60,6 +60,7 @@ def rack_out(monitor: RackMonitor, rt: RackRuntime) -> RackOut:
         worker_ids=rt.spec.worker_ids,
         latest_reading=reading,
         faults=rt.faults.active(),
+        operator_drain=bool(rt.operator_drain),
     )
 
 

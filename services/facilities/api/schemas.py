@@ -37,6 +37,9 @@ class RackOut(BaseModel):
     worker_ids: list[str]
     latest_reading: ReadingOut | None
     faults: list[FaultKind]
+    operator_drain: bool = Field(
+        default=False, description="drained by an operator, not by the readings"
+    )
 
 
 class RackList(BaseModel):
@@ -67,6 +70,10 @@ class FaultIn(BaseModel):
     power_cap_kw: float | None = Field(
         default=None, gt=0, description="for kind=power_cap: the lowered cap"
     )
+
+
+class DrainIn(BaseModel):
+    reason: str = Field(default="", max_length=500)
 
 
 class FaultsOut(BaseModel):

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import torch
 
-from tokenyard.grpc_security import open_channel
+from tokenyard.grpc_security import GrpcSecurity, open_channel
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer.common import check_pool, layout_to_proto, pool_bytes
@@ -27,10 +27,13 @@ class KVCacheError(RuntimeError):
 
 
 class KVCacheClient:
-    def __init__(self, endpoint: str, *, timeout_s: float = 10.0):
+    def __init__(
+        self, endpoint: str, *, timeout_s: float = 10.0, security: GrpcSecurity | None = None
+    ):
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._channel = open_channel(endpoint, GRPC_OPTIONS)
+        # The token and TLS settings: TOKENYARD_GRPC_* unless given.
+        self._channel = open_channel(endpoint, GRPC_OPTIONS, security)
         self._stub = kv_pb2_grpc.KVCacheStub(self._channel)
 
     async def put_blocks(

@@ -67,6 +67,7 @@ class TieredStore:
             for level, tier in enumerate(self.tiers):
                 value = await tier.get(key)
                 if value is None:
+                    tier.counters.misses += 1
                     continue
                 data = unframe(value)
                 if data is None:
@@ -81,6 +82,27 @@ class TieredStore:
                 return data
             self.misses += 1
             return None
+
+    async def evict(self, key: str) -> bool:
+        """Drop a block from every tier; True when some tier held it."""
+        async with self._lock:
+            held = False
+            for tier in self.tiers:
+                if await tier.contains(key):
+                    held = True
+                    await tier.delete(key)
+            return held
+
+    async def clear(self) -> tuple[int, int]:
+        """Drop every block this service indexes; returns (blocks, bytes) dropped."""
+        async with self._lock:
+            blocks = nbytes = 0
+            for tier in self.tiers:
+                blocks += len(tier.index.sizes)
+                nbytes += tier.index.nbytes
+                for key in list(tier.index.sizes):
+                    await tier.delete(key)
+            return blocks, nbytes
 
     async def contains(self, key: str) -> bool:
         for tier in self.tiers:

@@ -20,6 +20,7 @@ Evicted = list[tuple[str, bytes | None]]
 @dataclass
 class TierCounters:
     hits: int = 0
+    misses: int = 0  # look-ups that reached this tier and did not find the block
     evictions: int = 0
 
 

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 _tracer = tracer("tokenyard.kv.transfer")
 
 MAX_MESSAGE_BYTES = 64 << 20
+MIN_CHUNK_BYTES = 64 << 10
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -178,7 +179,10 @@ class KVTransferServer:
         BlockChunk messages (see wire.py)."""
         flat = pool_bytes(self.pool).numpy()
         nb = self.layout.block_nbytes
-        step = min(req.chunk_bytes or self.settings.chunk_bytes, MAX_MESSAGE_BYTES // 2)
+        # NOTE: at least one block (or MIN_CHUNK_BYTES) per message: a forged chunk_bytes of 1
+        # would otherwise turn one read into millions of messages.
+        floor = min(nb, MIN_CHUNK_BYTES)
+        step = max(floor, min(req.chunk_bytes or self.settings.chunk_bytes, MAX_MESSAGE_BYTES // 2))
         ids = list(req.src_block_ids)
         total = len(ids) * nb
         for n, offset in enumerate(range(0, total, step)):
@@ -224,7 +228,10 @@ class _Servicer(kv_pb2_grpc.KVTransferServicer):
         return self.s.describe(request)
 
     async def ReadBlocks(self, request, context):
-        why = self.s.holds.check(request.request_id, list(request.src_block_ids))
+        ids = list(request.src_block_ids)
+        if len(set(ids)) != len(ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "src_block_ids repeat a block")
+        why = self.s.holds.check(request.request_id, ids)
         if why is not None:
             await context.abort(grpc.StatusCode.NOT_FOUND, why)
         try:
