@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -61,7 +62,9 @@ class TensorParallelRanks:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         world = config.tensor_parallel_size
         # Rank 0 holds the rendezvous store; port 0 lets the OS choose a free port.
-        self._store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=JOIN_TIMEOUT)
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False
+        )
         self._procs = mp.start_processes(
             _rank_main,
             args=(config, model_path, self._store.port),
@@ -70,9 +73,26 @@ class TensorParallelRanks:
             daemon=True,
             start_method="spawn",
         )
+        self._wait_until_started(world)
         self.plan_group = init_ranks(config, 0, self._store)
         self._closed = False
         log.info("tensor parallel: %d ranks joined (%s)", world, dist.get_backend())
+
+    def _wait_until_started(self, world: int) -> None:
+        """Fail at once, with its exit code, if a rank dies before it reaches the store
+        (rank 0 would otherwise wait JOIN_TIMEOUT for it in init_process_group)."""
+        keys = [_started(rank) for rank in range(1, world)]
+        deadline = time.monotonic() + JOIN_TIMEOUT.total_seconds()
+        while not self._store.check(keys):
+            for rank, proc in enumerate(self._procs.processes, start=1):
+                if not proc.is_alive():
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited with code {proc.exitcode} before "
+                        "joining (its error is in the process's stderr)"
+                    )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel ranks did not start in {JOIN_TIMEOUT}")
+            time.sleep(0.05)
 
     def broadcast(self, plan: StepPlan | None) -> None:
         dist.broadcast_object_list([plan], src=0, group=self.plan_group)
@@ -89,6 +109,10 @@ class TensorParallelRanks:
             dist.destroy_process_group()
 
 
+def _started(rank: int) -> str:
+    return f"tokenyard/tp/started/{rank}"
+
+
 def _rank_main(index: int, config: EngineConfig, model_path: str, port: int) -> None:
     """A rank other than 0: load the model, keep its share, run every plan it is sent."""
     from tokenyard.engine.memory import build_model_and_pool
@@ -102,6 +126,7 @@ def _rank_main(index: int, config: EngineConfig, model_path: str, port: int) -> 
     store = dist.TCPStore(
         "127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=JOIN_TIMEOUT
     )
+    store.set(_started(rank), "1")
     plan_group = init_ranks(config, rank, store)
     try:
         model, kv_cache, _, _ = build_model_and_pool(load_model(model_path), config, rank=rank)

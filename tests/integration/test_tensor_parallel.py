@@ -1,0 +1,147 @@
+"""Tensor parallelism on the CPU: two gloo ranks give the logprobs one rank gives.
+
+The checkpoints are tiny random models built by transformers' own classes: the default
+model's 9 query and 3 KV heads split over no tp > 1. Each engine at tp=2 spawns one other
+process, which loads the model, keeps its half and runs every step's forward with rank 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_checkpoints import hf_moe_model, save_hf_folder
+
+from tokenyard import LLM, SamplingParams
+from tokenyard.engine.llm_engine import LLMEngine
+
+TOL = 1e-3  # the dense fp32 tolerance of the HF-equivalence tests
+
+# Prompts of token ids, long enough for several blocks and chunks at the settings below.
+PROMPTS = [[(7 * i + 3) % 4000 + 100 for i in range(n)] for n in (5, 41, 70, 17)]
+PARAMS = SamplingParams(
+    max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2
+)
+ENGINE = dict(
+    block_size=16,
+    max_num_batched_tokens=48,  # the 70-token prompt prefills in two chunks
+    max_num_seqs=8,
+    kv_cache_bytes=4 * 1024**2,
+    num_threads=1,
+)
+
+
+def _llama(**overrides):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        **(
+            dict(
+                vocab_size=49153,  # odd: the last rank's vocabulary rows are padded
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=512,
+                rope_theta=50000.0,
+                tie_word_embeddings=False,
+                initializer_range=0.2,  # logits that differ: at 0.02 every token ties
+            )
+            | overrides
+        )
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _qwen2():
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(1)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+CHECKPOINTS = {
+    "llama-gqa-untied": _llama,
+    "qwen2-bias-tied": _qwen2,  # q/k/v biases sharded with their heads; tied vocab shards
+    "mixtral": lambda: hf_moe_model("mixtral"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def folder(request, tmp_path_factory):
+    model = CHECKPOINTS[request.param]()
+    return str(save_hf_folder(model, tmp_path_factory.mktemp(request.param)))
+
+
+def _generate(folder: str, tp: int, **extra):
+    llm = LLM(folder, tensor_parallel_size=tp, **(ENGINE | extra))
+    try:
+        return llm.generate(PROMPTS, PARAMS), llm.engine.memory
+    finally:
+        llm.close()
+
+
+def _assert_same_logprobs(one, two) -> None:
+    for a, b in zip(one, two, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs and b.logprobs
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(la.logprob - lb.logprob) <= TOL
+            assert [t for t, _ in la.top] == [t for t, _ in lb.top]
+            for (_, va), (_, vb) in zip(la.top, lb.top, strict=True):
+                assert abs(va - vb) <= TOL
+        assert a.prompt_logprobs and b.prompt_logprobs
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            assert pa is not None and pb is not None and pa.token_id == pb.token_id
+            assert abs(pa.logprob - pb.logprob) <= TOL
+
+
+@pytest.mark.slow
+def test_two_ranks_give_one_ranks_logprobs(folder):
+    one, mem1 = _generate(folder, 1)
+    two, mem2 = _generate(folder, 2)
+    _assert_same_logprobs(one, two)
+    assert all(len(r.token_ids) == PARAMS.max_tokens for r in two)
+    # The report is one rank's: half the KV heads per block, its share of the weights.
+    assert mem2.tp_size == 2 and "x2 ranks" in mem2.describe()
+    assert mem2.block_nbytes * 2 == mem1.block_nbytes
+    assert mem2.weights_bytes < 0.6 * mem1.weights_bytes
+
+
+@pytest.mark.slow
+def test_two_ranks_with_int8_weights_stay_close(tmp_path):
+    """int8 is quantized per rank's slice (row-parallel layers get their slice's scales),
+    so two ranks are close to one rank at int8, not equal to it."""
+    folder = str(save_hf_folder(_llama(), tmp_path / "llama"))
+    dense, _ = _generate(folder, 1)
+    one, _ = _generate(folder, 1, quantization="int8")
+    two, _ = _generate(folder, 2, quantization="int8")
+
+    def gap(results) -> float:
+        return max(
+            abs(x.logprob - y.logprob)
+            for r, d in zip(results, dense, strict=True)
+            for x, y in zip(r.prompt_logprobs[1:], d.prompt_logprobs[1:], strict=True)
+        )
+
+    assert gap(two) <= max(2 * gap(one), 0.05), (gap(one), gap(two))
+
+
+def test_heads_that_do_not_split_are_refused_before_any_process_starts(tmp_path):
+    folder = str(save_hf_folder(_llama(), tmp_path / "llama"))
+    from tokenyard.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
+        LLMEngine(EngineConfig(model=folder, tensor_parallel_size=3, **ENGINE))
