@@ -7,11 +7,14 @@ process, which loads the model, keeps its half and runs every step's forward wit
 
 from __future__ import annotations
 
+import multiprocessing as mp
+
 import pytest
 import torch
 from moe_checkpoints import hf_moe_model, save_hf_folder
 
 from tokenyard import LLM, SamplingParams
+from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
 
 TOL = 1e-3  # the dense fp32 tolerance of the HF-equivalence tests
@@ -85,6 +88,11 @@ def folder(request, tmp_path_factory):
     return str(save_hf_folder(model, tmp_path_factory.mktemp(request.param)))
 
 
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    return str(save_hf_folder(_llama(), tmp_path_factory.mktemp("llama")))
+
+
 def _generate(folder: str, tp: int, **extra):
     llm = LLM(folder, tensor_parallel_size=tp, **(ENGINE | extra))
     try:
@@ -121,10 +129,10 @@ def test_two_ranks_give_one_ranks_logprobs(folder):
 
 
 @pytest.mark.slow
-def test_two_ranks_with_int8_weights_stay_close(tmp_path):
+def test_two_ranks_with_int8_weights_stay_close(llama_folder):
     """int8 is quantized per rank's slice (row-parallel layers get their slice's scales),
     so two ranks are close to one rank at int8, not equal to it."""
-    folder = str(save_hf_folder(_llama(), tmp_path / "llama"))
+    folder = llama_folder
     dense, _ = _generate(folder, 1)
     one, _ = _generate(folder, 1, quantization="int8")
     two, _ = _generate(folder, 2, quantization="int8")
@@ -139,9 +147,34 @@ def test_two_ranks_with_int8_weights_stay_close(tmp_path):
     assert gap(two) <= max(2 * gap(one), 0.05), (gap(one), gap(two))
 
 
-def test_heads_that_do_not_split_are_refused_before_any_process_starts(tmp_path):
-    folder = str(save_hf_folder(_llama(), tmp_path / "llama"))
-    from tokenyard.engine.config import EngineConfig
-
+def test_heads_that_do_not_split_are_refused_before_any_process_starts(llama_folder):
+    config = EngineConfig(model=llama_folder, tensor_parallel_size=3, **ENGINE)
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
-        LLMEngine(EngineConfig(model=folder, tensor_parallel_size=3, **ENGINE))
+        LLMEngine(config)
+    assert not mp.active_children()
+
+
+@pytest.mark.slow
+def test_a_worker_with_two_ranks_serves_without_offering_its_pool(llama_folder, monkeypatch):
+    """TOKENYARD_WORKER_TENSOR_PARALLEL_SIZE reaches the engine; rank 0's pool holds half
+    the KV heads, so the worker offers none to hand-offs (peers recompute)."""
+    from tokenyard.services.worker.main import build_engine
+    from tokenyard.services.worker.settings import WorkerSettings
+
+    monkeypatch.setenv("TOKENYARD_WORKER_TENSOR_PARALLEL_SIZE", "2")
+    settings = WorkerSettings(
+        model=llama_folder, role="prefill", kv_cache_bytes=4 * 1024**2, num_threads=1
+    )
+    engine, params_cls = build_engine(settings)
+    assert isinstance(engine, LLMEngine)
+    try:
+        assert engine.config.tensor_parallel_size == 2
+        assert engine.kv_cache is None and engine.layout is None
+        assert engine.config.kv_pool_factory is None  # no shared-memory pool for TP
+        engine.add_request("r", PROMPTS[1], params_cls(max_tokens=3, temperature=0.0))
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        assert [o.finish_reason for o in outs if o.finished] == ["length"]
+    finally:
+        engine.close()
