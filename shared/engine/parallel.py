@@ -48,8 +48,8 @@ def init_ranks(config: EngineConfig, rank: int, store: dist.Store) -> Any:
     """Join the process group; returns the group that carries the plans (gloo, host)."""
     world = config.tensor_parallel_size
     cuda = config.device.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(torch.device(config.device))
+    if cuda:  # NCCL and the collectives' tensors use the current device
+        torch.cuda.set_device(torch.device(rank_device(config.device, 0)))
     dist.init_process_group(
         "nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=JOIN_TIMEOUT
     )

@@ -1,4 +1,5 @@
-"""Tensor parallelism on the CPU: two gloo ranks give the logprobs one rank gives.
+"""Tensor parallelism: two ranks give the logprobs one rank gives (gloo on the CPU; with
+TOKENYARD_TEST_DEVICE=cuda, NCCL over two GPUs: scripts/gpu_check.sh).
 
 The checkpoints are tiny random models built by transformers' own classes: the default
 model's 9 query and 3 KV heads split over no tp > 1. Each engine at tp=2 spawns one other
@@ -8,6 +9,7 @@ process, which loads the model, keeps its half and runs every step's forward wit
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 import torch
@@ -18,6 +20,10 @@ from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
 
 TOL = 1e-3  # the dense fp32 tolerance of the HF-equivalence tests
+DEVICE = os.environ.get("TOKENYARD_TEST_DEVICE", "cpu")
+cpu_only = pytest.mark.skipif(
+    DEVICE != "cpu", reason="weight quantization and this check run on the CPU"
+)
 
 # Prompts of token ids, long enough for several blocks and chunks at the settings below.
 PROMPTS = [[(7 * i + 3) % 4000 + 100 for i in range(n)] for n in (5, 41, 70, 17)]
@@ -30,6 +36,7 @@ ENGINE = dict(
     max_num_seqs=8,
     kv_cache_bytes=4 * 1024**2,
     num_threads=1,
+    device=DEVICE,
 )
 
 
@@ -129,6 +136,7 @@ def test_two_ranks_give_one_ranks_logprobs(folder):
 
 
 @pytest.mark.slow
+@cpu_only
 def test_two_ranks_with_int8_weights_stay_close(llama_folder):
     """int8 is quantized per rank's slice (row-parallel layers get their slice's scales),
     so two ranks are close to one rank at int8, not equal to it."""
@@ -155,6 +163,7 @@ def test_heads_that_do_not_split_are_refused_before_any_process_starts(llama_fol
 
 
 @pytest.mark.slow
+@cpu_only
 def test_a_worker_with_two_ranks_serves_without_offering_its_pool(llama_folder, monkeypatch):
     """TOKENYARD_WORKER_TENSOR_PARALLEL_SIZE reaches the engine; rank 0's pool holds half
     the KV heads, so the worker offers none to hand-offs (peers recompute)."""
