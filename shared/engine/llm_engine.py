@@ -69,7 +69,12 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.ranks = _start_ranks(config, loaded)
-        model, kv_cache, layout, self.memory = build_model_and_pool(loaded, config)
+        try:
+            model, kv_cache, layout, self.memory = build_model_and_pool(loaded, config)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.abort()
+            raise
         # NOTE: a tensor-parallel engine offers no pool to KV hand-offs or the KV-cache
         # service: this one holds only rank 0's heads, so its workers recompute instead.
         self.kv_cache: torch.Tensor | None = kv_cache if self.ranks is None else None

@@ -34,8 +34,12 @@ from tokenyard.engine.model_runner import StepPlan
 
 log = logging.getLogger(__name__)
 
-# Rank 0 waits this long for the other ranks to load the model and join.
+# Rank 0 waits this long for the other ranks to load the model and join, and a collective
+# of the forward pass this long for a rank that does not answer.
 JOIN_TIMEOUT = timedelta(minutes=10)
+# NOTE: the other ranks wait for the next plan as long as the engine stays idle: a serving
+# worker may get no request for hours, and a timed-out wait would kill its ranks.
+IDLE_TIMEOUT = timedelta(days=365)
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -45,7 +49,8 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def init_ranks(config: EngineConfig, rank: int, store: dist.Store) -> Any:
-    """Join the process group; returns the group that carries the plans (gloo, host)."""
+    """Join the process group; returns the group that carries the plans (gloo, on the host,
+    with no practical timeout)."""
     world = config.tensor_parallel_size
     cuda = config.device.startswith("cuda")
     if cuda:  # NCCL and the collectives' tensors use the current device
@@ -53,7 +58,7 @@ def init_ranks(config: EngineConfig, rank: int, store: dist.Store) -> Any:
     dist.init_process_group(
         "nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=JOIN_TIMEOUT
     )
-    return dist.new_group(backend="gloo") if cuda else dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
 class TensorParallelRanks:
@@ -107,6 +112,14 @@ class TensorParallelRanks:
             self._procs.join()
         finally:
             dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """Rank 0 failed while the others may wait in a collective: end them, leave."""
+        self._closed = True
+        for proc in self._procs.processes:
+            proc.terminate()
+            proc.join()
+        dist.destroy_process_group()
 
 
 def _started(rank: int) -> str:

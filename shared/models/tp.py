@@ -132,7 +132,7 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: ProcessGroup = None
         assert isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, Attention)
         _shard_attention(layer.self_attn, rank, world)
         _shard_feed_forward(layer.mlp, rank, world)
-        # NOTE: modules swapped in, not forward hooks (gpt-fast's way): LeanModule skips
+        # NOTE: wrappers swapped in where gpt-fast registers forward hooks: LeanModule skips
         # hooks on the hot path. The layer calls them as it called the plain ones.
         swap: Any = layer
         swap.self_attn = AllReduce(layer.self_attn, group)

@@ -192,3 +192,17 @@ def test_a_worker_with_two_ranks_serves_without_offering_its_pool(llama_folder, 
         assert [o.finish_reason for o in outs if o.finished] == ["length"]
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+@cpu_only
+def test_a_failed_start_leaves_no_ranks_and_no_process_group(llama_folder):
+    import torch.distributed as dist
+
+    config = EngineConfig(
+        model=llama_folder, tensor_parallel_size=2, **(ENGINE | {"kv_cache_bytes": 1})
+    )
+    with pytest.raises(ValueError, match="fewer than 2 KV blocks"):
+        LLMEngine(config)
+    assert not mp.active_children()
+    assert not dist.is_initialized()  # so the next engine can start its own group
