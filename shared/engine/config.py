@@ -70,6 +70,7 @@ class EngineConfig:
             if self.deterministic:
                 # A verification pass changes a step's row count and so its kernels' inputs.
                 raise ValueError("deterministic mode runs without speculative decoding")
+        self._check_tensor_parallel()
         self._check_device()
 
     def _check_device(self) -> None:
@@ -80,7 +81,6 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        self._check_tensor_parallel()
         if kind == "cuda":
             import torch
 
