@@ -3,7 +3,9 @@
 #   1. every Triton kernel against its torch twin, compiled on CUDA (bf16 included);
 #   2. the HF-equivalence suite with the engine on CUDA;
 #   3. benchmarks/gpu.py: decode tok/s at batch 1 and 64 against the HBM bandwidth limit,
-#      prefill TFLOP/s, written to benchmarks/results/gpu.json.
+#      prefill TFLOP/s, written to benchmarks/results/gpu.json;
+#   4. with two GPUs or more: tensor parallelism over NCCL, two ranks against one rank's
+#      logprobs (skipped, and said so, on a single GPU).
 # Run from the repository root with the project's virtualenv set up (make setup) and
 # triton installed (pip install triton, or the test extra).
 set -euo pipefail
@@ -12,12 +14,21 @@ PY=${PY:-.venv/bin/python}
 "$PY" -c 'import triton' || { echo "triton is not installed" >&2; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 
-echo "== 1/3 Triton kernels vs their twins on CUDA"
+echo "== 1/4 Triton kernels vs their twins on CUDA"
 TOKENYARD_TEST_DEVICE=cuda TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider \
   tests/unit/test_triton_kernels.py
 
-echo "== 2/3 HF equivalence with the engine on CUDA"
+echo "== 2/4 HF equivalence with the engine on CUDA"
 TOKENYARD_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_engine_vs_hf.py
 
-echo "== 3/3 decode and prefill figures"
+echo "== 3/4 decode and prefill figures"
 "$PY" benchmarks/gpu.py --out benchmarks/results/gpu.json
+
+GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+if [ "$GPUS" -ge 2 ]; then
+  echo "== 4/4 tensor parallelism: 2 ranks over NCCL against 1 rank"
+  TOKENYARD_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
+    tests/integration/test_tensor_parallel.py
+else
+  echo "== 4/4 tensor parallelism skipped: $GPUS GPU visible, TP=2 needs 2"
+fi

@@ -59,6 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where workers run the model (cuda: worker k takes GPU k modulo the GPU count)",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split each worker's model over N ranks (processes; on cuda N GPUs per worker, "
+        "best over NVLink). The model's query and KV heads must divide by N; a worker with "
+        "N > 1 hands no KV to others (its decode peers recompute), so pair it with "
+        "--aggregated",
+    )
+    parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -135,6 +145,10 @@ def config_from(args: argparse.Namespace) -> StackConfig:
     quantization = args.quantization or ("int4" if args.device == "cpu" else "none")
     if args.deterministic and quantization not in ("int4", "int8"):
         raise SystemExit("--deterministic needs --quantization int4 or int8")
+    if args.tensor_parallel_size < 1:
+        raise SystemExit("--tensor-parallel-size must be at least 1")
+    if args.tensor_parallel_size > 1 and args.speculative:
+        raise SystemExit("--speculative runs on one rank only: drop it or --tensor-parallel-size")
     dtype = auto_dtype(args.device) if args.dtype == "auto" else args.dtype
     kv_cache_mib = args.kv_cache_mib or (512 if dtype == "float32" else 256)
     return StackConfig(
@@ -160,6 +174,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         },
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

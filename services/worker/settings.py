@@ -53,6 +53,8 @@ class WorkerSettings(BaseSettings):
     num_threads: int | None = None  # torch threads; None = torch's default
     device: str = "cpu"  # "cpu", "cuda" or "cuda:<index>"
     gpu_memory_utilization: float = 0.9  # on CUDA: this worker's share of the device
+    # Ranks the model is split over (EngineConfig.tensor_parallel_size); the worker starts
+    # the other ranks itself. Its pool then stays out of KV hand-offs (peers recompute).
     tensor_parallel_size: int = 1
     heartbeat_interval_s: float = 1.0
     # One engine call (a step, a stats read) running longer than this means the engine is

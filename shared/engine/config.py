@@ -58,7 +58,9 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     device: str = "cpu"  # "cpu", "cuda" or "cuda:<index>": weights, KV pool and kernels
     gpu_memory_utilization: float = 0.9  # on CUDA: the share of the device this engine may use
-    tensor_parallel_size: int = 1  # ranks one model is split over (only 1 is built so far)
+    # Ranks one model is split over (tokenyard.models.tp): rank 0 is this process, the others
+    # are processes the engine starts; on CUDA rank r takes the r-th device after `device`.
+    tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     # Batch-invariant steps: a request's tokens do not depend on its batch neighbours, prefix
     # cache hits, chunking, preemption or a prefill-to-decode hand-off. Every row runs the
@@ -99,6 +101,7 @@ class EngineConfig:
             if self.deterministic:
                 # A verification pass changes a step's row count and so its kernels' inputs.
                 raise ValueError("deterministic mode runs without speculative decoding")
+        self._check_tensor_parallel()
         self._check_device()
 
     def _check_device(self) -> None:
@@ -109,17 +112,33 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not "
-                "built yet; run one rank per worker (tensor_parallel_size=1)"
-            )
         if kind == "cuda":
             import torch
 
             if not torch.cuda.is_available():
                 raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
-            if index and int(index) >= torch.cuda.device_count():
+            last = int(index or 0) + self.tensor_parallel_size - 1
+            if last >= torch.cuda.device_count():
                 raise ValueError(
-                    f"device {self.device!r}: only {torch.cuda.device_count()} CUDA devices"
+                    f"device {self.device!r} with tensor_parallel_size "
+                    f"{self.tensor_parallel_size} needs CUDA device {last}: only "
+                    f"{torch.cuda.device_count()} CUDA devices"
                 )
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism does not combine with, refused up front."""
+        tp = self.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}")
+        if tp == 1:
+            return
+        if self.speculative_config is not None:
+            raise ValueError(
+                "speculative decoding runs on one rank only so far: drop speculative_config "
+                f"or use tensor_parallel_size=1 (got {tp})"
+            )
+        if self.kv_pool_factory is not None:
+            raise ValueError(
+                "a kv_pool_factory (shared-memory KV pool) holds one rank's pool: not with "
+                f"tensor_parallel_size {tp}"
+            )

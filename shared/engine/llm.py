@@ -45,6 +45,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (a no-op on one rank)."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],

@@ -34,15 +34,18 @@ from tokenyard.engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
+from tokenyard.engine.parallel import TensorParallelRanks
 from tokenyard.engine.sampler import chosen_logprobs, sample
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.engine.scheduler import ScheduledSeq, Scheduler
 from tokenyard.engine.sequence import Sequence, Status
 from tokenyard.engine.spec.speculator import build_speculator
 from tokenyard.engine.stop import StopChecker
+from tokenyard.kv.layout import KVLayout
 from tokenyard.models.loader import LoadedModel, load_model
 from tokenyard.models.moe import moe_blocks
 from tokenyard.models.tokenizer import IncrementalDetokenizer
+from tokenyard.models.tp import check_tp
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +81,18 @@ class LLMEngine:
         self.model_id = loaded.model_id
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        model, self.kv_cache, self.layout, self.memory = build_model_and_pool(loaded, config)
-        num_blocks = self.kv_cache.shape[0]
+        self.ranks = _start_ranks(config, loaded)
+        try:
+            model, kv_cache, layout, self.memory = build_model_and_pool(loaded, config)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.abort()
+            raise
+        # NOTE: a tensor-parallel engine offers no pool to KV hand-offs or the KV-cache
+        # service: this one holds only rank 0's heads, so its workers recompute instead.
+        self.kv_cache: torch.Tensor | None = kv_cache if self.ranks is None else None
+        self.layout: KVLayout | None = layout if self.ranks is None else None
+        num_blocks = kv_cache.shape[0]
         self.block_size = config.block_size
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
@@ -94,7 +107,11 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.runner = ModelRunner(
-            model, self.kv_cache, config.block_size, per_token_attention=config.deterministic
+            model,
+            kv_cache,
+            config.block_size,
+            per_token_attention=config.deterministic,
+            broadcast=self.ranks.broadcast if self.ranks else None,
         )
         self.guide = Guide(self.tokenizer, self.model_config.vocab_size)
         self.speculator = build_speculator(
@@ -106,6 +123,11 @@ class LLMEngine:
         del loaded
         release_freed_heap()
         log.info("engine ready: %s, %s", self.model_id, self.memory.describe())
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (the engine takes no steps after)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # --- requests ------------------------------------------------------------------------
 
@@ -462,6 +484,14 @@ class LLMEngine:
             self.block_manager.register_computed(seq)
         self.block_manager.free_sequence(seq)
         seq.status = Status.FINISHED
+
+
+def _start_ranks(config: EngineConfig, loaded: LoadedModel) -> TensorParallelRanks | None:
+    """The other tensor-parallel ranks, started and joined; None on one rank."""
+    if config.tensor_parallel_size == 1:
+        return None
+    check_tp(loaded.config, config.tensor_parallel_size)  # before starting any process
+    return TensorParallelRanks(config, loaded.path)
 
 
 def _merge(outs: list[RequestOutput]) -> RequestOutput:

@@ -8,6 +8,7 @@ import mmap
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from tokenyard.engine.config import EngineConfig
 from tokenyard.kv.layout import KVLayout
@@ -15,6 +16,7 @@ from tokenyard.models.llama import LlamaForCausalLM
 from tokenyard.models.loader import LoadedModel
 from tokenyard.models.moe import SparseMoeBlock, moe_blocks
 from tokenyard.models.quantize import Fp8Linear, QuantizedLinear, quantize
+from tokenyard.models.tp import VocabParallelEmbedding, apply_tp, check_tp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
@@ -36,9 +38,13 @@ class MemoryReport:
     expert_weights_bytes: int = 0
     num_experts: int = 0
     experts_per_token: int = 0
+    # Tensor parallelism: every figure above is one rank's (its weight shards, its KV pool
+    # of num_kv_heads / tp_size heads); each of the tp_size ranks holds as much.
+    tp_size: int = 1
 
     def describe(self) -> str:
         mib = 1024**2
+        ranks = f" per rank, x{self.tp_size} ranks" if self.tp_size > 1 else ""
         experts = (
             f" (experts {self.expert_weights_bytes / mib:.1f} MiB: {self.num_experts} per layer, "
             f"{self.experts_per_token} active per token)"
@@ -49,16 +55,19 @@ class MemoryReport:
             f"weights {self.weights_bytes / mib:.1f} MiB{experts}, "
             f"KV cache {self.kv_cache_bytes / mib:.1f} MiB "
             f"({self.num_blocks} blocks x {self.block_nbytes / 1024:.0f} KiB), "
-            f"buffers {self.buffers_bytes / mib:.1f} MiB"
+            f"buffers {self.buffers_bytes / mib:.1f} MiB{ranks}"
         )
 
 
 def build_model_and_pool(
-    loaded: LoadedModel, config: EngineConfig
+    loaded: LoadedModel, config: EngineConfig, rank: int = 0
 ) -> tuple[LlamaForCausalLM, torch.Tensor, KVLayout, MemoryReport]:
+    """The model (rank `rank`'s share of it under tensor parallelism) and its KV pool."""
     mc = loaded.config
     if mc.architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported model architecture {mc.architecture!r}")
+    tp = config.tensor_parallel_size
+    check_tp(mc, tp)
     dtype = _DTYPES[config.dtype]
     max_positions = min(
         config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
@@ -70,9 +79,11 @@ def build_model_and_pool(
         raise ValueError("a kv_pool_factory (shared-memory KV pool) is for device='cpu' only")
     with torch.device("meta"):  # no time spent initialising weights we overwrite anyway
         model = LlamaForCausalLM(mc, max_positions)
-    model.to_empty(device=device)
+    # Sharded on the host, so a GPU only ever holds its rank's share of the weights.
+    model.to_empty(device=device if tp == 1 else torch.device("cpu"))
     model.load_weights(loaded.weights)
-    model.to(dtype)
+    apply_tp(model, rank, tp)
+    model.to(device=device, dtype=dtype)
     if model.rope is not None and device.type != "cpu":  # plain attributes: not moved by .to()
         model.rope.cos, model.rope.sin = model.rope.cos.to(device), model.rope.sin.to(device)
     if config.quantization:
@@ -86,6 +97,8 @@ def build_model_and_pool(
         own = torch.cuda.memory_reserved(device)  # our weights and tables, so far
     kv_bytes = kv_cache_budget(config, buffers_bytes=buffers_bytes, own=own, free=free, total=total)
     num_blocks = kv_bytes // layout.block_nbytes
+    if tp > 1:
+        num_blocks = _agree(num_blocks, device)
     if num_blocks < 2:
         raise ValueError(f"a KV budget of {kv_bytes} bytes holds fewer than 2 KV blocks")
     if config.kv_pool_factory is None:
@@ -108,8 +121,16 @@ def build_model_and_pool(
         expert_weights_bytes=sum(_weights_bytes(e) for b in moe_blocks(model) for e in b.experts),
         num_experts=mc.num_local_experts,
         experts_per_token=mc.num_experts_per_tok,
+        tp_size=tp,
     )
     return model, kv_cache, layout, report
+
+
+def _agree(num_blocks: int, device: torch.device) -> int:
+    """The block count every rank can hold: rank 0's block tables index every rank's pool."""
+    n = torch.tensor([num_blocks], dtype=torch.long, device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    return int(n.item())
 
 
 DEFAULT_CPU_KV_BYTES = 512 * 1024**2
@@ -171,7 +192,7 @@ def _decode_read_bytes(module: torch.nn.Module) -> int:
         return module.quantized_bytes() + bias_bytes
     if isinstance(module, torch.nn.Linear):
         return module.weight.numel() * module.weight.element_size() + bias_bytes
-    if isinstance(module, torch.nn.Embedding):
+    if isinstance(module, (torch.nn.Embedding, VocabParallelEmbedding)):
         return module.weight.shape[1] * module.weight.element_size()
     return _own_bytes(module) + sum(_decode_read_bytes(c) for c in module.children())
 
@@ -183,27 +204,30 @@ def _own_bytes(module: torch.nn.Module) -> int:
 def _buffers_bytes(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype) -> int:
     assert model.rope is not None
     rope = 2 * model.rope.cos.numel() * model.rope.cos.element_size()
-    mc = model.config
+    mc, tp = model.config, config.tensor_parallel_size
     t = config.max_num_batched_tokens
-    # per row: residual + normed + qkv + attention out + gate_up + activation, and fp32 logits
+    # per row: residual + normed + qkv + attention out + gate_up + activation (this rank's
+    # heads and columns), and the gathered fp32 logits
     per_row = (
         3 * mc.hidden_size
-        + (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
-        + mc.num_attention_heads * mc.head_dim
-        + 3 * mc.intermediate_size
+        + (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim // tp
+        + mc.num_attention_heads * mc.head_dim // tp
+        + 3 * mc.intermediate_size // tp
     )
     activations = t * per_row * dtype.itemsize + config.max_num_seqs * mc.vocab_size * 4
     return rope + activations
 
 
 def kv_layout(loaded: LoadedModel, config: EngineConfig) -> KVLayout:
-    """The KV pool's layout for this model at the config's dtype and block size."""
+    """The KV pool's layout for this model at the config's dtype and block size: one rank's
+    pool, which holds num_kv_heads / tensor_parallel_size of the model's KV heads."""
     mc = loaded.config
     return KVLayout(
         model_id=loaded.model_id,
         dtype=config.dtype,
         block_size=config.block_size,
         num_layers=mc.num_hidden_layers,
-        num_kv_heads=mc.num_key_value_heads,
+        num_kv_heads=mc.num_key_value_heads // config.tensor_parallel_size,
         head_dim=mc.head_dim,
+        tp_size=config.tensor_parallel_size,
     )

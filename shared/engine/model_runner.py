@@ -6,6 +6,7 @@ It owns the model and the KV pool; it knows nothing of requests' lifecycles.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,15 @@ class InputSpan:
     block_table: list[int]  # covers every position up to start + len(token_ids)
 
 
+@dataclass
+class StepPlan:
+    """What every tensor-parallel rank must compute for one step: the spans' forward pass,
+    then one lm_head call per group of rows (empty groups are skipped)."""
+
+    spans: list[InputSpan]
+    logit_rows: list[list[int]]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -44,6 +54,7 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         block_size: int,
         per_token_attention: bool = False,
+        broadcast: Callable[[StepPlan], None] | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, H_kv, D]
@@ -52,12 +63,15 @@ class ModelRunner:
         # own (one query over its context), so a token's attention is the same computation
         # whether it arrives in a prefill chunk of any size, after a cache hit, or decoding.
         self.per_token_attention = per_token_attention
+        # Tensor parallelism: sends each step's plan to the other ranks (None on one rank).
+        self.broadcast = broadcast
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> StepLogits:
         # Decode rows (one token each) first, so they form one batched attention call.
         batch = sorted(batch, key=lambda s: s.num_tokens + len(s.spec_token_ids) != 1)
-        hidden, ends = self.forward([_span(s) for s in batch])  # [T, hidden]
+        spans = [_span(s) for s in batch]
+        ends = [e - 1 for e in itertools.accumulate(len(sp.token_ids) for sp in spans)]
         completing = [i for i, s in enumerate(batch) if s.completes]
         # Per completing sequence: the row of its last token, then one row per speculative
         # token after it (rows [end - k, end]).
@@ -65,28 +79,37 @@ class ModelRunner:
         rows = [
             r for i, k in zip(completing, ks, strict=True) for r in range(ends[i] - k, ends[i] + 1)
         ]
-        logits = self.model.logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
+        prompt = [
+            (s, end)
+            for s, end in zip(batch, ends, strict=True)
+            if s.seq.params.prompt_logprobs is not None
+            and s.seq.num_computed_tokens < s.seq.num_prompt_tokens
+        ]
+        plan = StepPlan(
+            spans, [rows, *(list(range(end + 1 - s.num_tokens, end + 1)) for s, end in prompt)]
+        )
+        if self.broadcast is not None:
+            self.broadcast(plan)
         # NOTE: sampling runs on the host: the logits of the completing rows only come back.
-        logits = logits.cpu()
+        logits, *prompt_logits = (t.cpu() for t in self.compute(plan))
         starts = list(itertools.accumulate((k + 1 for k in ks), initial=0))[:-1]
         spec_logits = [logits[f + 1 : f + 1 + k] for f, k in zip(starts, ks, strict=True)]
         prompt_rows = []
-        for s, end in zip(batch, ends, strict=True):
-            if (
-                s.seq.params.prompt_logprobs is not None
-                and s.seq.num_computed_tokens < s.seq.num_prompt_tokens
-            ):
-                assert not s.spec_token_ids, "drafts only follow a sequence's prompt"
-                prompt_rows.append(
-                    (
-                        s,
-                        s.seq.num_computed_tokens,
-                        self.model.logits(hidden[end + 1 - s.num_tokens : end + 1]).cpu(),
-                    )
-                )
+        for (s, _), s_logits in zip(prompt, prompt_logits, strict=True):
+            assert not s.spec_token_ids, "drafts only follow a sequence's prompt"
+            prompt_rows.append((s, s.seq.num_computed_tokens, s_logits))
         if any(ks):
             logits = logits[starts]
         return StepLogits(logits, [batch[i] for i in completing], prompt_rows, spec_logits)
+
+    @torch.inference_mode()
+    def compute(self, plan: StepPlan) -> list[torch.Tensor]:
+        """Every rank's part of a step: the forward pass, then the plan's logits rows."""
+        hidden, _ = self.forward(plan.spans)  # [T, hidden]
+        return [
+            self.model.logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
+            for rows in plan.logit_rows
+        ]
 
     @torch.inference_mode()
     def forward(self, spans: list[InputSpan]) -> tuple[torch.Tensor, list[int]]:

@@ -34,6 +34,9 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     hash_version: str = HASH_SPEC_VERSION
+    # Tensor parallelism: the model's KV heads are split over this many ranks, each with a
+    # pool of its own; num_kv_heads is one rank's share.
+    tp_size: int = 1
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -57,7 +60,18 @@ class KVLayout:
         """A human-readable reason the two layouts cannot exchange blocks, or None."""
         mine, theirs = asdict(self), asdict(other)
         diffs = [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
-        return "KV layout mismatch (" + ", ".join(diffs) + ")" if diffs else None
+        if not diffs:
+            return None
+        why = "KV layout mismatch (" + ", ".join(diffs) + ")"
+        if self.tp_size != other.tp_size:
+            # NOTE: refused, not converted: each rank's pool holds its own KV heads, and
+            # regrouping heads across ranks is not built.
+            why += (
+                f": the two pools split KV heads over different tensor-parallel sizes "
+                f"({self.tp_size} and {other.tp_size}); hand off only between workers of "
+                "the same tensor_parallel_size"
+            )
+        return why
 
     @staticmethod
     def dtype_name(dtype: torch.dtype) -> str:

@@ -106,3 +106,12 @@ def test_up_deterministic_reaches_the_workers():
     assert "TOKENYARD_WORKER_DETERMINISTIC" not in up_config().worker_env
     with pytest.raises(SystemExit, match="needs --quantization"):
         up_config("--deterministic", "--quantization", "none")
+
+
+def test_up_tensor_parallel_size_reaches_the_stack():
+    assert up_config().tensor_parallel_size == 1
+    assert up_config("--tensor-parallel-size", "2").tensor_parallel_size == 2
+    with pytest.raises(SystemExit, match="at least 1"):
+        up_config("--tensor-parallel-size", "0")
+    with pytest.raises(SystemExit, match="runs on one rank only"):
+        up_config("--tensor-parallel-size", "2", "--speculative", '{"method": "ngram"}')

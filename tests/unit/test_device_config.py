@@ -19,7 +19,7 @@ GIB = 1024**3
         ({"device": "cuda:x"}, "device must be"),
         ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be in"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in"),
-        ({"tensor_parallel_size": 2}, "tensor parallelism is not built yet"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be at least 1"),
     ],
 )
 def test_bad_device_settings_fail_at_once(kwargs, message):

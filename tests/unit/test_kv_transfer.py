@@ -130,6 +130,24 @@ async def test_layout_mismatch_is_refused_with_a_clear_error():
     assert sender.released == ["r1"]  # the receiver will recompute: the sender frees now
 
 
+async def test_a_pull_between_tensor_parallel_sizes_is_refused():
+    """The layout on the wire carries tp_size: a rank's pool of half the KV heads (tp=2)
+    cannot take blocks of a one-rank pool, and the error says why."""
+    half = KVLayout(
+        "tiny", "float32", block_size=4, num_layers=3, num_kv_heads=1, head_dim=8, tp_size=2
+    )
+    dst_pool = torch.zeros(half.pool_shape(NUM_BLOCKS))
+    async with Sender(filled(), allowed=["grpc"]) as sender:
+        sender.server.offer("r1", SRC)
+        async with KVTransferClient(dst_pool, half, allowed=["grpc"]) as client:
+            with pytest.raises(KVTransferError) as err:
+                await client.pull(sender.endpoint, "r1", SRC, DST)
+    assert "tp_size: 1 != 2" in str(err.value)
+    assert "different tensor-parallel sizes (1 and 2)" in str(err.value)
+    assert torch.count_nonzero(dst_pool) == 0
+    assert sender.released == ["r1"]
+
+
 async def test_corrupt_chunk_is_detected_and_the_hold_aborted():
     dst_pool = torch.zeros(LAYOUT.pool_shape(NUM_BLOCKS))
     settings = KVTransferSettings(allowed=["grpc"], chunk_bytes=LAYOUT.block_nbytes)

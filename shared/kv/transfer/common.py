@@ -88,6 +88,7 @@ def layout_to_proto(layout: KVLayout) -> kv_pb2.KVLayoutDesc:
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         hash_version=layout.hash_version,
+        tp_size=layout.tp_size,
     )
 
 
@@ -100,6 +101,7 @@ def layout_from_proto(desc: kv_pb2.KVLayoutDesc) -> KVLayout:
         num_kv_heads=desc.num_kv_heads,
         head_dim=desc.head_dim,
         hash_version=desc.hash_version,
+        tp_size=desc.tp_size or 1,
     )
 
 
