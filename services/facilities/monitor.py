@@ -189,6 +189,7 @@ class RackMonitor:
             sent_unix_s=now,
             heartbeat_s=self.settings.state_heartbeat_s,
             seq_fraction=fraction[rt.status.state],
+            power_pressure=policy.power_pressure(rt.latest, rt.limits, self.policy),
         )
 
     async def publish_state(self, rt: RackRuntime, now: float) -> None:

@@ -80,6 +80,9 @@ class PolicySettings:
     # The cap on concurrent sequences per worker in a derated rack, as a fraction of the
     # worker's own max_num_seqs (at least 1).
     derate_seq_fraction: float = 0.5
+    # Power over cap from which the router is told to steer new work away from the rack
+    # (RackState.power_pressure), so that load moves before the rack has to derate.
+    steer_from: float = 0.8
 
 
 @dataclass(frozen=True)
@@ -212,3 +215,16 @@ def seq_cap(state: State, max_num_seqs: int, settings: PolicySettings) -> int:
     if state is State.DERATE:
         return max(1, math.floor(max_num_seqs * settings.derate_seq_fraction))
     return max_num_seqs
+
+
+def power_pressure(reading: Reading | None, limits: RackLimits, settings: PolicySettings) -> float:
+    """0 while the rack draws at most `steer_from` of its cap, 1 at the derate threshold and
+    beyond: how hard the router should steer new work elsewhere (a soft, early signal; the
+    states above are the hard ones)."""
+    if reading is None or limits.power_cap_kw <= 0:
+        return 0.0
+    ratio = reading.power_kw / limits.power_cap_kw
+    span = settings.power.derate_enter - settings.steer_from
+    if span <= 0:
+        return 1.0 if ratio >= settings.power.derate_enter else 0.0
+    return min(1.0, max(0.0, (ratio - settings.steer_from) / span))

@@ -9,6 +9,11 @@ heartbeats, at least 15 s) is no longer trusted as it stands. A stale drain or d
 becomes a derate (the rack may still be hurt, but a dead facilities service must not
 take the fleet down), capped at one sequence per worker; a stale derate keeps its cap;
 a stale normal stays normal.
+
+Headroom: besides its state, each RackState says how close the rack's power is to its
+derate threshold (`power_pressure`, 0..1). A fresh one adds `headroom_penalty x pressure`
+to the placement cost of the rack's workers, so new work moves to racks with room before
+any rack has to derate (and so before a derate's halved caps push work onto its neighbours).
 """
 
 from __future__ import annotations
@@ -48,11 +53,13 @@ class RackStateTracker:
         *,
         stale_after_s: float | None = None,
         derate_penalty: float = 0.5,
+        headroom_penalty: float = 1.0,
         drain_retry_after_s: int = 30,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.stale_after_s = stale_after_s
         self.derate_penalty = derate_penalty
+        self.headroom_penalty = headroom_penalty
         self.drain_retry_after_s = drain_retry_after_s
         self.clock = clock
         self.racks: dict[str, RackState] = {}
@@ -97,11 +104,14 @@ class RackStateTracker:
             )
         # NOTE: a stale drain carries no derated cap; one sequence per worker is the cautious one.
         seq_cap = max(1, msg.max_seqs_per_worker) if state is State.DERATE else 0
+        penalty = self.derate_penalty if state is State.DERATE else 0.0
+        if age <= limit:  # an old reading's headroom says nothing about now
+            penalty += self.headroom_penalty * msg.power_pressure
         return WorkerThrottle(
             rack=msg.rack,
             state=state.label,  # type: ignore[arg-type]  # labels are exactly StateName
             seq_cap=seq_cap,
-            cost_penalty=self.derate_penalty if state is State.DERATE else 0.0,
+            cost_penalty=penalty,
             retry_after_s=self.drain_retry_after_s if state is State.DRAIN else 0,
             reason=reason,
         )
