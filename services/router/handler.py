@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 def facility_states(racks: RackStateTracker) -> dict[str, FacilityState]:
     """The policy's per-worker facilities input, from the facilities service's RackStates."""
     return {
-        worker: FacilityState(t.state, t.seq_cap, racks.drain_retry_after_s, t.cost_penalty)
+        worker: FacilityState(
+            t.state, t.seq_cap, racks.drain_retry_after_s, t.cost_penalty, t.load_weight
+        )
         for worker, t in racks.by_worker().items()
     }
 

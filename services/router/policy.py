@@ -42,6 +42,9 @@ class FacilityState:
     # Derate: subtracted from the score, so among equals the healthy rack's worker wins
     # even before the derated one fills up (in units of a full worker, like busy).
     cost_penalty: float = 0.0
+    # Near its power cap (the facilities' power_pressure): the worker's load counts this
+    # many times, so new work spreads over the racks in proportion to their headroom.
+    load_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,8 @@ def free_score(w: WorkerView, facility: FacilityState, config: PolicyConfig) -> 
     cap = _cap(w, facility)
     if w.load >= cap + config.queue_per_worker:
         return None
-    return -(w.load / cap) - config.kv_weight * w.kv_used - facility.cost_penalty
+    busy = w.load / cap * facility.load_weight
+    return -busy - config.kv_weight * w.kv_used - facility.cost_penalty
 
 
 def _overlap_score(w: WorkerView, request: RouteInput, config: PolicyConfig) -> float:

@@ -78,11 +78,11 @@ class PolicySettings:
         derate_enter=1.15, derate_exit=1.25, drain_enter=1.0, drain_exit=1.05, higher_is_worse=False
     )
     # The cap on concurrent sequences per worker in a derated rack, as a fraction of the
-    # worker's own max_num_seqs (at least 1).
+    # worker's own max_num_seqs (at least 1). Not for a derate on power alone (see seq_cap).
     derate_seq_fraction: float = 0.5
     # Power over cap from which the router is told to steer new work away from the rack
     # (RackState.power_pressure), so that load moves before the rack has to derate.
-    steer_from: float = 0.8
+    steer_from: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,8 @@ class RackStatus:
     since: float  # when the rack entered `state`
     reason: str
     calm_since: float | None = None  # since when the signals have allowed a milder state
+    # Whether a derate caps concurrent sequences: not when power alone derates the rack.
+    caps_seqs: bool = True
 
 
 @dataclass(frozen=True)
@@ -197,22 +199,34 @@ def evaluate(
     found = signals(reading, limits, prev.state, now, settings)
     target = max((s.level for s in found), default=State.NORMAL)
     reason = describe(found)
+    caps = any(s.level >= max(target, State.DERATE) and s.name != "power" for s in found)
     if target > prev.state:
-        return RackStatus(target, since=now, reason=reason)
+        return RackStatus(target, since=now, reason=reason, caps_seqs=caps)
     if target == prev.state:
-        return replace(prev, reason=reason, calm_since=None)
+        return replace(prev, reason=reason, calm_since=None, caps_seqs=caps)
     # Milder target: only after it has held for the dwell time.
     calm_since = prev.calm_since if prev.calm_since is not None else now
     if now - calm_since >= settings.dwell_s:
-        return RackStatus(target, since=now, reason=f"{reason} for {now - calm_since:.0f} s")
+        return RackStatus(
+            target, since=now, reason=f"{reason} for {now - calm_since:.0f} s", caps_seqs=caps
+        )
     return replace(prev, calm_since=calm_since)
 
 
-def seq_cap(state: State, max_num_seqs: int, settings: PolicySettings) -> int:
-    """Concurrent sequences a worker in this rack may run; 0 = none new (drain)."""
+def seq_cap(
+    state: State, max_num_seqs: int, settings: PolicySettings, caps_seqs: bool = True
+) -> int:
+    """Concurrent sequences a worker in this rack may run; 0 = none new (drain).
+
+    NOTE: a derate on power alone does not cap sequences. The rack's own power capping
+    already slows it; halving its workers' caps on top pushed their load onto the
+    neighbouring racks, which then crossed their own thresholds (a cascade, measured in
+    docs/planning.md). Power derates steer new work away instead (the derate penalty and
+    RackState.power_pressure); coolant derates, which hardware does not handle, still cap.
+    """
     if state is State.DRAIN:
         return 0
-    if state is State.DERATE:
+    if state is State.DERATE and caps_seqs:
         return max(1, math.floor(max_num_seqs * settings.derate_seq_fraction))
     return max_num_seqs
 

@@ -364,7 +364,9 @@ class Simulation:
             self.status[rack.name] = status
             cap = 0  # normal: no cap; drain: nothing new (the router sees the state)
             if status.state is fpolicy.State.DERATE:
-                cap = fpolicy.seq_cap(status.state, self.max_num_seqs, self.cfg.facilities)
+                cap = fpolicy.seq_cap(
+                    status.state, self.max_num_seqs, self.cfg.facilities, status.caps_seqs
+                )
             pressure = fpolicy.power_pressure(reading, limits, self.cfg.facilities)
             self.tracker.apply(
                 self._state_message(rack.name, rack.worker_ids, status, cap, pressure)

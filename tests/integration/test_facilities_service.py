@@ -158,7 +158,10 @@ async def test_chiller_power_cap_and_dead_sensor(settings: FacilitiesSettings, b
             headers=ADMIN,
         )
         _, msg = await log.wait_for("rack-b", RackStateKind.RACK_STATE_DERATE)
-        assert "power 1.5 kW is 100%" in msg.reason and msg.max_seqs_per_worker == 4
+        assert "power 1.5 kW is 100%" in msg.reason
+        # A derate on power alone steers (power_pressure) and caps no sequences.
+        assert msg.max_seqs_per_worker == 8 and msg.seq_fraction == 1.0
+        assert msg.power_pressure == 1.0
         assert (await api.get("/v1/racks/rack-b")).json()["power_cap_kw"] == 1.5
         await api.delete("/v1/admin/racks/rack-b/faults", headers=ADMIN)
         await log.wait_for("rack-b", RackStateKind.RACK_STATE_NORMAL, timeout=DWELL_S + 5)
