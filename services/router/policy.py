@@ -8,7 +8,8 @@ with scripted worker tables. Its inputs:
 - ``request.cached_blocks``: per worker, how many leading blocks of this prompt it holds
   (from the global KV event index);
 - ``facilities``: per worker, what the facilities service says about its rack
-  (drain = place nothing new there, derate = a lower cap on concurrent sequences).
+  (drain = place nothing new there, derate = a penalty and maybe a lower cap on
+  concurrent sequences, and near the power cap a weight on the worker's load).
 
 A prefill-capable worker (role prefill or both), or a decode worker that announces
 ``local_prefill`` (it runs whole requests routed to it), runs the prompt: the best by
@@ -205,11 +206,8 @@ def _overlap_score(w: WorkerView, request: RouteInput, config: PolicyConfig) -> 
     if not request.num_prompt_tokens:
         return 0.0
     cached_tokens = request.cached_blocks.get(w.worker_id, 0) * w.block_size
-    return (
-        config.overlap_weight
-        * min(cached_tokens, request.num_prompt_tokens)
-        / (request.num_prompt_tokens)
-    )
+    share = min(cached_tokens, request.num_prompt_tokens) / request.num_prompt_tokens
+    return config.overlap_weight * share
 
 
 def _error(

@@ -67,8 +67,13 @@ class Band:
 class PolicySettings:
     dwell_s: float = 30.0
     stale_after_s: float = 10.0
-    # power / cap
-    power: Band = Band(derate_enter=0.95, derate_exit=0.90, drain_enter=1.05, drain_exit=1.00)
+    # power / cap. NOTE: power never drains a rack. Past its cap the rack's power capping
+    # slows it by itself; a drain sent its whole load to the neighbouring racks, which then
+    # crossed their own caps (a cascade to ALL_DRAINED in the fleet simulator). A power
+    # derate steers new work away (docs/facilities.md); coolant signals still drain.
+    power: Band = Band(
+        derate_enter=0.95, derate_exit=0.90, drain_enter=math.inf, drain_exit=math.inf
+    )
     # supply temperature - supply limit (degrees C)
     supply: Band = Band(derate_enter=-2.0, derate_exit=-3.0, drain_enter=0.0, drain_exit=-1.0)
     # return temperature - return limit (degrees C)

@@ -54,7 +54,8 @@ class CandidateIndex:
 
     def top(self, kind: str, n: int, skip: Iterable[str] = ()) -> list[str]:
         """The best `n` workers of `kind` by free score (ties: smallest id), past `skip`."""
-        heap, skipped, found = self.heaps[kind], set(skip), []
+        heap, skipped = self.heaps[kind], set(skip)
+        found: list[str] = []
         kept: list[tuple[float, str]] = []
         while heap and len(found) < n:
             entry = heapq.heappop(heap)

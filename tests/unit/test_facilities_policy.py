@@ -49,7 +49,7 @@ def test_normal_readings_stay_normal() -> None:
     ("kwargs", "state", "word"),
     [
         ({"power": 9.6}, State.DERATE, "power"),
-        ({"power": 10.6}, State.DRAIN, "power"),
+        ({"power": 10.6}, State.DERATE, "power"),  # power never drains (the policy's NOTE)
         ({"supply": 30.5}, State.DERATE, "supply"),
         ({"supply": 32.5}, State.DRAIN, "supply"),
         ({"ret": 42.5}, State.DERATE, "return"),
@@ -159,8 +159,10 @@ def test_a_power_derate_steers_and_caps_no_sequences_a_coolant_derate_caps() -> 
     supply = run([reading(0, power=9.6, supply=30.5)])[-1]
     assert supply.state is State.DERATE and supply.caps_seqs
     assert seq_cap(supply.state, 32, SETTINGS, supply.caps_seqs) == 16
-    # Power still drains when it is far past the cap.
-    assert run([reading(0, power=10.6)])[-1].state is State.DRAIN
+    # Power far past the cap derates (steers, caps nothing); only coolant drains.
+    far = run([reading(0, power=16.0)])[-1]
+    assert far.state is State.DERATE and not far.caps_seqs
+    assert run([reading(0, power=16.0, flow=3.0)])[-1].state is State.DRAIN
 
 
 @pytest.mark.parametrize(
