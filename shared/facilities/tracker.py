@@ -58,7 +58,7 @@ class RackStateTracker:
         *,
         stale_after_s: float | None = None,
         derate_penalty: float = 0.5,
-        headroom_gain: float = 10.0,
+        headroom_gain: float = 20.0,
         drain_retry_after_s: int = 30,
         clock: Callable[[], float] = time.time,
     ) -> None:
