@@ -18,37 +18,15 @@ from pathlib import Path
 import torch
 
 from tokenyard.planner import calibrate, cpu
-from tokenyard.planner.roofline import Deployment
 
 
 def run(threads: int | None) -> dict:
     if threads:
         torch.set_num_threads(threads)
     bw, tflops = cpu.memory_read_gbs(), cpu.matmul_tflops()
-    engine = calibrate.make_engine()
-    calibrate.warm(engine)
-    b1 = calibrate.measure(engine, 1, 128, 64)
-    b32 = calibrate.measure(engine, 32, 128, 64)
-    b8 = calibrate.measure(engine, 8, 128, 64)
-    long = calibrate.measure(engine, 1, 512, 4)
-    model = calibrate.default_model()
-    values = calibrate.calibrate(b1, b32, bw, tflops, model)
-    dep = Deployment(model, cpu.cpu_hardware(values, remeasure=False), weights_dtype="int4")
-    predicted = {
-        "b8_decode_tok_s": 8 / dep.decode_step_s(8, b8.context),
-        "ttft_512_ms": 1e3 * (dep.prefill_s(512)),
-    }
-    measured = {"b8_decode_tok_s": 8 / b8.decode_step_s, "ttft_512_ms": 1e3 * long.ttft_s}
-    return {
-        "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
-        "calibration": values,
-        "calibration_points": {"b1": b1.__dict__, "b32": b32.__dict__},
-        "checked": {
-            k: {"predicted": predicted[k], "measured": measured[k],
-                "error": predicted[k] / measured[k] - 1}
-            for k in predicted
-        },
-    }  # fmt: skip
+    result = calibrate.calibrate_and_check(calibrate.make_engine(), bw, tflops)
+    machine = {"platform": platform.platform(), "threads": torch.get_num_threads()}
+    return {"machine": machine, **result}
 
 
 def main() -> int:

@@ -183,12 +183,12 @@ class RackMonitor:
         max_num_seqs = max(
             [n for n in announced if n > 0], default=self.settings.default_max_num_seqs
         )
-        return policy.seq_cap(rt.status.state, max_num_seqs, self.policy)
+        return policy.seq_cap(rt.status.state, max_num_seqs, self.policy, rt.status.caps_seqs)
 
     def state_message(self, rt: RackRuntime, now: float) -> RackState:
         fraction = {
             policy.State.NORMAL: 1.0,
-            policy.State.DERATE: self.policy.derate_seq_fraction,
+            policy.State.DERATE: self.policy.derate_seq_fraction if rt.status.caps_seqs else 1.0,
             policy.State.DRAIN: 0.0,
         }
         return RackState(
@@ -201,6 +201,7 @@ class RackMonitor:
             sent_unix_s=now,
             heartbeat_s=self.settings.state_heartbeat_s,
             seq_fraction=fraction[rt.status.state],
+            power_pressure=policy.power_pressure(rt.latest, rt.limits, self.policy),
         )
 
     async def publish_state(self, rt: RackRuntime, now: float) -> None:

@@ -31,7 +31,9 @@ RESYNC_RETRY_S = 1.0  # after a failed resync, wait this long before asking that
 def facility_states(racks: RackStateTracker) -> dict[str, FacilityState]:
     """The policy's per-worker facilities input, from the facilities service's RackStates."""
     return {
-        worker: FacilityState(t.state, t.seq_cap, racks.drain_retry_after_s, t.cost_penalty)
+        worker: FacilityState(
+            t.state, t.seq_cap, racks.drain_retry_after_s, t.cost_penalty, t.load_weight
+        )
         for worker, t in racks.by_worker().items()
     }
 

@@ -8,7 +8,8 @@ with scripted worker tables. Its inputs:
 - ``request.cached_blocks``: per worker, how many leading blocks of this prompt it holds
   (from the global KV event index);
 - ``facilities``: per worker, what the facilities service says about its rack
-  (drain = place nothing new there, derate = a lower cap on concurrent sequences).
+  (drain = place nothing new there, derate = a penalty and maybe a lower cap on
+  concurrent sequences, and near the power cap a weight on the worker's load).
 
 A prefill-capable worker (role prefill or both), or a decode worker that announces
 ``local_prefill`` (it runs whole requests routed to it), runs the prompt: the best by
@@ -42,6 +43,9 @@ class FacilityState:
     # Derate: subtracted from the score, so among equals the healthy rack's worker wins
     # even before the derated one fills up (in units of a full worker, like busy).
     cost_penalty: float = 0.0
+    # Near its power cap (the facilities' power_pressure): the worker's load counts this
+    # many times, so new work spreads over the racks in proportion to their headroom.
+    load_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -186,26 +190,33 @@ def _best(
     """The candidate with the highest score among those with room, or None."""
     scored: list[tuple[float, str, WorkerView]] = []
     for w in candidates:
-        cap = _cap(w, facilities.get(w.worker_id, NORMAL))
-        if w.load >= cap + config.queue_per_worker:
-            continue
-        penalty = facilities.get(w.worker_id, NORMAL).cost_penalty
-        scored.append((_score(w, cap, request, config) - penalty, w.worker_id, w))
+        base = free_score(w, facilities.get(w.worker_id, NORMAL), config)
+        if base is not None:
+            scored.append((_overlap_score(w, request, config) + base, w.worker_id, w))
     if not scored:
         return None
     # Highest score wins; equal scores go to the smallest worker id, so ties are stable.
-    scored.sort(key=lambda s: (-s[0], s[1]))
-    return scored[0][2]
+    return min(scored, key=lambda s: (-s[0], s[1]))[2]
 
 
-def _score(w: WorkerView, cap: int, request: RouteInput, config: PolicyConfig) -> float:
-    """Higher is better: cached share of the prompt minus busy share of the worker."""
-    overlap = 0.0
-    if request.num_prompt_tokens:
-        cached_tokens = request.cached_blocks.get(w.worker_id, 0) * w.block_size
-        overlap = min(cached_tokens, request.num_prompt_tokens) / request.num_prompt_tokens
-    busy = w.load / cap
-    return config.overlap_weight * overlap - busy - config.kv_weight * w.kv_used
+def free_score(w: WorkerView, facility: FacilityState, config: PolicyConfig) -> float | None:
+    """The part of a worker's score that does not depend on the request (its whole score for
+    a prompt it holds nothing of): minus its busy share, KV use and facilities penalty.
+    None when it has no room. Higher is better."""
+    cap = _cap(w, facility)
+    if w.load >= cap + config.queue_per_worker:
+        return None
+    busy = w.load / cap * facility.load_weight
+    return -busy - config.kv_weight * w.kv_used - facility.cost_penalty
+
+
+def _overlap_score(w: WorkerView, request: RouteInput, config: PolicyConfig) -> float:
+    """The value of the prompt's cached share on this worker (0.0 when it holds none)."""
+    if not request.num_prompt_tokens:
+        return 0.0
+    cached_tokens = request.cached_blocks.get(w.worker_id, 0) * w.block_size
+    share = min(cached_tokens, request.num_prompt_tokens) / request.num_prompt_tokens
+    return config.overlap_weight * share
 
 
 def _error(

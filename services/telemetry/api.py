@@ -6,6 +6,7 @@ GET  /api/requests                      recent requests (TTFT, tokens, worker pa
 GET  /api/requests/{request_id}/trace   the request's spans
 GET  /api/history                       fleet and rack samples (the charts' history)
 GET  /api/live                          server-sent events: a snapshot every push_every_s
+GET  /api/plan/options, POST /api/plan   the capacity planner (`tokenyard plan`) for the console
 POST/DELETE /api/admin/racks/{rack}/faults, POST /api/admin/workers/{worker_id}/drain
 GET  /health, /ready, /metrics
 """
@@ -26,13 +27,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry, ProcessCollector
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from tokenyard.api_errors import ErrorDetail, ErrorResponse
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.db.telemetry import RequestRecord, SpanRecord
 from tokenyard.http_server import ops_router
+from tokenyard.planner import catalog
+from tokenyard.planner.plan import PlanError, Workload, make_plan
 from tokenyard.services.telemetry.collector import Collector
 from tokenyard.services.telemetry.metrics import FleetCollector
 from tokenyard.services.telemetry.settings import TelemetrySettings
@@ -269,6 +272,67 @@ async def drain_worker(worker_id: str, request: Request, collector: CollectorDep
     return {"worker_id": worker_id, "accepted": reply.accepted, "message": reply.message}
 
 
+# --- the capacity planner: the same `make_plan` as `tokenyard plan` ----------------------------
+
+planner = APIRouter(prefix="/api/plan", tags=["planner"])
+
+
+class PlanIn(BaseModel):
+    model: str = "llama-3.1-70b"
+    gpu: str = "h100"
+    weights_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    users: int = Field(1000, ge=1, le=10_000_000)
+    tps_per_user: float = Field(20.0, gt=0, le=10_000)
+    prompt_len: int = Field(1024, ge=1, le=10_000_000)
+    output_len: int = Field(256, ge=1, le=10_000_000)
+    ttft_slo_ms: float = Field(2000.0, gt=0)
+
+
+@planner.get("/options")
+async def plan_options() -> dict[str, Any]:
+    return {
+        "models": sorted(catalog.MODELS),
+        "gpus": [*sorted(catalog.HARDWARE), "cpu"],
+        "dtypes": sorted(catalog.DTYPE_BYTES),
+    }
+
+
+@planner.post("")
+async def post_plan(body: PlanIn) -> dict[str, Any]:
+    for name, value, known in (
+        ("model", body.model, catalog.MODELS),
+        ("gpu", body.gpu, [*catalog.HARDWARE, "cpu"]),
+        ("weights_dtype", body.weights_dtype, catalog.DTYPE_BYTES),
+        ("kv_dtype", body.kv_dtype, catalog.DTYPE_BYTES),
+    ):
+        if value not in known:
+            raise ApiError(
+                400, f"{name}: unknown {value!r} (known: {', '.join(known)})", "bad_" + name
+            )
+    workload = Workload(
+        users=body.users,
+        tps_per_user=body.tps_per_user,
+        prompt_len=body.prompt_len,
+        output_len=body.output_len,
+        ttft_slo_ms=body.ttft_slo_ms,
+    )
+    # NOTE: in a thread: the `cpu` entry measures this machine's memory and matmul rates.
+    try:
+        plan = await asyncio.to_thread(
+            lambda: make_plan(
+                catalog.model(body.model),
+                catalog.hardware(body.gpu),
+                workload,
+                weights_dtype=body.weights_dtype,
+                kv_dtype=body.kv_dtype,
+            )
+        )
+    except (PlanError, ValueError, FileNotFoundError) as exc:
+        raise ApiError(422, str(exc), "no_plan") from exc
+    return plan.to_json()
+
+
 # --- the app -------------------------------------------------------------------------------------
 
 
@@ -289,7 +353,7 @@ def create_app(
         where = ".".join(str(p) for p in first.get("loc", ()))
         return error_body(400, f"{where}: {first.get('msg', 'invalid request')}", "invalid_request")
 
-    for router in (fleet, requests, admin):
+    for router in (fleet, requests, admin, planner):
         app.include_router(router)
     registry = CollectorRegistry()
     registry.register(FleetCollector(collector))
@@ -300,6 +364,10 @@ def create_app(
     @app.get("/", include_in_schema=False)
     async def console() -> FileResponse:
         return FileResponse(str(STATIC / "index.html"))
+
+    @app.get("/planner", include_in_schema=False)
+    async def planner_page() -> FileResponse:
+        return FileResponse(str(STATIC / "planner.html"))
 
     app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")
     return app

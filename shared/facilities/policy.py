@@ -67,8 +67,13 @@ class Band:
 class PolicySettings:
     dwell_s: float = 30.0
     stale_after_s: float = 10.0
-    # power / cap
-    power: Band = Band(derate_enter=0.95, derate_exit=0.90, drain_enter=1.05, drain_exit=1.00)
+    # power / cap. NOTE: power never drains a rack. Past its cap the rack's power capping
+    # slows it by itself; a drain sent its whole load to the neighbouring racks, which then
+    # crossed their own caps (a cascade to ALL_DRAINED in the fleet simulator). A power
+    # derate steers new work away (docs/facilities.md); coolant signals still drain.
+    power: Band = Band(
+        derate_enter=0.95, derate_exit=0.90, drain_enter=math.inf, drain_exit=math.inf
+    )
     # supply temperature - supply limit (degrees C)
     supply: Band = Band(derate_enter=-2.0, derate_exit=-3.0, drain_enter=0.0, drain_exit=-1.0)
     # return temperature - return limit (degrees C)
@@ -78,8 +83,11 @@ class PolicySettings:
         derate_enter=1.15, derate_exit=1.25, drain_enter=1.0, drain_exit=1.05, higher_is_worse=False
     )
     # The cap on concurrent sequences per worker in a derated rack, as a fraction of the
-    # worker's own max_num_seqs (at least 1).
+    # worker's own max_num_seqs (at least 1). Not for a derate on power alone (see seq_cap).
     derate_seq_fraction: float = 0.5
+    # Power over cap from which the router is told to steer new work away from the rack
+    # (RackState.power_pressure), so that load moves before the rack has to derate.
+    steer_from: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,8 @@ class RackStatus:
     since: float  # when the rack entered `state`
     reason: str
     calm_since: float | None = None  # since when the signals have allowed a milder state
+    # Whether a derate caps concurrent sequences: not when power alone derates the rack.
+    caps_seqs: bool = True
 
 
 @dataclass(frozen=True)
@@ -194,21 +204,46 @@ def evaluate(
     found = signals(reading, limits, prev.state, now, settings)
     target = max((s.level for s in found), default=State.NORMAL)
     reason = describe(found)
+    caps = any(s.level >= max(target, State.DERATE) and s.name != "power" for s in found)
     if target > prev.state:
-        return RackStatus(target, since=now, reason=reason)
+        return RackStatus(target, since=now, reason=reason, caps_seqs=caps)
     if target == prev.state:
-        return replace(prev, reason=reason, calm_since=None)
+        return replace(prev, reason=reason, calm_since=None, caps_seqs=caps)
     # Milder target: only after it has held for the dwell time.
     calm_since = prev.calm_since if prev.calm_since is not None else now
     if now - calm_since >= settings.dwell_s:
-        return RackStatus(target, since=now, reason=f"{reason} for {now - calm_since:.0f} s")
+        return RackStatus(
+            target, since=now, reason=f"{reason} for {now - calm_since:.0f} s", caps_seqs=caps
+        )
     return replace(prev, calm_since=calm_since)
 
 
-def seq_cap(state: State, max_num_seqs: int, settings: PolicySettings) -> int:
-    """Concurrent sequences a worker in this rack may run; 0 = none new (drain)."""
+def seq_cap(
+    state: State, max_num_seqs: int, settings: PolicySettings, caps_seqs: bool = True
+) -> int:
+    """Concurrent sequences a worker in this rack may run; 0 = none new (drain).
+
+    NOTE: a derate on power alone does not cap sequences. The rack's own power capping
+    already slows it; halving its workers' caps on top pushed their load onto the
+    neighbouring racks, which then crossed their own thresholds (a cascade, measured in
+    docs/planning.md). Power derates steer new work away instead (the derate penalty and
+    RackState.power_pressure); coolant derates, which hardware does not handle, still cap.
+    """
     if state is State.DRAIN:
         return 0
-    if state is State.DERATE:
+    if state is State.DERATE and caps_seqs:
         return max(1, math.floor(max_num_seqs * settings.derate_seq_fraction))
     return max_num_seqs
+
+
+def power_pressure(reading: Reading | None, limits: RackLimits, settings: PolicySettings) -> float:
+    """0 while the rack draws at most `steer_from` of its cap, 1 at the derate threshold and
+    beyond: how hard the router should steer new work elsewhere (a soft, early signal; the
+    states above are the hard ones)."""
+    if reading is None or limits.power_cap_kw <= 0:
+        return 0.0
+    ratio = reading.power_kw / limits.power_cap_kw
+    span = settings.power.derate_enter - settings.steer_from
+    if span <= 0:
+        return 1.0 if ratio >= settings.power.derate_enter else 0.0
+    return min(1.0, max(0.0, (ratio - settings.steer_from) / span))

@@ -9,6 +9,15 @@ heartbeats, at least 15 s) is no longer trusted as it stands. A stale drain or d
 becomes a derate (the rack may still be hurt, but a dead facilities service must not
 take the fleet down), capped at one sequence per worker; a stale derate keeps its cap;
 a stale normal stays normal.
+
+Headroom: besides its state, each RackState says how close the rack's power is to its
+derate threshold (`power_pressure`, 0..1). A fresh one makes the load of the rack's workers
+count `1 + headroom_gain x pressure` times in placement, so new work spreads over the racks
+in proportion to their room before any rack has to derate (and so before a derate's halved
+caps push work onto its neighbours). NOTE: a weight on load, not a fixed penalty: a fixed
+penalty, stale for a whole heartbeat, sends every new request to the coolest rack until the
+next reading (a herd); a weight shares the work out, since a worker's load grows with every
+placement the router makes on it.
 """
 
 from __future__ import annotations
@@ -35,11 +44,12 @@ class WorkerThrottle:
     state: StateName
     seq_cap: int  # derate: at most this many concurrent sequences per worker; 0 = no cap
     cost_penalty: float  # added to the placement cost (derate only)
+    load_weight: float  # how much a worker's load counts in placement (> 1 near the power cap)
     retry_after_s: int  # drain: when a client might try again
     reason: str
 
 
-UNKNOWN = WorkerThrottle(None, "normal", 0, 0.0, 0, "no facilities state for this worker")
+UNKNOWN = WorkerThrottle(None, "normal", 0, 0.0, 1.0, 0, "no facilities state for this worker")
 
 
 class RackStateTracker:
@@ -48,11 +58,13 @@ class RackStateTracker:
         *,
         stale_after_s: float | None = None,
         derate_penalty: float = 0.5,
+        headroom_gain: float = 20.0,
         drain_retry_after_s: int = 30,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.stale_after_s = stale_after_s
         self.derate_penalty = derate_penalty
+        self.headroom_gain = headroom_gain
         self.drain_retry_after_s = drain_retry_after_s
         self.clock = clock
         self.racks: dict[str, RackState] = {}
@@ -97,11 +109,14 @@ class RackStateTracker:
             )
         # NOTE: a stale drain carries no derated cap; one sequence per worker is the cautious one.
         seq_cap = max(1, msg.max_seqs_per_worker) if state is State.DERATE else 0
+        # An old reading's headroom says nothing about now.
+        pressure = msg.power_pressure if age <= limit else 0.0
         return WorkerThrottle(
             rack=msg.rack,
             state=state.label,  # type: ignore[arg-type]  # labels are exactly StateName
             seq_cap=seq_cap,
             cost_penalty=self.derate_penalty if state is State.DERATE else 0.0,
+            load_weight=1.0 + self.headroom_gain * pressure,
             retry_after_s=self.drain_retry_after_s if state is State.DRAIN else 0,
             reason=reason,
         )

@@ -103,3 +103,46 @@ def calibrate(
 
 def default_model() -> ModelSpec:
     return MODELS[DEFAULT_MODEL]
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Output lengths of the four measurements: the benchmark's, or the test's short form."""
+
+    b1_output: int = 64
+    b32_output: int = 64
+    b8_output: int = 64
+    long_output: int = 4
+
+
+SHORT = Lengths(b1_output=24, b32_output=8, b8_output=8, long_output=4)
+
+
+def calibrate_and_check(engine, bw_gbs: float, tflops: float, lengths: Lengths = Lengths()) -> dict:
+    """Calibrate on a batch-1 and a 32-sequence decode and a 128-token prefill, then predict
+    two points not calibrated on (an 8-sequence decode, a 512-token prompt's TTFT) and
+    compare with what the engine does, measured in the same moment."""
+    from tokenyard.planner.cpu import cpu_hardware
+
+    warm(engine)
+    b1 = measure(engine, 1, 128, lengths.b1_output)
+    b32 = measure(engine, 32, 128, lengths.b32_output)
+    b8 = measure(engine, 8, 128, lengths.b8_output)
+    long = measure(engine, 1, 512, lengths.long_output)
+    model = default_model()
+    values = calibrate(b1, b32, bw_gbs, tflops, model)
+    dep = Deployment(model, cpu_hardware(values, remeasure=False), weights_dtype="int4")
+    predicted = {
+        "b8_decode_tok_s": 8 / dep.decode_step_s(8, b8.context),
+        "ttft_512_ms": 1e3 * dep.prefill_s(512),
+    }
+    measured = {"b8_decode_tok_s": 8 / b8.decode_step_s, "ttft_512_ms": 1e3 * long.ttft_s}
+    return {
+        "calibration": values,
+        "calibration_points": {"b1": b1.__dict__, "b32": b32.__dict__},
+        "checked": {
+            k: {"predicted": predicted[k], "measured": measured[k],
+                "error": predicted[k] / measured[k] - 1}
+            for k in predicted
+        },
+    }  # fmt: skip

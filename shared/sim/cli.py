@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.85,
         help="rack power cap over its servers' nameplate",
     )
+    parser.add_argument(
+        "--rack-cap-spread",
+        type=float,
+        default=0.15,
+        help="racks' caps spread down to this share below the oversubscribed cap",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--png", default=None, help="write a comparison chart here")  # fmt: skip
@@ -104,7 +110,8 @@ def simulate(args: argparse.Namespace) -> dict:
     for p, d in ratios:
         prefill = max(1, min(replicas - 1, round(replicas * p / (p + d)))) if p else 0
         spec = FleetSpec(prefill, replicas - prefill, max_num_seqs=plan.decode_batch,
-                         racks_power_oversubscription=args.oversubscription)  # fmt: skip
+                         racks_power_oversubscription=args.oversubscription,
+                         rack_cap_spread=args.rack_cap_spread)  # fmt: skip
         if prefill == 0:
             spec = replace(spec, decode_replicas=0, both_replicas=replicas)
         decoders = spec.decode_replicas or spec.both_replicas

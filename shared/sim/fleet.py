@@ -159,9 +159,14 @@ def build_fleet(dep: Deployment, spec: FleetSpec, model: str) -> tuple[list[SimW
         + ["decode"] * spec.decode_replicas
         + ["both"] * spec.both_replicas
     )
-    # Interleave roles so every rack holds a mix, as a scheduler spreading pods would.
-    stride = max(1, len(roles) // max(1, spec.prefill_replicas or 1))
-    order = sorted(range(len(roles)), key=lambda i: (i % stride, i))
+    # Interleave roles evenly so every rack holds the fleet's mix, as a scheduler spreading
+    # pods would: the k-th of a role's n workers goes at (k + 0.5) / n along the racks.
+    counts = {role: roles.count(role) for role in set(roles)}
+    firsts = {role: roles.index(role) for role in counts}
+    order = sorted(
+        range(len(roles)),
+        key=lambda i: ((i - firsts[roles[i]] + 0.5) / counts[roles[i]], i),
+    )
     kv = dep.kv_capacity_tokens()
     workers = [
         SimWorker(f"{roles[i]}-{i}", roles[i], "", dep, model, spec.max_num_seqs, kv) for i in order

@@ -39,7 +39,7 @@ class FacilityReading(_message.Message):
     def __init__(self, rack: _Optional[str] = ..., ts_unix_s: _Optional[float] = ..., power_kw: _Optional[float] = ..., supply_c: _Optional[float] = ..., return_c: _Optional[float] = ..., flow_lpm: _Optional[float] = ..., inlet_air_c: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
 
 class RackState(_message.Message):
-    __slots__ = ("rack", "state", "reason", "since_unix_s", "max_seqs_per_worker", "worker_ids", "sent_unix_s", "heartbeat_s", "seq_fraction")
+    __slots__ = ("rack", "state", "reason", "since_unix_s", "max_seqs_per_worker", "worker_ids", "sent_unix_s", "heartbeat_s", "seq_fraction", "power_pressure")
     RACK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class RackState(_message.Message):
     SENT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     SEQ_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    POWER_PRESSURE_FIELD_NUMBER: _ClassVar[int]
     rack: str
     state: RackStateKind
     reason: str
@@ -58,4 +59,5 @@ class RackState(_message.Message):
     sent_unix_s: float
     heartbeat_s: float
     seq_fraction: float
-    def __init__(self, rack: _Optional[str] = ..., state: _Optional[_Union[RackStateKind, str]] = ..., reason: _Optional[str] = ..., since_unix_s: _Optional[float] = ..., max_seqs_per_worker: _Optional[int] = ..., worker_ids: _Optional[_Iterable[str]] = ..., sent_unix_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., seq_fraction: _Optional[float] = ...) -> None: ...
+    power_pressure: float
+    def __init__(self, rack: _Optional[str] = ..., state: _Optional[_Union[RackStateKind, str]] = ..., reason: _Optional[str] = ..., since_unix_s: _Optional[float] = ..., max_seqs_per_worker: _Optional[int] = ..., worker_ids: _Optional[_Iterable[str]] = ..., sent_unix_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., seq_fraction: _Optional[float] = ..., power_pressure: _Optional[float] = ...) -> None: ...

@@ -73,3 +73,28 @@ def test_console_live_fleet_fault_and_trace(page: Page, telemetry_stack, tmp_pat
     rack(page, "rack-a").get_by_role("button", name="clear faults").click()
     expect(page.get_by_test_id("message")).to_contain_text("done")
     expect(rack(page, "rack-a")).to_have_attribute("data-state", "normal", timeout=30_000)
+
+
+def test_console_planner_page_plans_from_the_form(page: Page, tmp_path):
+    page.get_by_test_id("planner-link").click()
+    expect(page.get_by_test_id("plan-form")).to_be_visible()
+    expect(page.get_by_test_id("plan-model").locator("option")).not_to_have_count(0)
+    page.get_by_test_id("plan-model").select_option("llama-3.1-70b")
+    page.get_by_test_id("plan-gpu").select_option("h100")
+    page.get_by_test_id("plan-users").fill("1000")
+    page.get_by_test_id("plan-tps").fill("20")
+    page.get_by_test_id("plan-prompt-len").fill("1024")
+    page.get_by_test_id("plan-output-len").fill("256")
+    page.get_by_test_id("plan-submit").click()
+    # The figures docs/planning.md gives for this plan, from the same make_plan.
+    expect(page.get_by_test_id("plan-parallelism")).to_have_text("4 x 1, ep 1", timeout=15_000)
+    expect(page.get_by_test_id("plan-gpus")).to_have_text("56")
+    expect(page.get_by_test_id("plan-replicas")).to_have_text("10 : 4")
+    page.screenshot(path=str(artifacts(tmp_path) / "console_planner.png"), full_page=True)
+
+    page.get_by_test_id("plan-model").select_option("llama-3.1-405b")
+    page.get_by_test_id("plan-users").fill("5000")
+    page.get_by_test_id("plan-submit").click()
+    expect(page.get_by_test_id("plan-message")).to_contain_text("llama-3.1-405b on h100")
+    gpus = int(page.get_by_test_id("plan-gpus").inner_text().replace(",", ""))
+    assert gpus > 56

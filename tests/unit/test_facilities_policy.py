@@ -49,7 +49,7 @@ def test_normal_readings_stay_normal() -> None:
     ("kwargs", "state", "word"),
     [
         ({"power": 9.6}, State.DERATE, "power"),
-        ({"power": 10.6}, State.DRAIN, "power"),
+        ({"power": 10.6}, State.DERATE, "power"),  # power never drains (the policy's NOTE)
         ({"supply": 30.5}, State.DERATE, "supply"),
         ({"supply": 32.5}, State.DRAIN, "supply"),
         ({"ret": 42.5}, State.DERATE, "return"),
@@ -150,3 +150,27 @@ def test_seq_cap() -> None:
     assert seq_cap(State.DERATE, 8, SETTINGS) == 4
     assert seq_cap(State.DERATE, 1, SETTINGS) == 1
     assert seq_cap(State.DRAIN, 8, SETTINGS) == 0
+
+
+def test_a_power_derate_steers_and_caps_no_sequences_a_coolant_derate_caps() -> None:
+    power = run([reading(0, power=9.6)])[-1]
+    assert power.state is State.DERATE and not power.caps_seqs
+    assert seq_cap(power.state, 32, SETTINGS, power.caps_seqs) == 32
+    supply = run([reading(0, power=9.6, supply=30.5)])[-1]
+    assert supply.state is State.DERATE and supply.caps_seqs
+    assert seq_cap(supply.state, 32, SETTINGS, supply.caps_seqs) == 16
+    # Power far past the cap derates (steers, caps nothing); only coolant drains.
+    far = run([reading(0, power=16.0)])[-1]
+    assert far.state is State.DERATE and not far.caps_seqs
+    assert run([reading(0, power=16.0, flow=3.0)])[-1].state is State.DRAIN
+
+
+@pytest.mark.parametrize(
+    ("power", "pressure"), [(4.0, 0.0), (5.0, 0.0), (7.25, 0.5), (9.5, 1.0), (12.0, 1.0)]
+)
+def test_power_pressure_rises_from_steer_from_to_the_derate_threshold(power, pressure) -> None:
+    from tokenyard.facilities.policy import power_pressure
+
+    got = power_pressure(reading(0, power=power), LIMITS, SETTINGS)
+    assert got == pytest.approx(pressure)
+    assert power_pressure(None, LIMITS, SETTINGS) == 0.0

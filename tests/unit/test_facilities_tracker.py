@@ -94,3 +94,14 @@ def test_the_router_places_around_drained_racks() -> None:
     refused = choose(workers, request, 0.5, facilities=facility_states(t))
     assert isinstance(refused, pb.RouteError)
     assert refused.code == pb.RouteError.ALL_DRAINED and refused.retry_after_s == 7
+
+
+def test_power_pressure_weighs_load_while_fresh() -> None:
+    t = RackStateTracker(headroom_gain=4.0, stale_after_s=15.0)
+    msg = state("rack-a", RackStateKind.RACK_STATE_NORMAL, 100, workers=("both-1",))
+    msg.power_pressure = 0.5
+    t.apply(msg)
+    fresh = t.state_for_worker("both-1", now=101)
+    assert fresh.state == "normal" and fresh.seq_cap == 0
+    assert fresh.load_weight == 3.0 and fresh.cost_penalty == 0.0
+    assert t.state_for_worker("both-1", now=130).load_weight == 1.0  # stale: no steering

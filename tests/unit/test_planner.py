@@ -123,3 +123,52 @@ def test_cli_explicit_parameters_and_bad_presets(capsys):
     assert "unknown model 'gpt-9'" in capsys.readouterr().err
     assert main(["plan", "--gpu", "tpu"]) == 2
     assert "unknown hardware 'tpu'" in capsys.readouterr().err
+
+
+# --- the console's planner endpoint: the same make_plan behind a JSON API --------------------
+
+
+@pytest.fixture
+def telemetry_http():
+    from fastapi.testclient import TestClient
+
+    from tokenyard.services.telemetry.api import create_app
+    from tokenyard.services.telemetry.collector import Collector
+    from tokenyard.services.telemetry.settings import TelemetrySettings
+
+    settings = TelemetrySettings()
+    # The planner routes touch neither the store nor the bus.
+    app = create_app(Collector(None, settings, None), None, None, settings)  # type: ignore[arg-type]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+def test_console_plan_endpoint_returns_the_cli_plan(telemetry_http):
+    body = {"model": "llama-3.1-8b", "gpu": "h200", "users": 500, "tps_per_user": 30,
+            "prompt_len": 2048, "output_len": 128}  # fmt: skip
+    resp = telemetry_http.post("/api/plan", json=body)
+    assert resp.status_code == 200, resp.text
+    expected = plan("llama-3.1-8b", "h200", users=500, tps_per_user=30, prompt_len=2048,
+                    output_len=128)  # fmt: skip
+    assert resp.json() == json.loads(json.dumps(expected.to_json()))
+    options = telemetry_http.get("/api/plan/options").json()
+    assert "llama-3.1-70b" in options["models"] and "cpu" in options["gpus"]
+    page = telemetry_http.get("/planner")
+    assert page.status_code == 200 and 'data-testid="plan-form"' in page.text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "gpt-5"}, 400, "bad_model"),
+        ({"gpu": "tpu"}, 400, "bad_gpu"),
+        ({"users": 0}, 400, "invalid_request"),
+        ({"prompt_len": "long"}, 400, "invalid_request"),
+        ({"model": "llama-3.1-405b", "gpu": "h100", "weights_dtype": "fp32"}, 200, None),
+    ],
+)
+def test_console_plan_endpoint_rejects_bad_input_clearly(telemetry_http, body, status, code):
+    resp = telemetry_http.post("/api/plan", json=body)
+    assert resp.status_code == status, resp.text
+    if code:
+        assert resp.json()["error"]["code"] == code

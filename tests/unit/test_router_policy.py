@@ -348,3 +348,25 @@ def test_every_worker_drained_is_a_route_error():
     out = choose(table(drained(worker("b1", "both"))), req(100), NOW)
     assert isinstance(out, pb.RouteError) and out.code == pb.RouteError.ALL_DRAINED
     assert "drained by an operator" in out.message and out.retry_after_s > 0
+
+
+def test_power_pressure_shares_new_work_out_by_headroom_not_all_to_one_rack() -> None:
+    """A load weight (not a fixed penalty): the cooler rack takes more, not everything."""
+    from tokenyard.fleet import FleetView
+    from tokenyard.services.router.policy import FacilityState, PolicyConfig, RouteInput, choose
+    from tokenyard.v1 import serving_pb2 as pb
+
+    fleet = FleetView()
+    for wid in ("both-hot", "both-cool"):
+        fleet.on_heartbeat(pb.WorkerHeartbeat(worker_id=wid, role="both", max_num_seqs=32,
+                                              num_blocks=100, num_free_blocks=100,
+                                              heartbeat_interval_ms=1000), 0.0)  # fmt: skip
+    facilities = {"both-hot": FacilityState(load_weight=3.0), "both-cool": FacilityState()}
+    placed = []
+    for i in range(40):
+        p = choose(fleet.workers, RouteInput(str(i), "", 16), 0.5, facilities=facilities,
+                   config=PolicyConfig(disaggregation="never"))  # fmt: skip
+        assert isinstance(p, pb.Placement)
+        fleet.placed(p.prefill_worker_id)
+        placed.append(p.prefill_worker_id)
+    assert placed.count("both-cool") == 30 and placed.count("both-hot") == 10

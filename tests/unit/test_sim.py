@@ -64,7 +64,7 @@ def _low_cap_fleet(rate: float, policy: str):
     _, (workers, inventory) = fleet(8, 8, tp=8, max_num_seqs=64, rack_cap_spread=0.6)
     result = Simulation(workers, inventory, reqs, SimConfig(policy=policy)).run()
     lowest = min(inventory.racks, key=lambda r: r.power_cap_kw).name
-    return result, result.rack_tokens[lowest] / sum(result.rack_tokens.values())
+    return result, result.rack_tokens.get(lowest, 0) / sum(result.rack_tokens.values())
 
 
 def test_blind_placement_overloads_a_low_capped_rack_into_power_capping():
@@ -79,6 +79,21 @@ def test_the_facilities_state_moves_work_off_a_derated_rack():
     assert aware.derate_events > 0
     assert aware_share < blind_share
     assert aware.completed == blind.completed == 3000
+
+
+@pytest.mark.parametrize("policy", ["kv-aware", "kv-aware+facilities"])
+def test_the_candidate_index_places_exactly_as_choose_over_every_worker(policy):
+    """Shared prefixes (holders and non-holders compete), low caps (derate, drain, pressure
+    penalties) and overload (route errors): the same result either way."""
+    reqs = generate(WorkloadSpec(kind="shared-prefix", requests=1500, rate=150, groups=12,
+                                 prompt_len=2048, prefix_len=1536, output_len=48))  # fmt: skip
+    results = []
+    for indexed in (True, False):
+        _, (workers, inventory) = fleet(6, 10, tp=8, max_num_seqs=32, rack_cap_spread=0.6)
+        config = SimConfig(policy=policy, candidate_index=indexed)
+        results.append(Simulation(workers, inventory, reqs, config).run().to_json())
+    assert results[0] == results[1]
+    assert results[0]["completed"] == 1500
 
 
 def test_bursts_keep_the_mean_rate_and_multi_turn_chains_its_history():

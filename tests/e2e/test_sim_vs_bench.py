@@ -1,0 +1,89 @@
+"""The fleet simulator against `tokenyard bench` on this machine's single stack.
+
+1. Calibrate the planner's `cpu` entry on our engine, here and now (the short form of
+   benchmarks/planner_cpu.py), before the stack starts so it has the cores to itself.
+2. Start the stack with one aggregated worker (the simulator's replicas do not share cores;
+   one worker keeps that true) and run `tokenyard bench serve` against it: a fixed
+   workload, open loop, Poisson arrivals.
+3. Replay the same requests at the same send times in the simulator, on a one-replica
+   fleet whose step times come from that calibration and whose engine limits are the
+   worker's (max_num_seqs, the per-step token budget).
+4. Output throughput and TTFT p50 must agree within 30%.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tokenyard.bus.embedded import free_port
+from tokenyard.planner import calibrate, cpu
+from tokenyard.planner.roofline import Deployment
+from tokenyard.services.launch.stack import StackConfig
+from tokenyard.services.worker.settings import WorkerSettings
+from tokenyard.sim.fleet import FleetSpec, build_fleet
+from tokenyard.sim.simulator import SimConfig, Simulation
+from tokenyard.sim.workload import from_bench
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a loaded machine: minutes
+
+TOLERANCE = 0.30
+# A short, fixed workload: 24 completions of 128 prompt tokens and 32 output tokens, at
+# about one request a second (a few in flight at once: queueing and batching both count).
+BENCH_ARGS = ["--endpoint", "completions", "--workload", "chat", "--num-prompts", "24",
+              "--warmup", "2", "--input-len", "128", "--output-len", "32", "--len-sigma", "0",
+              "--ignore-eos", "--request-rate", "1.0", "--seed", "3", "--no-progress"]  # fmt: skip
+ENGINE_STEP_TOKENS = 512  # the engine's default per-step token budget (the worker sets none)
+
+
+@pytest.fixture(scope="module")
+def calibration() -> dict:
+    bw, tflops = cpu.memory_read_gbs(), cpu.matmul_tflops()
+    return calibrate.calibrate_and_check(calibrate.make_engine(), bw, tflops, calibrate.SHORT)
+
+
+def bench(gateway_url: str, out) -> dict:
+    cmd = [sys.executable, "-m", "tokenyard.cli", "bench", "serve", "--url", gateway_url,
+           *BENCH_ARGS, "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(out.read_text())
+
+
+def simulate(calibration: dict, bench_file) -> dict:
+    model = calibrate.default_model()
+    hw = cpu.cpu_hardware(calibration["calibration"], remeasure=False)
+    dep = Deployment(model, hw, weights_dtype="int4")
+    spec = FleetSpec(0, 0, both_replicas=1, max_num_seqs=WorkerSettings().max_num_seqs)
+    workers, inventory = build_fleet(dep, spec, model.name)
+    for w in workers:
+        w.chunk_tokens = ENGINE_STEP_TOKENS
+    requests = from_bench(bench_file)
+    config = SimConfig(policy="kv-aware", ttft_slo_s=1e9, itl_slo_s=1e9)
+    return Simulation(workers, inventory, requests, config).run().to_json()
+
+
+def test_simulator_predicts_the_single_stack_within_30_percent(calibration, launch_stack, tmp_path):
+    config = StackConfig(port=free_port(), aggregated=True, kvcache=False, facilities=False,
+                         telemetry=False)  # fmt: skip
+    with launch_stack(config) as stack:
+        stack.wait_ready(timeout=300)
+        report = bench(stack.gateway_url, tmp_path / "bench.json")
+    records = [r for r in report["runs"][-1]["records"] if not r["warmup"]]
+    assert len(records) == 24 and all(r["ok"] for r in records)
+    summary = report["runs"][-1]["summary"]
+    measured = {
+        "throughput_tok_s": summary["output_token_throughput"],
+        "ttft_p50_ms": summary["ttft_ms"]["p50"],
+    }
+    sim = simulate(calibration, tmp_path / "bench.json")
+    assert sim["completed"] == 24
+    for key, value in measured.items():
+        error = sim[key] / value - 1
+        assert abs(error) <= TOLERANCE, (
+            f"{key}: simulated {sim[key]:.1f}, measured {value:.1f} ({error:+.0%}); "
+            f"calibration {calibration['calibration']}"
+        )
