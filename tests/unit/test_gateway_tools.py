@@ -173,6 +173,19 @@ def test_n_choices_whole_and_streamed_with_summed_usage(oai, backend):
     assert usage.completion_tokens == 22
 
 
+def test_n_choices_start_together_on_the_first_choice_workers(oai, backend):
+    for stream in (False, True):
+        for seen in (backend.placements, backend.reads_before_submit, backend.streams):
+            seen.clear()
+        out = oai.chat.completions.create(model=MODEL, messages=ASK, n=3, stream=stream)
+        if stream:
+            assert len(list(out)) > 3
+        # Choices 1 and 2 are sent before choice 0's first token is read, to its workers.
+        assert backend.reads_before_submit == [0, 0, 0]
+        assert backend.placements[0] is None  # routed
+        assert backend.placements[1:] == [backend.streams[0].placement] * 2
+
+
 def test_best_of_returns_the_most_likely_and_echo(oai, backend):
     backend.script = text_chunks("ab", logprobs=True)
     out = oai.completions.create(model=MODEL, prompt="Say", n=1, best_of=3, echo=True)
