@@ -57,6 +57,13 @@ def test_greedy_equals_plain_decoding_batched_chunked_and_cached(make_engine, pl
     assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
     assert stats.spec_mean_accepted_length > 1.0
     engine.block_manager.check_no_leaks()
+    memory = engine.memory  # a self-draft adds its int4 copies, and no KV pool of its own
+    assert memory.draft_kv_cache_bytes == 0
+    if spec["method"] == "ngram":
+        assert memory.draft_weights_bytes == 0
+    else:
+        assert 0 < memory.draft_weights_bytes < memory.weights_bytes / 4
+        assert "draft weights" in memory.describe()
 
 
 def test_draft_model_from_a_path_with_its_own_pool_and_a_handoff(make_engine, plain):
@@ -79,6 +86,9 @@ def test_draft_model_from_a_path_with_its_own_pool_and_a_handoff(make_engine, pl
     ]
     assert handed == plain[0]
     assert decode.stats().spec_acceptance_rate > 0.5
+    # Its own pool: as many blocks as the target's, of the same model (so the same bytes).
+    assert decode.memory.draft_kv_cache_bytes == decode.memory.kv_cache_bytes
+    assert decode.memory.draft_weights_bytes > 0
     decode.block_manager.check_no_leaks()
 
 
