@@ -31,9 +31,9 @@ def chat(prompt: str) -> list[dict]:
     return [{"role": "user", "content": prompt}]
 
 
-def run(engine, prompts, tag):
+def run(engine, prompts, tag, params=PARAMS):
     for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}{i}", chat(p) if isinstance(p, str) else p, PARAMS)
+        engine.add_request(f"{tag}{i}", chat(p) if isinstance(p, str) else p, params)
     seqs = [engine.seqs[f"{tag}{i}"] for i in range(len(prompts))]
     while engine.has_unfinished():
         engine.step()
@@ -73,22 +73,23 @@ def test_chunked_prefill(make_engine, reference):
     chunked.block_manager.check_no_leaks()
 
 
-def test_preemption_recomputes_the_same_tokens(make_engine, loaded_model, cold, reference):
+def test_preemption_recomputes_the_same_tokens(make_engine, loaded_model, cold):
     """A KV pool that holds the prompts but not their growth: decoding must preempt."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    few = PROMPTS[:8]
+    reference = [run(cold, [p], f"pre{i}-", params)[0] for i, p in enumerate(few)]
     bs = EngineConfig().block_size
-    lengths = [len(cold.encode_prompt(chat(p))) for p in PROMPTS]
-    # Prompts whose last decoded tokens spill into a new block (one not held at admission).
-    spill = [i for i, n in enumerate(lengths) if -(-n // bs) * bs < n + PARAMS.max_tokens - 1]
-    assert len(spill) >= 4, "too few prompts end near a block boundary for this test"
-    few = spill[:8]
-    num_blocks = sum(-(-lengths[i] // bs) for i in few)
+    lengths = [len(cold.encode_prompt(chat(p))) for p in few]
+    admitted = sum(-(-n // bs) for n in lengths)  # blocks the prompts take
+    grown = sum(-(-(n + params.max_tokens - 1) // bs) for n in lengths)  # and at the end
+    assert grown > admitted, "the outputs must outgrow the prompts' blocks for this test"
     block_nbytes = kv_layout(loaded_model, EngineConfig(**SHIPPED)).block_nbytes
     # No prefix caching: shared template blocks would leave the pool room to spare.
     engine = make_engine(
-        **SHIPPED, enable_prefix_caching=False, kv_cache_bytes=num_blocks * block_nbytes
+        **SHIPPED, enable_prefix_caching=False, kv_cache_bytes=admitted * block_nbytes
     )
-    assert engine.block_manager.num_blocks == num_blocks
-    assert run(engine, [PROMPTS[i] for i in few], "p") == [reference[i] for i in few]
+    assert engine.block_manager.num_blocks == admitted
+    assert run(engine, few, "p", params) == reference
     assert engine.stats().num_preemptions > 0
     engine.block_manager.check_no_leaks()
 
