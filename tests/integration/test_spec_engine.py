@@ -156,8 +156,10 @@ def test_greedy_equals_plain_decoding_exactly_in_deterministic_mode(make_engine)
     engine.block_manager.check_no_leaks()
 
 
-# bf16 rounds a logit near 20 to steps of 0.125: a margin below this can flip between rows.
-NEAR_TIE = 0.25
+# How far a verification row's logprob may sit from a decode row's in bf16 (bf16 steps near
+# a logit of 20 are 0.125); two rows can choose differently only where the top two tokens
+# are closer than twice this.
+BF16_ROW_TOL = 0.25
 
 
 @pytest.mark.parametrize(
@@ -165,12 +167,12 @@ NEAR_TIE = 0.25
     [NGRAM, {"method": "draft", "model": None, "num_speculative_tokens": 3}],
     ids=["ngram", "self-draft"],
 )
-def test_bf16_greedy_equals_plain_decoding_up_to_a_near_tie(make_engine, spec):
+def test_bf16_greedy_equals_plain_decoding_but_at_near_ties(make_engine, spec):
     """bf16 without deterministic mode: a verification row runs in a bigger matmul and
-    through the chunked-prefill attention, a decode row through the decode kernel; their
-    logits may differ in the last bits (as rows of different batches may), so equality is
-    exact until plain decoding meets a near-tie between its top two tokens, and not promised
-    after it."""
+    through the chunked-prefill attention, a decode row through the decode kernel, so their
+    logits may differ in the last bits (as rows of different batches may). Speculated greedy
+    output equals plain decoding wherever plain decoding's top two tokens are further apart
+    than that difference; it may part only at such a near-tie."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
 
     def run(engine, tag):
@@ -183,12 +185,13 @@ def test_bf16_greedy_equals_plain_decoding_up_to_a_near_tie(make_engine, spec):
 
     plain = run(make_engine(dtype="bfloat16"), "p")
     speculated = run(make_engine(dtype="bfloat16", speculative_config=spec), "s")
-    compared = 0
+    equal = 0
     for ref, got in zip(plain, speculated, strict=True):
         for a, b in zip(ref, got, strict=True):
-            assert b.token_id == a.token_id
-            compared += 1
-            (_, first), (_, second) = a.top[:2]
-            if first - second < NEAR_TIE:
-                break  # from here on the two may part
-    assert compared >= len(PROMPTS) * 8
+            if b.token_id != a.token_id:  # parted: only where plain's top two nearly tie
+                (_, first), (_, second) = a.top[:2]
+                assert first - second <= 2 * BF16_ROW_TOL, (first, second)
+                break
+            assert abs(a.logprob - b.logprob) <= BF16_ROW_TOL
+            equal += 1
+    assert equal >= 8
