@@ -2,10 +2,13 @@
 
     python benchmarks/deterministic.py --out benchmarks/results/deterministic.json --doc docs/precision.md
 
-Two workloads, each timed for both engines in alternation (A B A B ...) so that a noisy,
-shared machine slows both alike: (a) one request, 128 prompt + 32 output tokens; (b) 16
-requests together, 128 prompt + 32 output tokens each. Reported: the median wall time of
-each and the deterministic/default ratio.
+Batches of 1, 8 and 32 requests (`--batches`), each request PROMPT_LEN prompt + OUTPUT_LEN
+output tokens, greedy. Each batch is timed for both engines in alternation (A B A B ...) so
+that a noisy, shared machine slows both alike. Reported per batch and mode: the median wall
+time, split into prefill (until every request has its first token) and decode (the rest),
+and output tokens per second; and the deterministic/default ratios. Bounded: no new repeat
+starts after `--seconds-per-batch` (one always runs), and the JSON is written after each
+batch size.
 """
 
 from __future__ import annotations
@@ -24,24 +27,65 @@ from tokenyard.engine.llm_engine import LLMEngine
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.models.loader import load_model
 
-PROMPT_LEN, OUTPUT_LEN, CONCURRENT, REPEATS = 128, 32, 16, 3
+PROMPT_LEN, OUTPUT_LEN, REPEATS = 64, 16, 3
 PARAMS = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True)
+MODES = ("default", "deterministic")
 
 
-def timed(engine: LLMEngine, prompts: list[list[int]], tag: str) -> float:
+def timed(engine: LLMEngine, prompts: list[list[int]], tag: str) -> tuple[float, float]:
+    """(prefill s, decode s) of one batch run to the end."""
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, PARAMS)
+    started: set[str] = set()
+    prefilled = None
     while engine.has_unfinished():
-        engine.step()
-    return time.perf_counter() - start
+        for out in engine.step():
+            if out.new_token_ids:
+                started.add(out.request_id)
+        if prefilled is None and len(started) == len(prompts):
+            prefilled = time.perf_counter()
+    end = time.perf_counter()
+    prefilled = prefilled or end
+    return prefilled - start, end - prefilled
+
+
+def measure(
+    engines: dict[str, LLMEngine], prompts: list[list[int]], repeats: int, seconds: float
+) -> dict:
+    runs: dict[str, list[tuple[float, float]]] = {m: [] for m in engines}
+    start = time.perf_counter()
+    for r in range(repeats):
+        if r and time.perf_counter() - start > seconds:
+            break
+        for mode, engine in engines.items():
+            runs[mode].append(timed(engine, prompts, f"b{len(prompts)}-{r}"))
+    row: dict = {"batch": len(prompts), "repeats": len(runs["default"])}
+    for mode, times in runs.items():
+        prefill = statistics.median(t[0] for t in times)
+        decode = statistics.median(t[1] for t in times)
+        total = statistics.median(sum(t) for t in times)
+        row[mode] = {
+            "wall_s": round(total, 3),
+            "prefill_s": round(prefill, 3),
+            "decode_s": round(decode, 3),
+            "output_tok_s": round(len(prompts) * OUTPUT_LEN / total, 2),
+            "runs": [[round(a, 3), round(b, 3)] for a, b in times],
+        }
+    for part in ("wall_s", "prefill_s", "decode_s"):
+        row[f"ratio_{part[:-2]}"] = round(row["deterministic"][part] / row["default"][part], 2)
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/deterministic.json")
     parser.add_argument("--doc", help="also replace the cost table in this markdown file")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--seconds-per-batch", type=float, default=60.0)
     args = parser.parse_args()
+    started = time.perf_counter()
     loaded = load_model()
     engines = {
         mode: LLMEngine(
@@ -54,42 +98,34 @@ def main() -> None:
             ),
             loaded=loaded,
         )
-        for mode in ("default", "deterministic")
+        for mode in MODES
     }
     rng = random.Random(0)
     tok = loaded.tokenizer
-    prompts = [tok.encode(text_of_tokens(rng, PROMPT_LEN))[:PROMPT_LEN] for _ in range(CONCURRENT)]
-    workloads = {"1 request": prompts[:1], f"{CONCURRENT} requests": prompts}
-    times: dict[str, dict[str, list[float]]] = {w: {m: [] for m in engines} for w in workloads}
-    for r in range(REPEATS):
-        for w, batch in workloads.items():
-            for mode, engine in engines.items():
-                times[w][mode].append(timed(engine, batch, f"{w}-{r}"))
+    prompts = [
+        tok.encode(text_of_tokens(rng, PROMPT_LEN))[:PROMPT_LEN] for _ in range(max(args.batches))
+    ]
     rows = []
-    for w, by_mode in times.items():
-        default, det = (statistics.median(by_mode[m]) for m in ("default", "deterministic"))
-        rows.append(
-            {
-                "workload": f"{w}, {PROMPT_LEN} prompt + {OUTPUT_LEN} output tokens",
-                "default_s": round(default, 3),
-                "deterministic_s": round(det, 3),
-                "ratio": round(det / default, 2),
-                "runs": by_mode,
-            }
-        )
-    result = {
-        "precision": "bf16 + int4",
-        "repeats": REPEATS,
-        "machine": f"{platform.machine()} {platform.processor()}, shared with other jobs",
-        "rows": rows,
-    }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    for batch in args.batches:
+        rows.append(measure(engines, prompts[:batch], args.repeats, args.seconds_per_batch))
+        result = {
+            "precision": "bf16 + int4",
+            "prompt_tokens": PROMPT_LEN,
+            "output_tokens": OUTPUT_LEN,
+            "machine": f"{platform.machine()} {platform.processor()}, shared with other jobs",
+            "wall_s": round(time.perf_counter() - started, 1),
+            "rows": rows,
+        }
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in MODES}))
     table = "\n".join(
         [
-            "| workload | default s | deterministic s | deterministic / default |",
+            "| batch | default s (prefill + decode) | deterministic s (prefill + decode) "
+            "| deterministic / default: total, prefill, decode |",
             "|---|---|---|---|",
             *(
-                f"| {r['workload']} | {r['default_s']} | {r['deterministic_s']} | {r['ratio']}x |"
+                f"| {r['batch']} | {_cell(r['default'])} | {_cell(r['deterministic'])} "
+                f"| {r['ratio_wall']}x, {r['ratio_prefill']}x, {r['ratio_decode']}x |"
                 for r in rows
             ),
         ]
@@ -97,6 +133,10 @@ def main() -> None:
     if args.doc:
         _replace_between(Path(args.doc), "deterministic-cost", table)
     print(table)
+
+
+def _cell(mode: dict) -> str:
+    return f"{mode['wall_s']} ({mode['prefill_s']} + {mode['decode_s']})"
 
 
 def _replace_between(doc: Path, marker: str, new: str) -> None:

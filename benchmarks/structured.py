@@ -10,6 +10,10 @@ thread's wait for them after the forward pass (the only part that can add latenc
 Free-text requests ignore EOS and stop at MAX_TOKENS; guided ones stop where the JSON ends,
 so tok/s (not totals) is what compares. Both modes run in the same process, their waves
 alternating, so they share the machine's state; on a shared machine compare the ratios.
+
+Bounded in time: each concurrency runs up to `--rounds` waves per mode but starts no new
+round once `--seconds-per-concurrency` have passed (one round always runs), and the JSON is
+written after each concurrency, so a run cut short still leaves its figures.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
 from tokenyard.engine.sampling_params import GuidedSpec, SamplingParams
 
-MAX_TOKENS = 48
+MAX_TOKENS = 32  # a JSON answer of the schema below fits; free text stops here
 CONCURRENCY = (1, 8)
 CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Delhi", "Quito", "Perth"]
 SCHEMA = {
@@ -100,51 +104,64 @@ class Tally:
         return out
 
 
-def measure(engine: LLMEngine, concurrency: int, rounds: int) -> list[dict]:
-    """Free and guided waves alternate, so both modes see the same machine (it may be shared)."""
+def measure(engine: LLMEngine, concurrency: int, rounds: int, seconds: float) -> list[dict]:
+    """Free and guided waves alternate, so both modes see the same machine (it may be shared).
+    No new round starts after `seconds`."""
     free, guided = Tally(False, concurrency), Tally(True, concurrency)
+    start = time.perf_counter()
     for r in range(rounds):
+        if r and time.perf_counter() - start > seconds:
+            break
         wave = [CITIES[(r * concurrency + i) % len(CITIES)] for i in range(concurrency)]
         free.run(engine, wave, f"f{concurrency}.{r}.")
         guided.run(engine, wave, f"g{concurrency}.{r}.")
     return [free.report(), guided.report()]
 
 
+def ratios(results: list[dict]) -> dict[str, float]:
+    """Per concurrency: json_schema tok/s and TTFT over free text's."""
+    out = {}
+    for c in sorted({r["concurrency"] for r in results}):
+        free, guided = (
+            next(r for r in results if r["concurrency"] == c and r["mode"] == mode)
+            for mode in ("free_text", "json_schema")
+        )
+        out[f"c{c}_json_over_free_tok_s"] = round(guided["output_tok_s"] / free["output_tok_s"], 3)
+        out[f"c{c}_json_over_free_ttft"] = round(guided["ttft_mean_s"] / free["ttft_mean_s"], 3)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/structured.json"))
     parser.add_argument("--rounds", type=int, default=3, help="waves per mode and concurrency")
+    parser.add_argument(
+        "--seconds-per-concurrency",
+        type=float,
+        default=90.0,
+        help="start no new round after this long (one round always runs)",
+    )
     args = parser.parse_args()
+    started = time.perf_counter()
     engine = LLMEngine(EngineConfig())
     run_wave(engine, CITIES[:1], True, "warm")  # builds the llguidance tokenizer once
-    results = []
+    results: list[dict] = []
     for concurrency in CONCURRENCY:
-        results += measure(engine, concurrency, args.rounds)
+        results += measure(engine, concurrency, args.rounds, args.seconds_per_concurrency)
         print(json.dumps(results[-2:]))
-    ratios = {
-        f"c{c}_json_over_free_tok_s": round(
-            next(r for r in results if r["concurrency"] == c and r["mode"] == "json_schema")[
-                "output_tok_s"
-            ]
-            / next(r for r in results if r["concurrency"] == c and r["mode"] == "free_text")[
-                "output_tok_s"
-            ],
-            3,
-        )
-        for c in CONCURRENCY
-    }
-    report = {
-        "benchmark": "structured",
-        "model": engine.model_id,
-        "machine": platform.processor() or platform.machine(),
-        "max_tokens": MAX_TOKENS,
-        "rounds": args.rounds,
-        "note": "machine shared with other jobs while measured: compare the ratios",
-        "results": results,
-        "ratios": ratios,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+        report = {
+            "benchmark": "structured",
+            "model": engine.model_id,
+            "machine": platform.processor() or platform.machine(),
+            "max_tokens": MAX_TOKENS,
+            "max_rounds": args.rounds,
+            "note": "machine shared with other jobs while measured: compare the ratios",
+            "wall_s": round(time.perf_counter() - started, 1),
+            "results": results,
+            "ratios": ratios(results),
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,11 @@ class TokenStream(Protocol):
 
     async def close(self) -> None: ...
 
+    @property
+    def placement(self) -> pb.Placement:
+        """The workers this request was placed on."""
+        ...
+
 
 class Backend(Protocol):
     fleet: FleetView
@@ -59,8 +64,16 @@ class Backend(Protocol):
     def connected(self) -> bool: ...
 
     async def submit(
-        self, rid: str, model: str, prompt_ids: list[int], params: pb.SamplingParams
-    ) -> TokenStream: ...
+        self,
+        rid: str,
+        model: str,
+        prompt_ids: list[int],
+        params: pb.SamplingParams,
+        placement: pb.Placement | None = None,
+    ) -> TokenStream:
+        """Route (unless `placement` is given: the same workers as an earlier request) and
+        enqueue one sequence; its chunks come from the returned stream."""
+        ...
 
     async def cancel(self, rid: str, reason: str) -> None: ...
 
@@ -131,6 +144,10 @@ class NatsTokenStream:
 
     def has_chunk(self) -> bool:
         return bool(self._ready) or not self._queue.empty()
+
+    @property
+    def placement(self) -> pb.Placement:
+        return self._placement
 
     def _owner(self, chunk: pb.TokenChunk) -> str:
         """The worker that owes the next chunk: after the prefill worker's first token, the
@@ -243,7 +260,12 @@ class NatsBackend:
         return self.bus
 
     async def submit(
-        self, rid: str, model: str, prompt_ids: list[int], params: pb.SamplingParams
+        self,
+        rid: str,
+        model: str,
+        prompt_ids: list[int],
+        params: pb.SamplingParams,
+        placement: pb.Placement | None = None,
     ) -> NatsTokenStream:
         bus = self._bus()
         queue: asyncio.Queue[pb.TokenChunk] = asyncio.Queue()
@@ -254,9 +276,10 @@ class NatsBackend:
         gateway_id = self.settings.instance_id
         sub = await bus.subscribe(subjects.tokens(gateway_id, rid), pb.TokenChunk, on_chunk)
         try:
-            placement = await self._route(
-                bus, rid, model, prompt_ids, params.max_tokens, params.cache_salt
-            )
+            if placement is None:
+                placement = await self._route(
+                    bus, rid, model, prompt_ids, params.max_tokens, params.cache_salt
+                )
             job = pb.PrefillJob(
                 request_id=rid,
                 model=model,

@@ -219,18 +219,17 @@ class ChatFormat:
             delta = DeltaMessage()
             yield self._chunk(ChatChunkChoice(index=index, delta=delta, finish_reason=reason))
 
-    def _call_delta(self, index: int, calls: list[tools.ToolCall]) -> DeltaMessage:
-        first = self._parsers[index].num_calls - len(calls)
+    def _call_delta(self, index: int, calls: list[tools.CallDelta]) -> DeltaMessage:
         self._called.add(index)
         return DeltaMessage(
             tool_calls=[
                 ToolCallDelta(
-                    index=first + k,
+                    index=c.index,
                     id=c.id,
-                    type="function",
+                    type="function" if c.id else None,
                     function=FunctionCallDelta(name=c.name, arguments=c.arguments),
                 )
-                for k, c in enumerate(calls)
+                for c in calls
             ]
         )
 

@@ -69,9 +69,9 @@ class Generation:
     """Drives one request through the backend and records its metrics.
 
     With `n` (or `best_of`) > 1 each choice is its own sequence on the workers, `rid-i` for
-    i > 0. The first is sent alone; the others follow once its first token is back, when its
-    prompt's KV is in the prefix cache (the router sends them to the same worker by prefix
-    overlap), so the prompt is computed once and shared.
+    i > 0. The first is routed; the others go at once to the same workers, whose scheduler
+    holds them while the first computes the prompt's blocks and then gives them those blocks
+    from its prefix cache: the choices start together and the prompt is computed once.
     """
 
     def __init__(
@@ -108,10 +108,11 @@ class Generation:
         self.state.metrics.in_flight.inc()
         handed_off = False  # once the SSE generator owns the streams, it cleans up
         try:
+            # The other choices start now, not after the first token: see the class docstring.
+            for i in range(1, self.prepared.best_of):
+                self.streams.append(await self._submit(model, i, self.streams[0].placement))
             # The first chunk decides the status: a worker's refusal is still a 4xx here.
             first = await until_disconnect(request, anext(self.streams[0]))
-            for i in range(1, self.prepared.best_of):
-                self.streams.append(await self._submit(model, i))
             if self.prepared.stream:
                 handed_off = True
                 return StreamingResponse(self._sse(request, first), media_type="text/event-stream")
@@ -125,7 +126,9 @@ class Generation:
             if not handed_off:
                 await self._finish()
 
-    async def _submit(self, model: str, index: int) -> TokenStream:
+    async def _submit(
+        self, model: str, index: int, placement: pb.Placement | None = None
+    ) -> TokenStream:
         params = self.prepared.params
         if index and params.HasField("seed"):
             # Seeded sampling depends on (seed, position): each choice needs a seed of its own.
@@ -134,7 +137,7 @@ class Generation:
             params.seed = (params.seed + index) % _UINT64
         with trace.use_span(self.span, end_on_exit=False):
             return await self.state.backend.submit(
-                self.rids[index], model, self.prepared.prompt_ids, params
+                self.rids[index], model, self.prepared.prompt_ids, params, placement
             )
 
     async def _collect(self) -> None:

@@ -24,6 +24,8 @@ from tokenyard.services.gateway.errors import invalid
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+# A call's start as models write it: the name first, then the arguments object.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 _SYSTEM = (
     "You may call functions to help with the user's request. The functions, as JSON "
     "schemas, are:\n<tools>\n{tools}\n</tools>\nTo call a function, answer with one line per "
@@ -143,6 +145,18 @@ def parse(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
 
 
 def _one_call(body: str, names: set[str]) -> ToolCall | None:
+    streamed = _streamable(body, names)
+    if streamed is not None:
+        name, args_at = streamed
+        end = _object_end(body, args_at)
+        if end is not None and _is_object(body[args_at:end]):
+            # The arguments exactly as written, as a stream sends them.
+            return ToolCall(name, body[args_at:end], new_call_id())
+    return _normalized_call(body, names)
+
+
+def _normalized_call(body: str, names: set[str]) -> ToolCall | None:
+    """A call written otherwise (arguments first, `parameters`, arguments as a string)."""
     try:
         data = json.loads(body)
     except ValueError:
@@ -160,57 +174,161 @@ def _one_call(body: str, names: set[str]) -> ToolCall | None:
     return ToolCall(data["name"], json.dumps(args, ensure_ascii=False), new_call_id())
 
 
+def _streamable(body: str, names: set[str]) -> tuple[str, int] | None:
+    """(name, where the arguments object starts) when the call is written name first with
+    its arguments as an object: then its arguments can be streamed as they are written."""
+    head = _HEAD.match(body)
+    if head is None or head.group(1) not in names:
+        return None
+    return head.group(1), head.end()
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """Index just past the JSON object that opens at `text[start]`; None while it is open."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-class ToolStreamParser:
-    """Splits streamed text into content deltas and whole tool calls as they complete.
+@dataclass(frozen=True)
+class CallDelta:
+    """One streamed piece of a tool call, as OpenAI sends it: the first of a call carries
+    its id and name, the next ones fragments of its arguments."""
 
-    Text that could be the start of a `<tool_call>` is held back until it is clearly not;
-    a call is released when its closing tag arrives (its arguments in one delta, which
-    OpenAI's clients accumulate as they do split ones).
+    index: int  # the call's place among this choice's calls
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+class ToolStreamParser:
+    """Splits streamed text into content deltas and tool-call deltas as tokens arrive.
+
+    Text that could be the start of a `<tool_call>` is held back until it is clearly not.
+    Inside a call, once `{"name": "<known tool>", "arguments": ` has arrived, the call is
+    announced (index, id, name) and its arguments are streamed as they are written, up to the
+    end of their JSON object; their concatenation is what the whole answer's `parse` returns.
+    A call written otherwise is sent in one delta when its closing tag arrives.
     """
 
     def __init__(self, names: set[str]) -> None:
         self.names = names
-        self._buffer = ""
+        self._buffer = ""  # text not yet sent: content held back, or the open call's body
+        self._in_call = False
+        self._open: CallDelta | None = None  # the call being streamed, once announced
+        self._args_at = 0  # where its arguments start in the buffer
+        self._sent = 0  # up to where they have been sent
         self.num_calls = 0
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._buffer += text
-        content, calls = [], []
+        content: list[str] = []
+        deltas: list[CallDelta] = []
         while True:
-            start = self._buffer.find(OPEN)
-            if start < 0:
-                keep = _partial_tag_len(self._buffer)
-                content.append(self._buffer[: len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep :]
-                break
-            content.append(self._buffer[:start])
-            end = self._buffer.find(CLOSE, start)
+            if not self._in_call:
+                start = self._buffer.find(OPEN)
+                if start < 0:
+                    keep = _partial_tag_len(self._buffer)
+                    content.append(self._buffer[: len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep :]
+                    break
+                content.append(self._buffer[:start])
+                self._buffer = self._buffer[start + len(OPEN) :]
+                self._in_call = True
+            end = self._buffer.find(CLOSE)
             if end < 0:
-                self._buffer = self._buffer[start:]
+                deltas.extend(self._stream_open_call())
                 break
-            block = self._buffer[start : end + len(CLOSE)]
+            body = self._buffer[:end]
             self._buffer = self._buffer[end + len(CLOSE) :]
-            _, parsed = parse(block, self.names)
-            if parsed:
-                calls.extend(parsed)
-            else:
-                content.append(block)
-        self.num_calls += len(calls)
-        return _strip_between_calls("".join(content), self.num_calls), calls
+            self._in_call = False
+            closed, text_back = self._close_call(body)
+            deltas.extend(closed)
+            content.append(text_back)
+        return _strip_between_calls("".join(content), self.num_calls), deltas
 
     def flush(self) -> str:
-        rest, self._buffer = self._buffer, ""
+        """What is left when the output ends: held-back text, or an unannounced open call."""
+        rest = "" if self._open else (OPEN if self._in_call else "") + self._buffer
+        self._buffer, self._in_call, self._open = "", False, None
         return rest
+
+    def _stream_open_call(self) -> list[CallDelta]:
+        deltas = []
+        if self._open is None:
+            head = _streamable(self._buffer, self.names)
+            if head is None:
+                return []
+            self._open = CallDelta(self.num_calls, "", new_call_id(), head[0])
+            self.num_calls += 1
+            self._args_at = self._sent = head[1]
+            deltas.append(self._open)
+        # Up to the end of the arguments object; while it is open, all but what could be
+        # the start of the closing tag.
+        end = _object_end(self._buffer, self._args_at)
+        stop = end if end is not None else len(self._buffer) - _partial_len(self._buffer, CLOSE)
+        return deltas + self._send_arguments(self._buffer, stop)
+
+    def _send_arguments(self, body: str, stop: int) -> list[CallDelta]:
+        assert self._open is not None
+        if stop <= self._sent:
+            return []
+        delta = CallDelta(self._open.index, body[self._sent : stop])
+        self._sent = stop
+        return [delta]
+
+    def _close_call(self, body: str) -> tuple[list[CallDelta], str]:
+        """The closing tag arrived: (the call's last deltas, text that goes back to content)."""
+        if self._open is None:
+            call = _one_call(body, self.names)
+            if call is None:
+                return [], OPEN + body + CLOSE
+            self.num_calls += 1
+            return [CallDelta(self.num_calls - 1, call.arguments, call.id, call.name)], ""
+        # NOTE: announced calls stay calls: arguments that turn out not to be a JSON object
+        # cannot be taken back from the client (the whole answer keeps such text as content).
+        end = _object_end(body, self._args_at)
+        deltas = self._send_arguments(body, end if end is not None else len(body))
+        self._open = None
+        return deltas, ""
 
 
 def _partial_tag_len(text: str) -> int:
     """How many trailing characters could begin `<tool_call>`."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
+    return _partial_len(text, OPEN)
+
+
+def _partial_len(text: str, tag: str) -> int:
+    """How many trailing characters could begin `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 

@@ -97,10 +97,8 @@ class EngineConfig:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.speculative_config is not None:
+            # With `deterministic`, only greedy requests speculate (Speculator.greedy_only).
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-            if self.deterministic:
-                # A verification pass changes a step's row count and so its kernels' inputs.
-                raise ValueError("deterministic mode runs without speculative decoding")
         self._check_tensor_parallel()
         self._check_device()
 

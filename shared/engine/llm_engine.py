@@ -117,6 +117,10 @@ class LLMEngine:
         self.speculator = build_speculator(
             config, self.runner, self.block_manager, self.max_model_len
         )
+        if self.speculator is not None and self.speculator.draft is not None:
+            draft = self.speculator.draft
+            self.memory.draft_weights_bytes = draft.weights_bytes
+            self.memory.draft_kv_cache_bytes = draft.kv_cache_bytes
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.last_step_tokens = 0  # tokens the last step computed (prefill chunks + decodes)

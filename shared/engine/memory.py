@@ -41,6 +41,21 @@ class MemoryReport:
     # Tensor parallelism: every figure above is one rank's (its weight shards, its KV pool
     # of num_kv_heads / tp_size heads); each of the tp_size ranks holds as much.
     tp_size: int = 1
+    # Speculative decoding's draft model (tokenyard.engine.spec.draft), on top of the above:
+    # the weights it adds (a self-draft's int4 copies only: it shares the target's other
+    # tensors) and its own KV pool (none for a self-draft, which writes the target's).
+    draft_weights_bytes: int = 0
+    draft_kv_cache_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.weights_bytes
+            + self.kv_cache_bytes
+            + self.buffers_bytes
+            + self.draft_weights_bytes
+            + self.draft_kv_cache_bytes
+        )
 
     def describe(self) -> str:
         mib = 1024**2
@@ -51,11 +66,17 @@ class MemoryReport:
             if self.num_experts
             else ""
         )
+        draft = (
+            f", draft weights {self.draft_weights_bytes / mib:.1f} MiB, "
+            f"draft KV cache {self.draft_kv_cache_bytes / mib:.1f} MiB"
+            if self.draft_weights_bytes or self.draft_kv_cache_bytes
+            else ""
+        )
         return (
             f"weights {self.weights_bytes / mib:.1f} MiB{experts}, "
             f"KV cache {self.kv_cache_bytes / mib:.1f} MiB "
             f"({self.num_blocks} blocks x {self.block_nbytes / 1024:.0f} KiB), "
-            f"buffers {self.buffers_bytes / mib:.1f} MiB{ranks}"
+            f"buffers {self.buffers_bytes / mib:.1f} MiB{draft}{ranks}"
         )
 
 
@@ -88,6 +109,8 @@ def build_model_and_pool(
         model.rope.cos, model.rope.sin = model.rope.cos.to(device), model.rope.sin.to(device)
     if config.quantization:
         quantize(model, config.quantization, keep_dense=not config.deterministic)
+    for block in moe_blocks(model):
+        block.batch_invariant = config.deterministic
     layout = kv_layout(loaded, config)
     weights_bytes = _weights_bytes(model)
     buffers_bytes = _buffers_bytes(model, config, dtype)
@@ -170,14 +193,25 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
-def _weights_bytes(model: torch.nn.Module) -> int:
-    seen: set[int] = set()  # tied embeddings: one tensor, counted once
+def _weights_bytes(model: torch.nn.Module, shared_with: torch.nn.Module | None = None) -> int:
+    """Bytes of the model's tensors, each counted once (tied embeddings are one tensor);
+    those of `shared_with` are left out (a self-draft shares the target's)."""
+    seen = {t.data_ptr() for t in _tensors(shared_with)} if shared_with is not None else set()
     total = 0
-    for t in [*model.parameters(), *model.buffers()]:
+    for t in _tensors(model):
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     return total
+
+
+def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def draft_weights_bytes(draft: torch.nn.Module, target: torch.nn.Module) -> int:
+    """What a draft model's weights add to the target's (tensors they share count once)."""
+    return _weights_bytes(draft, shared_with=target)
 
 
 def _decode_read_bytes(module: torch.nn.Module) -> int:

@@ -5,7 +5,9 @@ prompt is still prefilling), then waiting ones in arrival order while budget, se
 and blocks last. When a running sequence needs a block and none is free, the most recently
 admitted running sequence is preempted: its blocks are freed and it goes back to the front
 of the queue to be recomputed (its prompt and its output so far) later. Nothing starves:
-the queue is first come, first served and a preempted sequence keeps its place.
+the queue is first come, first served and a preempted sequence keeps its place. The one
+exception: a waiting sequence whose prompt's leading blocks a running sequence is computing
+right now waits for them (a step or a few), and then shares them through the prefix cache.
 """
 
 from __future__ import annotations
@@ -85,20 +87,41 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n, spec))
             budget -= n + len(spec)
         # waiting: none admitted in a step that had to preempt, or it would thrash
-        while (
-            self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs
-        ):
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget == 0 or preempted or len(self.running) >= self.max_num_seqs:
+                break
+            if self._prefix_in_flight(seq):
+                continue  # admitted once that prefix is computed, then shared
             if not self.block_manager.can_allocate(seq):
                 break
-            self.waiting.popleft()
-            self.block_manager.allocate(seq, use_cache=seq.params.prompt_logprobs is None)
+            self.waiting.remove(seq)
+            self.block_manager.allocate(seq, use_cache=_uses_cache(seq))
             seq.status = Status.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """True when a running sequence is still computing full blocks of this sequence's
+        prompt (the choices of an `n` > 1 request, or equal prompts arriving together):
+        admitted now, it would compute them a second time; a step later it shares them."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching or not _uses_cache(seq):
+            return False
+        cacheable = (seq.num_tokens - 1) // bm.block_size * bm.block_size
+        head = seq.token_ids[: bm.block_size]
+        for other in self.running:
+            if (
+                other.num_computed_tokens < cacheable
+                and other.num_uncomputed_tokens > 1  # still prefilling (or recomputing)
+                and other.token_ids[: bm.block_size] == head
+                and other.params.cache_salt == seq.params.cache_salt
+                and _common_prefix(other.token_ids, seq.token_ids) > other.num_computed_tokens
+            ):
+                return True
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -118,6 +141,20 @@ class Scheduler:
             self.block_manager.free_sequence(seq)
         seq.status = Status.HELD if keep_blocks else Status.FINISHED
         seq.finish_reason = reason
+
+
+def _uses_cache(seq: Sequence) -> bool:
+    # Prompt logprobs need every prompt token to run through the model.
+    return seq.params.prompt_logprobs is None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _spec_tokens(seq: Sequence, n: int, budget: int) -> list[int]:

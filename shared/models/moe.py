@@ -10,7 +10,10 @@ Qwen2-MoE adds a shared expert every token goes through, scaled by sigmoid(its o
 
 The router and the shared expert's gate stay plain parameters, not nn.Linear, so
 `quantize()` leaves them in full precision: routing decisions are discrete, and a
-quantization error there changes which experts run, not just how precisely.
+quantization error there changes which experts run, not just how precisely. For the same
+reason deterministic mode (`batch_invariant`) scores them one token at a time: a dense matmul
+of many rows may take another kernel than one row, and its last bits (fp32 and bf16 alike)
+then depend on the step's row count, which can flip a close top-k choice.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class SparseMoeBlock(LeanModule):
             self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden), requires_grad=False)
         # Tokens routed to each expert since the engine started (load balance); not a weight.
         self.tokens_per_expert = torch.zeros(experts, dtype=torch.long, device="cpu")
+        self.batch_invariant = False  # deterministic mode: gates scored row by row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
@@ -55,16 +59,22 @@ class SparseMoeBlock(LeanModule):
             out.index_add_(0, rows, y)
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None
-            gate = torch.sigmoid(F.linear(x, self.shared_expert_gate))  # [T, 1]
+            gate = torch.sigmoid(self._scores(x, self.shared_expert_gate))  # [T, 1]
             out += gate * self.shared_expert(x)
         return out
+
+    def _scores(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] @ gate [G, hidden].T -> [T, G]; row by row when batch-invariant."""
+        if self.batch_invariant and x.shape[0] > 1:
+            return torch.cat([F.linear(row, gate) for row in x.split(1)])
+        return F.linear(x, gate)
 
     def expert(self, e: int) -> MLP:
         return cast(MLP, self.experts[e])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)  # [T, E]
+        probs = torch.softmax(self._scores(x, self.router).float(), dim=-1)  # [T, E]
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

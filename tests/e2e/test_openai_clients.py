@@ -96,6 +96,7 @@ def test_sdk_streamed_required_tool_call(client, model):
         stream=True,
     )
     calls: dict[int, dict] = {}
+    argument_deltas = 0
     finish = None
     for chunk in stream:
         for c in chunk.choices:
@@ -103,9 +104,11 @@ def test_sdk_streamed_required_tool_call(client, model):
                 call = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
                 call["name"] += tc.function.name or ""
                 call["arguments"] += tc.function.arguments or ""
+                argument_deltas += bool(tc.function.arguments)
             finish = c.finish_reason or finish
     assert finish == "tool_calls" and len(calls) == 1
     assert calls[0]["name"] == "get_weather" and calls[0]["id"]
+    assert argument_deltas > 1  # the arguments arrive as they are generated
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
 
 

@@ -6,7 +6,12 @@ prefills and another decodes. The reference for every case is each prompt run al
 from __future__ import annotations
 
 import pytest
+import torch
+from moe_checkpoints import VOCAB, hf_moe_model, save_hf_folder
 
+from tokenyard.engine.config import EngineConfig
+from tokenyard.engine.llm_engine import LLMEngine
+from tokenyard.engine.memory import kv_layout
 from tokenyard.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -26,9 +31,9 @@ def chat(prompt: str) -> list[dict]:
     return [{"role": "user", "content": prompt}]
 
 
-def run(engine, prompts, tag):
+def run(engine, prompts, tag, params=PARAMS):
     for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}{i}", chat(p), PARAMS)
+        engine.add_request(f"{tag}{i}", chat(p) if isinstance(p, str) else p, params)
     seqs = [engine.seqs[f"{tag}{i}"] for i in range(len(prompts))]
     while engine.has_unfinished():
         engine.step()
@@ -68,22 +73,24 @@ def test_chunked_prefill(make_engine, reference):
     chunked.block_manager.check_no_leaks()
 
 
-def test_preemption_recomputes_the_same_tokens(make_engine, reference):
-    engine = make_engine(**SHIPPED)
+def test_preemption_recomputes_the_same_tokens(make_engine, loaded_model, cold):
+    """A KV pool that holds the prompts but not their growth: decoding must preempt."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     few = PROMPTS[:8]
-    for i, p in enumerate(few):
-        engine.add_request(f"p{i}", chat(p), PARAMS)
-    seqs = [engine.seqs[f"p{i}"] for i in range(len(few))]
-    for _ in range(3):  # the prompts prefilled and a few tokens decoded
-        engine.step()
-    # NOTE: preempted the way the scheduler does when the pool runs out; a pool sized to run
-    # out would depend on prompt lengths and block sharing, this does not
-    for seq in list(engine.scheduler.running)[::2]:
-        engine.scheduler._preempt(seq)
+    reference = [run(cold, [p], f"pre{i}-", params)[0] for i, p in enumerate(few)]
+    bs = EngineConfig().block_size
+    lengths = [len(cold.encode_prompt(chat(p))) for p in few]
+    admitted = sum(-(-n // bs) for n in lengths)  # blocks the prompts take
+    grown = sum(-(-(n + params.max_tokens - 1) // bs) for n in lengths)  # and at the end
+    assert grown > admitted, "the outputs must outgrow the prompts' blocks for this test"
+    block_nbytes = kv_layout(loaded_model, EngineConfig(**SHIPPED)).block_nbytes
+    # No prefix caching: shared template blocks would leave the pool room to spare.
+    engine = make_engine(
+        **SHIPPED, enable_prefix_caching=False, kv_cache_bytes=admitted * block_nbytes
+    )
+    assert engine.block_manager.num_blocks == admitted
+    assert run(engine, few, "p", params) == reference
     assert engine.stats().num_preemptions > 0
-    while engine.has_unfinished():
-        engine.step()
-    assert [s.output_token_ids for s in seqs] == reference[: len(few)]
     engine.block_manager.check_no_leaks()
 
 
@@ -107,3 +114,43 @@ def test_disaggregated_prefill_then_decode(make_engine, reference):
         decode.step()
     assert [s.output_token_ids for s in seqs] == reference[: len(few)]
     decode.block_manager.check_no_leaks()
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def close_router_moe(request, tmp_path_factory):
+    """A tiny MoE whose router scores are close (the init scale, not the decisive one the
+    HF-equivalence tests use): where a score's last bits depend on the row count, top-k
+    picks other experts."""
+    model = hf_moe_model(request.param, hidden_size=128)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".gate.weight") and p.shape[0] == 4:
+                p.normal_(0.0, 0.02)
+    return save_hf_folder(model, tmp_path_factory.mktemp(request.param) / "tiny")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_router_is_batch_invariant(close_router_moe, dtype):
+    """Each prompt alone against all of them in one batch and in 5-token chunks: the same
+    experts and so the same tokens, in fp32 too, where a batched router matmul's bits differ
+    from a one-row one."""
+
+    def engine(**kwargs) -> LLMEngine:
+        config = EngineConfig(
+            model=str(close_router_moe),
+            dtype=dtype,
+            quantization="int4",
+            deterministic=True,
+            enable_prefix_caching=False,
+            kv_cache_bytes=16 * 1024**2,
+            **kwargs,
+        )
+        return LLMEngine(config)
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (7 + 5 * i,), generator=g).tolist() for i in range(12)]
+    alone = engine()
+    reference = [run(alone, [p], f"a{i}-")[0] for i, p in enumerate(prompts)]
+    assert len({tuple(r) for r in reference}) > 1  # prompts that lead somewhere different
+    assert run(engine(), prompts, "batch") == reference
+    assert run(engine(max_num_batched_tokens=5), prompts, "chunk") == reference

@@ -92,6 +92,21 @@ async def test_request_goes_through_router_and_queue_and_comes_back_in_order(bac
     assert "".join(c.text for c in got) == "abcd" and got[-1].finished
 
 
+async def test_a_given_placement_skips_the_router(backend, bus):
+    """The other choices of an `n` > 1 request go to the first choice's workers."""
+    seen: list[pb.RouteRequest] = []
+    await serve_router(bus, PLACED, seen)
+    params = pb.SamplingParams(max_tokens=1)
+    first = await backend.submit("n1", "m", list(range(40)), params)
+    other = await backend.submit("n1-1", "m", list(range(40)), params, first.placement)
+    jobs = [await take_job(bus), await take_job(bus)]
+    assert [j.request_id for j in jobs] == ["n1", "n1-1"]
+    assert [r.request_id for r in seen] == ["n1"]  # only the first was routed
+    assert other.placement == first.placement and jobs[1].decode_worker_id == WORKER
+    await first.close()
+    await other.close()
+
+
 async def test_cancel_reaches_the_workers(backend, bus):
     cancels: asyncio.Queue[tuple[str, pb.Cancel]] = asyncio.Queue()
 

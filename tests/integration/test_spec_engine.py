@@ -57,6 +57,13 @@ def test_greedy_equals_plain_decoding_batched_chunked_and_cached(make_engine, pl
     assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
     assert stats.spec_mean_accepted_length > 1.0
     engine.block_manager.check_no_leaks()
+    memory = engine.memory  # a self-draft adds its int4 copies, and no KV pool of its own
+    assert memory.draft_kv_cache_bytes == 0
+    if spec["method"] == "ngram":
+        assert memory.draft_weights_bytes == 0
+    else:
+        assert 0 < memory.draft_weights_bytes < memory.weights_bytes / 4
+        assert "draft weights" in memory.describe()
 
 
 def test_draft_model_from_a_path_with_its_own_pool_and_a_handoff(make_engine, plain):
@@ -79,6 +86,9 @@ def test_draft_model_from_a_path_with_its_own_pool_and_a_handoff(make_engine, pl
     ]
     assert handed == plain[0]
     assert decode.stats().spec_acceptance_rate > 0.5
+    # Its own pool: as many blocks as the target's, of the same model (so the same bytes).
+    assert decode.memory.draft_kv_cache_bytes == decode.memory.kv_cache_bytes
+    assert decode.memory.draft_weights_bytes > 0
     decode.block_manager.check_no_leaks()
 
 
@@ -123,3 +133,65 @@ def test_worker_engine_speculates_where_it_decodes(role, speculates):
     )
     engine, _params = build_engine(settings)
     assert (engine.speculator is not None) == speculates
+
+
+DETERMINISTIC = {"dtype": "bfloat16", "quantization": "int4", "deterministic": True}
+
+
+def test_greedy_equals_plain_decoding_exactly_in_deterministic_mode(make_engine):
+    """The shipped precision (bf16 + int4) in deterministic mode: a verification row gets the
+    kernels a decode row gets (the int4 kernel at every row count, one query per token in
+    attention), so greedy output is plain decoding's, bit for bit, batched, chunked and
+    cached. Sampled requests do not speculate in this mode."""
+    plain = generate(make_engine(**DETERMINISTIC), PROMPTS, GREEDY, "p")
+    engine = make_engine(**DETERMINISTIC, speculative_config=NGRAM, max_num_batched_tokens=32)
+    assert generate(engine, PROMPTS, GREEDY, "a") == plain
+    assert generate(engine, PROMPTS, GREEDY, "b") == plain
+    stats = engine.stats()
+    assert stats.prefix_cache_hits > 0 and stats.spec_accepted_tokens > 0
+    drafts = stats.spec_draft_tokens
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)
+    generate(engine, PROMPTS[:1], sampled, "s")
+    assert engine.stats().spec_draft_tokens == drafts
+    engine.block_manager.check_no_leaks()
+
+
+# How far a verification row's logprob may sit from a decode row's in bf16 (bf16 steps near
+# a logit of 20 are 0.125); two rows can choose differently only where the top two tokens
+# are closer than twice this.
+BF16_ROW_TOL = 0.25
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [NGRAM, {"method": "draft", "model": None, "num_speculative_tokens": 3}],
+    ids=["ngram", "self-draft"],
+)
+def test_bf16_greedy_equals_plain_decoding_but_at_near_ties(make_engine, spec):
+    """bf16 without deterministic mode: a verification row runs in a bigger matmul and
+    through the chunked-prefill attention, a decode row through the decode kernel, so their
+    logits may differ in the last bits (as rows of different batches may). Speculated greedy
+    output equals plain decoding wherever plain decoding's top two tokens are further apart
+    than that difference; it may part only at such a near-tie."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(engine, tag):
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"{tag}{i}", [{"role": "user", "content": p}], params)
+        outs = finish_all(engine)
+        return [
+            [lp for o in outs[f"{tag}{i}"] for lp in o.logprobs or []] for i in range(len(PROMPTS))
+        ]
+
+    plain = run(make_engine(dtype="bfloat16"), "p")
+    speculated = run(make_engine(dtype="bfloat16", speculative_config=spec), "s")
+    equal = 0
+    for ref, got in zip(plain, speculated, strict=True):
+        for a, b in zip(ref, got, strict=True):
+            if b.token_id != a.token_id:  # parted: only where plain's top two nearly tie
+                (_, first), (_, second) = a.top[:2]
+                assert first - second <= 2 * BF16_ROW_TOL, (first, second)
+                break
+            assert abs(a.logprob - b.logprob) <= BF16_ROW_TOL
+            equal += 1
+    assert equal >= 8

@@ -83,6 +83,8 @@ class FakeStream:
     def __init__(self, chunks: list[pb.TokenChunk], hang: bool) -> None:
         self._chunks, self._hang = list(chunks), hang
         self.closed = False
+        self.placement = pb.Placement(prefill_worker_id="w1", decode_worker_id="w1")
+        self.read = 0  # chunks taken so far
 
     def __aiter__(self) -> FakeStream:
         return self
@@ -91,6 +93,7 @@ class FakeStream:
         if self._chunks:
             await asyncio.sleep(0)
             chunk = self._chunks.pop(0)
+            self.read += 1
             if chunk.error.code:
                 raise OpenAIError(400, chunk.error.message)
             return chunk
@@ -116,16 +119,25 @@ class FakeBackend:
     submitted: list[tuple[str, str, list[int], pb.SamplingParams]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)
+    placements: list[pb.Placement | None] = field(default_factory=list)  # as submitted
+    reads_before_submit: list[int] = field(default_factory=list)  # chunks read by then
 
     def connected(self) -> bool:
         return True
 
     async def submit(
-        self, rid: str, model: str, prompt_ids: list[int], params: pb.SamplingParams
+        self,
+        rid: str,
+        model: str,
+        prompt_ids: list[int],
+        params: pb.SamplingParams,
+        placement: pb.Placement | None = None,
     ) -> FakeStream:
         if self.submit_error:
             raise self.submit_error
         self.submitted.append((rid, model, prompt_ids, params))
+        self.placements.append(placement)
+        self.reads_before_submit.append(sum(s.read for s in self.streams))
         chunks = text_chunks(self.script) if isinstance(self.script, str) else self.script
         if self.hang and chunks and chunks[-1].finished:
             chunks = chunks[:-1]

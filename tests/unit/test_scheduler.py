@@ -100,3 +100,43 @@ def test_finish_frees_blocks_unless_kept():
     assert bm.num_free_blocks == bm.num_blocks - len(b.block_table)
     bm.free_sequence(b)
     bm.check_no_leaks()
+
+
+def test_equal_prompts_arriving_together_compute_their_prefix_once():
+    """The choices of an `n` > 1 request arrive together: the later ones wait while the
+    first computes the shared blocks, then take them from the prefix cache."""
+    bm, sched = make(budget=32)
+    prompt = list(range(100, 110))  # 10 tokens: two full blocks of 4 to share
+    first, *others = [
+        Sequence(f"r-{i}", list(prompt), SamplingParams(), arrival=i) for i in range(3)
+    ]
+    for s in (first, *others):
+        sched.add(s)
+    other_prompt = add(sched, 6, "x", arrival=9)
+
+    def step():
+        batch = run_step(sched)
+        for s in batch:
+            bm.register_computed(s.seq)
+        return {s.seq.request_id: s.num_tokens for s in batch}
+
+    assert step() == {"r-0": 10, "x": 6}  # a different prompt is not held
+    assert step() == {"r-0": 1, "x": 1, "r-1": 2, "r-2": 2}  # only the last partial block
+    assert [s.num_cached_tokens for s in others] == [8, 8]
+    assert first.num_cached_tokens == 0 and other_prompt.num_cached_tokens == 0
+
+
+def test_a_chunked_prefill_holds_equal_prompts_until_its_blocks_are_computed():
+    bm, sched = make(budget=4)
+    a, b = (Sequence(f"r-{i}", list(range(50, 59)), SamplingParams(), arrival=i) for i in range(2))
+    sched.add(a)
+    sched.add(b)
+    seen = []
+    for _ in range(3):
+        batch = run_step(sched)
+        for s in batch:
+            bm.register_computed(s.seq)
+        seen.append([(s.seq.request_id, s.num_tokens) for s in batch])
+    # Both full blocks are computed after two chunks: r-1 then computes only its last token.
+    assert seen == [[("r-0", 4)], [("r-0", 4)], [("r-0", 1), ("r-1", 1)]]
+    assert b.num_cached_tokens == 8

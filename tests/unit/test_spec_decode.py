@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tokenyard.engine.block_manager import BlockManager
+from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.engine.scheduler import Scheduler
 from tokenyard.engine.sequence import Sequence, Status
@@ -259,3 +260,22 @@ def test_speculator_drafts_no_further_than_max_tokens():
     seq.num_prompt_tokens = 7  # one output token so far: two more allowed, so one draft
     spec.propose([seq])
     assert seq.spec_token_ids == [8]
+
+
+def test_greedy_only_speculator_leaves_sampled_requests_alone():
+    """Deterministic mode: greedy output cannot change with speculation, sampled draws can."""
+    from tokenyard.engine.spec.speculator import Speculator
+
+    bm = BlockManager(32, BS)
+    spec = Speculator(SpeculativeConfig(method="ngram"), bm, max_model_len=64, greedy_only=True)
+    copy = [5, 6, 7, 8, 9, 5, 6, 7]
+    greedy = _running(bm, copy, "g", temperature=0)
+    sampled = _running(bm, copy, "s", temperature=0.8, seed=1)
+    spec.propose([greedy, sampled])
+    assert greedy.spec_token_ids[:2] == [8, 9] and sampled.spec_token_ids == []
+
+
+def test_deterministic_mode_takes_a_speculative_config():
+    spec = {"method": "ngram"}
+    config = EngineConfig(quantization="int4", deterministic=True, speculative_config=spec)
+    assert isinstance(config.speculative_config, SpeculativeConfig)

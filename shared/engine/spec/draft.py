@@ -24,7 +24,7 @@ import copy
 import torch
 
 from tokenyard.engine.config import EngineConfig
-from tokenyard.engine.memory import build_model_and_pool, kv_layout
+from tokenyard.engine.memory import build_model_and_pool, draft_weights_bytes, kv_layout
 from tokenyard.engine.model_runner import InputSpan, ModelRunner
 from tokenyard.engine.sampler import filtered_probs, request_generator
 from tokenyard.engine.sequence import Sequence
@@ -37,10 +37,26 @@ DRAFT_STREAM = 1  # the draft draws from its own seeded stream, independent of v
 
 
 class DraftModel:
-    def __init__(self, runner: ModelRunner, *, shares_pool: bool, max_catch_up: int) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        shares_pool: bool,
+        max_catch_up: int,
+        weights_bytes: int,
+    ) -> None:
         self.runner = runner
         self.shares_pool = shares_pool  # True: reads and writes the target's KV pool
         self.max_catch_up = max_catch_up  # draft tokens one step may spend catching up
+        self.weights_bytes = weights_bytes  # what its weights add to the target's
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Its own KV pool's bytes: none when it writes the target's."""
+        if self.shares_pool:
+            return 0
+        pool = self.runner.kv_cache
+        return pool.numel() * pool.element_size()
 
     @torch.inference_mode()
     def propose(
@@ -140,12 +156,14 @@ def build_draft(
                 "a self-draft (model None) needs an unquantized target: it drafts with an int4 "
                 f"copy of the target's weights, and the target is already {target_config.quantization}"
             )
-        runner = ModelRunner(
-            self_draft(target, spec.quantization or "int4"),
-            target_kv_cache,
-            target_config.block_size,
+        draft = self_draft(target, spec.quantization or "int4")
+        runner = ModelRunner(draft, target_kv_cache, target_config.block_size)
+        return DraftModel(
+            runner,
+            shares_pool=True,
+            max_catch_up=budget,
+            weights_bytes=draft_weights_bytes(draft, target),
         )
-        return DraftModel(runner, shares_pool=True, max_catch_up=budget)
     loaded = load_model(spec.model)
     if loaded.config.vocab_size != target.config.vocab_size:
         raise ValueError(
@@ -162,10 +180,12 @@ def build_draft(
         max_model_len=target_config.max_model_len,
         kv_cache_bytes=num_blocks * kv_layout(loaded, probe).block_nbytes,
     )
-    model, kv_cache, _layout, _report = build_model_and_pool(loaded, draft_config)
+    model, kv_cache, _layout, report = build_model_and_pool(loaded, draft_config)
     assert kv_cache.shape[0] == num_blocks
     runner = ModelRunner(model, kv_cache, target_config.block_size)
-    return DraftModel(runner, shares_pool=False, max_catch_up=budget)
+    return DraftModel(
+        runner, shares_pool=False, max_catch_up=budget, weights_bytes=report.weights_bytes
+    )
 
 
 def self_draft(target: LlamaForCausalLM, mode: str) -> LlamaForCausalLM:

@@ -59,9 +59,16 @@ class Speculator:
         block_manager: BlockManager,
         max_model_len: int,
         draft: DraftModel | None = None,
+        *,
+        greedy_only: bool = False,
     ) -> None:
         assert (draft is None) == (config.method == "ngram")
         self.config = config
+        # Deterministic mode: its batch-invariant kernels give a verification row the same
+        # logits as a decode row, so greedy output cannot change; a sampled request's draws
+        # would (rejection sampling against plain sampling), and whether a step speculates
+        # depends on its neighbours (disable_by_batch_size).
+        self.greedy_only = greedy_only
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.draft = draft
@@ -113,7 +120,7 @@ class Speculator:
         p = seq.params
         if seq.status != Status.RUNNING or seq.prefill_only or seq.num_uncomputed_tokens != 1:
             return 0
-        if p.has_penalties:
+        if p.has_penalties or (self.greedy_only and not p.greedy):
             return 0
         room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         return max(0, min(self.config.num_speculative_tokens, room))
@@ -158,4 +165,4 @@ def build_speculator(
         spec.disable_by_batch_size,
         "" if draft is None else f"; draft {spec.model or 'self'} ({spec.quantization})",
     )
-    return Speculator(spec, block_manager, max_model_len, draft)
+    return Speculator(spec, block_manager, max_model_len, draft, greedy_only=config.deterministic)
