@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tokenyard.planner.catalog import MODELS, ModelSpec
 from tokenyard.planner.roofline import Deployment
 
-SHIPPED = {"dtype": "bfloat16", "quantization": "int4"}
+SHIPPED = {"dtype": "auto", "quantization": "int4"}  # what `tokenyard up` runs
 DEFAULT_MODEL = "smollm2-135m"
 
 

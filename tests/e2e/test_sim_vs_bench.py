@@ -67,8 +67,10 @@ def simulate(calibration: dict, bench_file) -> dict:
 
 
 def test_simulator_predicts_the_single_stack_within_30_percent(calibration, launch_stack, tmp_path):
+    # the worker runs the precision the calibration measured (tokenyard up's own)
+    shipped = {f"TOKENYARD_WORKER_{k.upper()}": v for k, v in calibrate.SHIPPED.items()}
     config = StackConfig(port=free_port(), aggregated=True, kvcache=False, facilities=False,
-                         telemetry=False)  # fmt: skip
+                         telemetry=False, worker_env=shipped)  # fmt: skip
     with launch_stack(config) as stack:
         stack.wait_ready(timeout=300)
         report = bench(stack.gateway_url, tmp_path / "bench.json")
