@@ -64,6 +64,8 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
     cpu = settings.device == "cpu"
     if cpu and settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
         optional["kv_pool_factory"] = shared_pool
+    if cpu and settings.shared_weights_dir:
+        optional["shared_weights_dir"] = settings.shared_weights_dir
     config = EngineConfig(
         model=settings.model,
         max_num_seqs=settings.max_num_seqs,

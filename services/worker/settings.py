@@ -67,6 +67,9 @@ class WorkerSettings(BaseSettings):
     # Prefill side: keep the KV pool in shared memory, so a decode worker on this host
     # copies blocks straight from it (the "shm" transport) instead of through a socket.
     kv_shared_memory: bool = True
+    # A shared-memory directory where the CPU engines of one host share their built weights
+    # as one read-only file (tokenyard.engine.shared_weights); empty = private memory.
+    shared_weights_dir: str = ""
     # The shared KV-cache service (host:port); empty = off. Prefill fetches a prompt's
     # cached prefix from it and writes newly computed full blocks through to it.
     kvcache_endpoint: str = ""

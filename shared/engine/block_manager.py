@@ -182,6 +182,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
+                if block.hash is None:  # holds nothing: reuse it first, its pages are resident
+                    self.free.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

@@ -71,6 +71,10 @@ class EngineConfig:
     # layout.pool_shape(num_blocks). None = private memory; workers pass a shared-memory
     # allocator so a peer on the same host can read blocks without a copy through a socket.
     kv_pool_factory: Callable[[KVLayout, int], torch.Tensor] | None = None
+    # A directory in shared memory (e.g. /dev/shm/tokenyard) where engines on one host share
+    # their built weights as one read-only file (tokenyard.engine.shared_weights); CPU only.
+    # None = private memory.
+    shared_weights_dir: str | None = None
     # Speculative decoding, in vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4}
     # or {"method": "draft", "model": None, "quantization": "int4"} (tokenyard.engine.spec).
     # A dict or its JSON text is parsed into a SpeculativeConfig here.

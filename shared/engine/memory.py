@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenyard.engine.config import EngineConfig
+from tokenyard.engine.shared_weights import share_weights
 from tokenyard.kv.layout import KVLayout
 from tokenyard.models.llama import LlamaForCausalLM
 from tokenyard.models.loader import LoadedModel
@@ -77,6 +78,8 @@ def build_model_and_pool(
         model.rope.cos, model.rope.sin = model.rope.cos.to(device), model.rope.sin.to(device)
     if config.quantization:
         quantize(model, config.quantization, keep_dense=not config.deterministic)
+    if config.shared_weights_dir and device.type == "cpu":
+        share_weights(model, config.shared_weights_dir)
     layout = kv_layout(loaded, config)
     weights_bytes = _weights_bytes(model)
     buffers_bytes = _buffers_bytes(model, config, dtype)

@@ -138,3 +138,20 @@ def test_a_cache_salt_keeps_identical_prompts_apart():
     same = Sequence("d", tokens, SamplingParams(cache_salt="tenant:acme"), arrival=0)
     bm.allocate(same)
     assert same.num_cached_tokens == 12
+
+
+def test_freed_blocks_holding_nothing_are_reused_before_untouched_ones():
+    """A freed block without cached content goes to the front of the free list: its pages
+    are already resident, while an untouched block's pages are not yet (lazy KV pool)."""
+    bm = BlockManager(8, BS)
+    a = seq(list(range(6)), "a")  # one full block, one partial
+    bm.allocate(a)
+    computed(bm, a)
+    full, partial = a.block_table
+    bm.free_sequence(a)
+    b = seq(list(range(100, 103)), "b")
+    bm.allocate(b)
+    assert b.block_table == [partial]  # not block 2, never touched; not the cached one
+    c = seq(list(range(6)), "c")
+    bm.allocate(c)
+    assert c.block_table[0] == full  # the cached prefix block survived
