@@ -7,9 +7,8 @@ from opentelemetry import trace
 
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
-from tokenyard.kv.layout import KVLayout
+from tokenyard.kv.layout import KVLayout, layout_from_proto
 from tokenyard.kv.store.tiered import TieredStore, block_key, layout_key
-from tokenyard.kv.transfer.common import layout_from_proto
 from tokenyard.tracing import grpc_context, tracer
 from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 
