@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 # NOTE: no torch at import: the KV-cache service handles layouts and bytes only, and
 # importing torch would cost it about 200 MiB of resident memory.
 _ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_DTYPES = frozenset(_ITEMSIZES)
 
 
 @dataclass(frozen=True)
