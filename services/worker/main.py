@@ -64,6 +64,8 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
     cpu = settings.device == "cpu"
     if cpu and settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
         optional["kv_pool_factory"] = shared_pool
+    grows = settings.prefix_cache_grows_pool
+    optional["prefix_cache_grows_pool"] = not settings.kvcache_endpoint if grows is None else grows
     if cpu and settings.shared_weights_dir:
         optional["shared_weights_dir"] = settings.shared_weights_dir
     config = EngineConfig(

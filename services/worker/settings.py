@@ -74,6 +74,10 @@ class WorkerSettings(BaseSettings):
     # cached prefix from it and writes newly computed full blocks through to it.
     kvcache_endpoint: str = ""
     kvcache_timeout_s: float = 5.0
+    # Whether the local prefix cache may fill the whole KV pool (all of it resident) rather
+    # than reuse its oldest cached block first. None: only without a KV-cache service, which
+    # keeps the blocks this worker computed anyway.
+    prefix_cache_grows_pool: bool | None = None
     # JetStream: a job unacked this long is redelivered; we send in-progress acks meanwhile.
     job_ack_wait_s: float = 3.0
     job_max_deliver: int = 5

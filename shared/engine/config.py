@@ -60,6 +60,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # on CUDA: the share of the device this engine may use
     tensor_parallel_size: int = 1  # ranks one model is split over (only 1 is built so far)
     enable_prefix_caching: bool = True
+    # Whether the prefix cache keeps freed blocks while never-written ones remain, so a lazily
+    # resident KV pool becomes resident in full; False: it reuses its oldest cached block
+    # first, and the pool's resident size follows the peak of live sequences
+    # (BlockManager.grow_for_cache). Workers with a KV-cache service behind them turn it off.
+    prefix_cache_grows_pool: bool = True
     # Batch-invariant steps: a request's tokens do not depend on its batch neighbours, prefix
     # cache hits, chunking, preemption or a prefill-to-decode hand-off. Every row runs the
     # same kernels whatever the step's shape: the quantized kernel at any row count (no

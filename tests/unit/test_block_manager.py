@@ -155,3 +155,23 @@ def test_freed_blocks_holding_nothing_are_reused_before_untouched_ones():
     c = seq(list(range(6)), "c")
     bm.allocate(c)
     assert c.block_table[0] == full  # the cached prefix block survived
+
+
+@pytest.mark.parametrize("grow", [True, False])
+def test_the_prefix_cache_grows_the_pool_only_when_allowed(grow):
+    bm = BlockManager(8, BS, grow_for_cache=grow)
+    a = seq(list(range(8)), "a")  # two full blocks, cached once computed
+    bm.allocate(a)
+    computed(bm, a)
+    first, second = a.block_table
+    bm.free_sequence(a)
+    b = seq(list(range(100, 104)), "b")
+    bm.allocate(b)
+    if grow:  # an untouched block; both cached blocks survive
+        assert b.block_table == [2]
+        c = seq(list(range(9)), "c")
+        bm.allocate(c)
+        assert c.block_table[:2] == [first, second]
+    else:  # the least recently freed cached block (the tail: freed first) is reused
+        assert b.block_table == [second]
+        assert bm.num_free_blocks == 7
