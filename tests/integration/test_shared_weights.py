@@ -121,11 +121,15 @@ def test_a_directory_without_room_leaves_the_weights_private(tmp_path, monkeypat
     assert not list(tmp_path.glob(f"*{SUFFIX}")) and not list(tmp_path.glob("*.tmp"))
 
 
-def test_the_stack_gives_workers_a_directory_and_removes_it_on_stop():
-    stack = LocalStack(StackConfig())
-    directory = stack.shared_weights_dir
-    assert directory is not None and directory.is_dir()
-    (directory / f"x{SUFFIX}").write_bytes(b"weights")
-    stack.stop()
+def test_the_stack_gives_workers_a_directory_and_removes_it_on_stop(launch_stack):
+    config = StackConfig(
+        engine="fake", decode=0, kvcache=False, facilities=False, telemetry=False, gateway=False
+    )
+    assert LocalStack(config).shared_weights_dir is None  # nothing made before start()
+    with launch_stack(config) as stack:
+        directory = stack.shared_weights_dir
+        assert directory is not None and directory.is_dir()
+        env = Path(f"/proc/{stack.workers[0].pid}/environ").read_bytes().split(b"\0")
+        assert f"TOKENYARD_WORKER_SHARED_WEIGHTS_DIR={directory}".encode() in env
+        (directory / f"x{SUFFIX}").write_bytes(b"weights")
     assert not directory.exists()
-    assert LocalStack(StackConfig(shared_weights=False)).shared_weights_dir is None
