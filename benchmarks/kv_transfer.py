@@ -182,7 +182,7 @@ async def bench_ttft(reps: int) -> dict:
     (a fresh engine each time, so its own prefix cache never helps)."""
     from tokenyard.engine.config import EngineConfig
     from tokenyard.engine.llm_engine import LLMEngine
-    from tokenyard.kv.store import KVCacheClient
+    from tokenyard.kv.store.client import KVCacheClient
     from tokenyard.kv.store.engine_bridge import fetch_prefix, offload_prefix
     from tokenyard.models.loader import load_model
     from tokenyard.services.kvcache.server import serve

@@ -102,6 +102,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-kvcache", action="store_true", help="do not start the KV-cache service"
     )
     parser.add_argument(
+        "--kvcache-mib",
+        type=int,
+        default=256,
+        help="the KV-cache service's RAM tier in MiB (default 256; resident as blocks arrive)",
+    )
+    parser.add_argument(
+        "--no-shared-weights",
+        action="store_true",
+        help="each CPU worker keeps its own copy of the weights instead of sharing one "
+        "read-only copy through /dev/shm",
+    )
+    parser.add_argument(
         "--no-facilities", action="store_true", help="do not start the facilities service"
     )
     parser.add_argument(
@@ -130,6 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from(args: argparse.Namespace) -> StackConfig:
     if args.prefill < 1 or args.decode < 0:
         raise SystemExit("--prefill must be at least 1 and --decode at least 0")
+    if args.kvcache_mib < 1:
+        raise SystemExit("--kvcache-mib must be at least 1")
     speculative = {}
     if args.speculative:
         try:
@@ -160,6 +174,8 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         nats_url=args.nats_url,
         model=args.model,
         kvcache=not args.no_kvcache,
+        kvcache_ram_mib=args.kvcache_mib,
+        shared_weights=not args.no_shared_weights,
         facilities=not args.no_facilities,
         telemetry=not args.no_telemetry,
         console_port=args.console_port or None,

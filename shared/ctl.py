@@ -33,8 +33,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from tokenyard.grpc_security import GrpcSecurity, open_channel
-from tokenyard.kv.layout import KVLayout
-from tokenyard.kv.transfer.common import layout_to_proto
+from tokenyard.kv.layout import KVLayout, layout_to_proto
 from tokenyard.v1 import control_pb2 as cpb
 from tokenyard.v1 import control_pb2_grpc, kv_pb2
 

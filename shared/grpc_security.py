@@ -21,6 +21,12 @@ import grpc
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 METADATA_KEY = "authorization"
+# The internal services' largest message: KV blocks travel in chunks of up to half of it.
+MAX_MESSAGE_BYTES = 64 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
 
 
 class GrpcSecurity(BaseSettings):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenyard.engine.guided import GuidedError, validate
+from tokenyard.engine.grammar import GuidedError, validate
 from tokenyard.engine.sampling_params import GuidedSpec
 from tokenyard.services.gateway.errors import invalid
 from tokenyard.v1 import serving_pb2 as pb

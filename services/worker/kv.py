@@ -134,7 +134,7 @@ class KVCachePort:
     async def start(self) -> None:
         if not self.settings.kvcache_endpoint or self.loop.engine.kv_cache is None:
             return
-        from tokenyard.kv.store import KVCacheClient
+        from tokenyard.kv.store.client import KVCacheClient
 
         self._client = KVCacheClient(
             self.settings.kvcache_endpoint, timeout_s=self.settings.kvcache_timeout_s

@@ -75,10 +75,17 @@ class WorkerSettings(BaseSettings):
     # Prefill side: keep the KV pool in shared memory, so a decode worker on this host
     # copies blocks straight from it (the "shm" transport) instead of through a socket.
     kv_shared_memory: bool = True
+    # A shared-memory directory where the CPU engines of one host share their built weights
+    # as one read-only file (tokenyard.engine.shared_weights); empty = private memory.
+    shared_weights_dir: str = ""
     # The shared KV-cache service (host:port); empty = off. Prefill fetches a prompt's
     # cached prefix from it and writes newly computed full blocks through to it.
     kvcache_endpoint: str = ""
     kvcache_timeout_s: float = 5.0
+    # Whether the local prefix cache may fill the whole KV pool (all of it resident) rather
+    # than reuse its oldest cached block first. None: only without a KV-cache service, which
+    # keeps the blocks this worker computed anyway.
+    prefix_cache_grows_pool: bool | None = None
     # JetStream: a job unacked this long is redelivered; we send in-progress acks meanwhile.
     job_ack_wait_s: float = 3.0
     job_max_deliver: int = 5

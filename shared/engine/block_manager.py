@@ -39,9 +39,16 @@ class BlockManager:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
+    # Whether freed cached blocks stay while never-written blocks remain: the prefix cache
+    # then fills the whole pool, and a lazily resident pool becomes resident in full. False:
+    # the oldest cached block is reused first, so the resident pool follows the peak of the
+    # live sequences (for a worker whose blocks are also kept by the KV-cache service).
+    grow_for_cache: bool = True
     blocks: list[Block] = field(init=False)
-    # Free blocks in eviction order (oldest first). Unreferenced cached blocks live here too.
+    # Free written blocks in reuse order: those holding nothing first, then cached ones,
+    # least recently freed first.
     free: OrderedDict[int, None] = field(init=False)
+    untouched: list[int] = field(init=False)  # free blocks never written, next one last
     cached: dict[int, int] = field(init=False)  # hash -> block id
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     # ("stored" | "removed", hash) in order, for the router's global block index.
@@ -49,12 +56,13 @@ class BlockManager:
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
-        self.free = OrderedDict.fromkeys(range(self.num_blocks))
+        self.free = OrderedDict()
+        self.untouched = list(reversed(range(self.num_blocks)))
         self.cached = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.untouched)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -107,9 +115,9 @@ class BlockManager:
         block.ref_count += 1
 
     def _take_fresh(self) -> int:
-        if not self.free:
+        if not self.num_free_blocks:
             raise NoFreeBlocks("the KV block pool is full")
-        block_id, _ = self.free.popitem(last=False)
+        block_id = self._next_free()
         block = self.blocks[block_id]
         assert block.ref_count == 0
         if block.hash is not None:  # evict its cached content
@@ -119,6 +127,17 @@ class BlockManager:
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id
+
+    def _next_free(self) -> int:
+        """A written block holding nothing, else an untouched block, else the least recently
+        freed cached block (with grow_for_cache off, a cached block before an untouched one)."""
+        front = next(iter(self.free), None)
+        if front is not None and (
+            self.blocks[front].hash is None or not self.untouched or not self.grow_for_cache
+        ):
+            del self.free[front]
+            return front
+        return self.untouched.pop()
 
     def allocate_fresh(self, seq: Sequence, num_blocks: int) -> None:
         """Give `seq` `num_blocks` new, uncached blocks (the destination of a KV import)."""
@@ -182,6 +201,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
+                if block.hash is None:  # holds nothing: reuse it first, its pages are resident
+                    self.free.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

@@ -62,6 +62,11 @@ class EngineConfig:
     # are processes the engine starts; on CUDA rank r takes the r-th device after `device`.
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    # Whether the prefix cache keeps freed blocks while never-written ones remain, so a lazily
+    # resident KV pool becomes resident in full; False: it reuses its oldest cached block
+    # first, and the pool's resident size follows the peak of live sequences
+    # (BlockManager.grow_for_cache). Workers with a KV-cache service behind them turn it off.
+    prefix_cache_grows_pool: bool = True
     # Batch-invariant steps: a request's tokens do not depend on its batch neighbours, prefix
     # cache hits, chunking, preemption or a prefill-to-decode hand-off. Every row runs the
     # same kernels whatever the step's shape: the quantized kernel at any row count (no
@@ -73,6 +78,10 @@ class EngineConfig:
     # layout.pool_shape(num_blocks). None = private memory; workers pass a shared-memory
     # allocator so a peer on the same host can read blocks without a copy through a socket.
     kv_pool_factory: Callable[[KVLayout, int], torch.Tensor] | None = None
+    # A directory in shared memory (e.g. /dev/shm/tokenyard) where engines on one host share
+    # their built weights as one read-only file (tokenyard.engine.shared_weights); CPU only.
+    # None = private memory.
+    shared_weights_dir: str | None = None
     # Speculative decoding, in vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4}
     # or {"method": "draft", "model": None, "quantization": "int4"} (tokenyard.engine.spec).
     # A dict or its JSON text is parsed into a SpeculativeConfig here.

@@ -26,7 +26,6 @@ and validates, at the cost of a few tokens past the limit.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,7 +36,7 @@ import llguidance
 import numpy as np
 import torch
 
-from tokenyard.engine.sampling_params import GuidedSpec
+from tokenyard.engine.grammar import GuidedError, grammar_for
 
 if TYPE_CHECKING:
     from tokenyard.engine.sequence import Sequence
@@ -49,36 +48,6 @@ CLOSE_MAX_TOKENS = 64
 # Preference given in closing mode to allowed tokens that only close what is open.
 _CLOSER_BONUS = 1e4
 _CLOSERS = set('"]}')
-
-
-class GuidedError(ValueError):
-    """The grammar is not valid (bad schema, regex or Lark); the request is refused."""
-
-
-def grammar_for(spec: GuidedSpec) -> str:
-    """The llguidance grammar of a spec; GuidedError when it cannot be one."""
-    M = llguidance.LLMatcher
-    try:
-        if spec.kind == "json_schema":
-            return M.grammar_from_json_schema(json.loads(spec.value))
-        if spec.kind == "json_object":
-            return M.grammar_from_json_schema({"type": "object"})
-        if spec.kind == "regex":
-            return M.grammar_from_regex(spec.value)
-        if spec.kind == "choice":
-            choices = json.loads(spec.value)
-            return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-        return M.grammar_from_lark(spec.value)
-    except (ValueError, TypeError) as exc:  # json and llguidance both raise ValueError
-        raise GuidedError(f"invalid {spec.kind}: {exc}") from exc
-
-
-def validate(spec: GuidedSpec) -> None:
-    """Raise GuidedError when the spec is not a grammar llguidance can run (no tokenizer
-    needed: the gateway checks requests with this before they queue)."""
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_for(spec))
-    if is_error:
-        raise GuidedError(f"invalid {spec.kind}: {'; '.join(messages)}")
 
 
 class Grammar:

@@ -99,7 +99,10 @@ class LLMEngine:
             num_blocks * config.block_size,
         )
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            grow_for_cache=config.prefix_cache_grows_pool,
         )
         self.scheduler = Scheduler(
             self.block_manager,

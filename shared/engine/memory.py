@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tokenyard.engine.config import EngineConfig
+from tokenyard.engine.shared_weights import share_weights
 from tokenyard.kv.layout import KVLayout
 from tokenyard.models.llama import LlamaForCausalLM
 from tokenyard.models.loader import LoadedModel
@@ -111,6 +112,8 @@ def build_model_and_pool(
         quantize(model, config.quantization, keep_dense=not config.deterministic)
     for block in moe_blocks(model):
         block.batch_invariant = config.deterministic
+    if config.shared_weights_dir and device.type == "cpu":
+        share_weights(model, config.shared_weights_dir)
     layout = kv_layout(loaded, config)
     weights_bytes = _weights_bytes(model)
     buffers_bytes = _buffers_bytes(model, config, dtype)

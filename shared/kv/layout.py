@@ -17,18 +17,24 @@ at offset ``p % block_size``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
+from tokenyard.v1 import kv_pb2
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# NOTE: no torch at import: the KV-cache service handles layouts and bytes only, and
+# importing torch would cost it about 200 MiB of resident memory.
+_ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_DTYPES = frozenset(_ITEMSIZES)
 
 
 @dataclass(frozen=True)
 class KVLayout:
     model_id: str
-    dtype: str  # one of _DTYPES
+    dtype: str  # one of _ITEMSIZES
     block_size: int
     num_layers: int
     num_kv_heads: int
@@ -40,7 +46,11 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
+            self.dtype
+        ]
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -48,7 +58,7 @@ class KVLayout:
 
     @property
     def block_nbytes(self) -> int:
-        n = self.torch_dtype.itemsize
+        n = _ITEMSIZES[self.dtype]
         for d in self.block_shape:
             n *= d
         return n
@@ -75,7 +85,33 @@ class KVLayout:
 
     @staticmethod
     def dtype_name(dtype: torch.dtype) -> str:
-        for name, value in _DTYPES.items():
-            if value == dtype:
-                return name
-        raise ValueError(f"unsupported KV dtype {dtype}")
+        name = str(dtype).removeprefix("torch.")
+        if name not in _ITEMSIZES:
+            raise ValueError(f"unsupported KV dtype {dtype}")
+        return name
+
+
+def layout_to_proto(layout: KVLayout) -> kv_pb2.KVLayoutDesc:
+    return kv_pb2.KVLayoutDesc(
+        model_id=layout.model_id,
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        hash_version=layout.hash_version,
+        tp_size=layout.tp_size,
+    )
+
+
+def layout_from_proto(desc: kv_pb2.KVLayoutDesc) -> KVLayout:
+    return KVLayout(
+        model_id=desc.model_id,
+        dtype=desc.dtype,
+        block_size=desc.block_size,
+        num_layers=desc.num_layers,
+        num_kv_heads=desc.num_kv_heads,
+        head_dim=desc.head_dim,
+        hash_version=desc.hash_version,
+        tp_size=desc.tp_size or 1,  # an older peer sends none: one rank
+    )

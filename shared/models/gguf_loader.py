@@ -10,16 +10,21 @@ from __future__ import annotations
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.errors import ModelLoadError
 from tokenyard.models.gguf_file import GGUFFile, TensorInfo
+
+if TYPE_CHECKING:
+    import torch
+
+# NOTE: torch is imported only where weights are read: the gateway and router load tokenizers and model
+# ids from here, and importing torch would cost each about 200 MiB of resident memory.
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen2moe")
 # llama.cpp's converter permutes q/k for these (their HF checkpoints use rotate-half RoPE).
@@ -136,6 +141,8 @@ def read_weights(
     gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """All tensors, dequantized, renamed to Hugging Face Llama names, q/k un-permuted."""
+    import torch
+
     infos = [info for name, info in gguf.tensors.items() if name not in _IGNORED]
     for info in infos:
         _check_supported(gguf, info)

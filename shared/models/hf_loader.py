@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
+
+# NOTE: torch is imported only where weights are read: the gateway and router load tokenizers and model
+# ids from here, and importing torch would cost each about 200 MiB of resident memory.
 
 # config.json "model_type" -> our architecture name
 SUPPORTED_MODEL_TYPES = {
@@ -87,6 +91,8 @@ def _moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{str(folder)!r} has no *.safetensors files")

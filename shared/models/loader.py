@@ -5,14 +5,19 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenyard.models import gguf_loader, hf_loader
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.errors import ModelLoadError
 from tokenyard.models.gguf_file import GGUFFile
 from tokenyard.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+# NOTE: torch only where weights are read: the gateway and router load tokenizers and model
+# ids from here, and importing torch would cost each about 200 MiB of resident memory.
 
 __all__ = [
     "LoadedModel",
@@ -52,7 +57,11 @@ def default_model_path() -> str:
     )
 
 
-def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(path: str | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
+    """The model's config, weights (``dtype``; None = float32) and tokenizer."""
+    import torch
+
+    dtype = dtype or torch.float32
     path = _resolve(path)
     if Path(path).is_dir():
         folder = Path(path)

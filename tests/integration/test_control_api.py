@@ -20,9 +20,8 @@ from tokenyard.bus.embedded import free_port
 from tokenyard.bus.nats import Bus
 from tokenyard.grpc_security import GrpcSecurity, open_channel
 from tokenyard.kv.hashing import prefix_block_hashes
-from tokenyard.kv.layout import KVLayout
-from tokenyard.kv.store import KVCacheClient
-from tokenyard.kv.transfer.common import layout_to_proto
+from tokenyard.kv.layout import KVLayout, layout_to_proto
+from tokenyard.kv.store.client import KVCacheClient
 from tokenyard.services.facilities.settings import FacilitiesSettings
 from tokenyard.services.kvcache.server import KVCacheServer, serve
 from tokenyard.services.kvcache.settings import KVCacheSettings

@@ -29,9 +29,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenyard.bus.embedded import free_port
-from tokenyard.kv.layout import KVLayout
+from tokenyard.kv.layout import KVLayout, layout_to_proto
 from tokenyard.kv.transfer import KVTransferServer
-from tokenyard.kv.transfer.common import layout_to_proto
 from tokenyard.services.facilities.service import serve as serve_facilities
 from tokenyard.services.facilities.settings import FacilitiesSettings
 from tokenyard.services.kvcache.server import serve as serve_kvcache

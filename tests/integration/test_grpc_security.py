@@ -8,8 +8,7 @@ import torch
 
 from tokenyard.kv.hashing import prefix_block_hashes
 from tokenyard.kv.layout import KVLayout
-from tokenyard.kv.store import KVCacheClient
-from tokenyard.kv.store.client import KVCacheError
+from tokenyard.kv.store.client import KVCacheClient, KVCacheError
 from tokenyard.services.kvcache.server import serve
 from tokenyard.services.kvcache.settings import KVCacheSettings
 

@@ -19,8 +19,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from tokenyard.grpc_security import GrpcSecurity, open_channel
 from tokenyard.kv.hashing import prefix_block_hashes
 from tokenyard.kv.layout import KVLayout
-from tokenyard.kv.store import KVCacheClient
-from tokenyard.kv.store.client import KVCacheError
+from tokenyard.kv.store.client import KVCacheClient, KVCacheError
 from tokenyard.kv.transfer import KVTransferClient, KVTransferError, KVTransferServer
 from tokenyard.services.kvcache.server import serve
 from tokenyard.services.kvcache.settings import KVCacheSettings

@@ -10,7 +10,7 @@ import torch
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
 from tokenyard.engine.sampling_params import SamplingParams
-from tokenyard.kv.store import KVCacheClient
+from tokenyard.kv.store.client import KVCacheClient
 from tokenyard.kv.store.engine_bridge import (
     fetch_prefix,
     offload_prefix,

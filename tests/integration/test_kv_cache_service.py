@@ -16,8 +16,7 @@ import torch
 from tokenyard.bus.embedded import free_port
 from tokenyard.kv.hashing import prefix_block_hashes
 from tokenyard.kv.layout import KVLayout
-from tokenyard.kv.store import KVCacheClient
-from tokenyard.kv.store.client import KVCacheError
+from tokenyard.kv.store.client import KVCacheClient, KVCacheError
 from tokenyard.services.kvcache.server import serve
 from tokenyard.services.kvcache.settings import KVCacheSettings
 
@@ -130,7 +129,7 @@ async def test_standalone_service_starts_and_stops_on_sigterm(tmp_path):
 async def test_put_of_a_block_of_the_wrong_size_is_refused(service):
     import grpc
 
-    from tokenyard.kv.transfer.common import layout_to_proto
+    from tokenyard.kv.layout import layout_to_proto
     from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 
     async def blocks():

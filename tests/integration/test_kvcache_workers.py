@@ -19,7 +19,7 @@ from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.kv.hashing import prefix_block_hashes
-from tokenyard.kv.store import KVCacheClient
+from tokenyard.kv.store.client import KVCacheClient
 from tokenyard.services.kvcache.server import serve
 from tokenyard.services.kvcache.settings import KVCacheSettings
 from tokenyard.services.worker.base import WorkerBase

@@ -138,3 +138,40 @@ def test_a_cache_salt_keeps_identical_prompts_apart():
     same = Sequence("d", tokens, SamplingParams(cache_salt="tenant:acme"), arrival=0)
     bm.allocate(same)
     assert same.num_cached_tokens == 12
+
+
+def test_freed_blocks_holding_nothing_are_reused_before_untouched_ones():
+    """A freed block without cached content goes to the front of the free list: its pages
+    are already resident, while an untouched block's pages are not yet (lazy KV pool)."""
+    bm = BlockManager(8, BS)
+    a = seq(list(range(6)), "a")  # one full block, one partial
+    bm.allocate(a)
+    computed(bm, a)
+    full, partial = a.block_table
+    bm.free_sequence(a)
+    b = seq(list(range(100, 103)), "b")
+    bm.allocate(b)
+    assert b.block_table == [partial]  # not block 2, never touched; not the cached one
+    c = seq(list(range(6)), "c")
+    bm.allocate(c)
+    assert c.block_table[0] == full  # the cached prefix block survived
+
+
+@pytest.mark.parametrize("grow", [True, False])
+def test_the_prefix_cache_grows_the_pool_only_when_allowed(grow):
+    bm = BlockManager(8, BS, grow_for_cache=grow)
+    a = seq(list(range(8)), "a")  # two full blocks, cached once computed
+    bm.allocate(a)
+    computed(bm, a)
+    first, second = a.block_table
+    bm.free_sequence(a)
+    b = seq(list(range(100, 104)), "b")
+    bm.allocate(b)
+    if grow:  # an untouched block; both cached blocks survive
+        assert b.block_table == [2]
+        c = seq(list(range(9)), "c")
+        bm.allocate(c)
+        assert c.block_table[:2] == [first, second]
+    else:  # the least recently freed cached block (the tail: freed first) is reused
+        assert b.block_table == [second]
+        assert bm.num_free_blocks == 7

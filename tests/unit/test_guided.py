@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenyard.engine.guided import GuidedError, _closing_row, unpack_bitmask, validate
+from tokenyard.engine.grammar import GuidedError, validate
+from tokenyard.engine.guided import _closing_row, unpack_bitmask
 from tokenyard.engine.logits_processors import apply_processors
 from tokenyard.engine.sampling_params import GuidedSpec, SamplingParams
 from tokenyard.engine.sequence import Sequence

@@ -8,8 +8,7 @@ import pytest
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.memory import MemoryReport
 from tokenyard.engine.parallel import rank_device
-from tokenyard.kv.layout import KVLayout
-from tokenyard.kv.transfer.common import layout_from_proto, layout_to_proto
+from tokenyard.kv.layout import KVLayout, layout_from_proto, layout_to_proto
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.tp import check_tp
 from tokenyard.v1 import kv_pb2

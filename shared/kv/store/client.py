@@ -13,11 +13,10 @@ import grpc
 import numpy as np
 import torch
 
-from tokenyard.grpc_security import GrpcSecurity, open_channel
+from tokenyard.grpc_security import GRPC_OPTIONS, GrpcSecurity, open_channel
 from tokenyard.kv.checksum import crc32
-from tokenyard.kv.layout import KVLayout
-from tokenyard.kv.transfer.common import check_pool, layout_to_proto, pool_bytes
-from tokenyard.kv.transfer.server import GRPC_OPTIONS
+from tokenyard.kv.layout import KVLayout, layout_to_proto
+from tokenyard.kv.transfer.common import check_pool, pool_bytes
 from tokenyard.tracing import grpc_metadata
 from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 

@@ -23,9 +23,9 @@ import grpc
 import numpy as np
 import torch
 
-from tokenyard.grpc_security import open_channel
+from tokenyard.grpc_security import GRPC_OPTIONS, open_channel
 from tokenyard.kv.checksum import crc32
-from tokenyard.kv.layout import KVLayout
+from tokenyard.kv.layout import KVLayout, layout_from_proto, layout_to_proto
 from tokenyard.kv.transfer import mooncake
 from tokenyard.kv.transfer.common import (
     TRANSFER_BYTES,
@@ -37,13 +37,11 @@ from tokenyard.kv.transfer.common import (
     check_pool,
     copy_blocks,
     host_id,
-    layout_from_proto,
-    layout_to_proto,
     pool_bytes,
     process_id,
 )
 from tokenyard.kv.transfer.negotiate import Peer, candidates, ordered
-from tokenyard.kv.transfer.server import GRPC_OPTIONS, LOCAL_SERVERS, READ_BLOCKS
+from tokenyard.kv.transfer.server import LOCAL_SERVERS, READ_BLOCKS
 from tokenyard.kv.transfer.settings import KVTransferSettings
 from tokenyard.kv.transfer.shm import Attached
 from tokenyard.kv.transfer.wire import decode_chunk

@@ -15,7 +15,6 @@ from prometheus_client import Counter, Histogram
 
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout
-from tokenyard.v1 import kv_pb2
 
 TRANSFER_BYTES = Counter(
     "tokenyard:kv_transfer_bytes", "KV bytes pulled by this process", ["transport"]
@@ -77,32 +76,6 @@ def _read(path: str) -> str:
 
 def process_id() -> str:
     return f"{host_id()}:{os.getpid()}:{_PROCESS_NONCE}"
-
-
-def layout_to_proto(layout: KVLayout) -> kv_pb2.KVLayoutDesc:
-    return kv_pb2.KVLayoutDesc(
-        model_id=layout.model_id,
-        dtype=layout.dtype,
-        block_size=layout.block_size,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        hash_version=layout.hash_version,
-        tp_size=layout.tp_size,
-    )
-
-
-def layout_from_proto(desc: kv_pb2.KVLayoutDesc) -> KVLayout:
-    return KVLayout(
-        model_id=desc.model_id,
-        dtype=desc.dtype,
-        block_size=desc.block_size,
-        num_layers=desc.num_layers,
-        num_kv_heads=desc.num_kv_heads,
-        head_dim=desc.head_dim,
-        hash_version=desc.hash_version,
-        tp_size=desc.tp_size or 1,
-    )
 
 
 def check_pool(pool: torch.Tensor, layout: KVLayout) -> None:

@@ -18,15 +18,13 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from tokenyard.grpc_security import add_port, server_interceptors
-from tokenyard.kv.layout import KVLayout
+from tokenyard.grpc_security import GRPC_OPTIONS, MAX_MESSAGE_BYTES, add_port, server_interceptors
+from tokenyard.kv.layout import KVLayout, layout_from_proto, layout_to_proto
 from tokenyard.kv.transfer import mooncake
 from tokenyard.kv.transfer.common import (
     block_crc32,
     check_pool,
     host_id,
-    layout_from_proto,
-    layout_to_proto,
     pool_bytes,
     process_id,
 )
@@ -42,12 +40,7 @@ from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 log = logging.getLogger(__name__)
 _tracer = tracer("tokenyard.kv.transfer")
 
-MAX_MESSAGE_BYTES = 64 << 20
 MIN_CHUNK_BYTES = 64 << 10
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 
 SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 READ_BLOCKS = f"/{SERVICE}/ReadBlocks"
