@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from kustomize_render import render
 
-from tokenyard.bus import subjects
+from tokenyard.bus import auth, subjects
 from tokenyard.bus.embedded import free_port, nats_server_binary
 from tokenyard.bus.nats import Bus
 from tokenyard.v1 import serving_pb2 as pb
@@ -38,17 +38,23 @@ def local_conf(conf: str, node: int, ports: list[dict[str, int]], folder: Path) 
     )
 
 
+# Secret `tokenyard-nats` as the pods get it: every deployment user's password.
+PASSWORDS = {auth.password_variable(u.name): auth.new_password() for u in auth.deployment_users()}
+
+
 @pytest.fixture
 def cluster(tmp_path):
     docs = render(K8S_BASE)
     conf = next(d for d in docs if d["metadata"]["name"] == "nats-config")["data"]["nats.conf"]
+    users = next(d for d in docs if d["metadata"]["name"] == "nats-users")["data"]["users.conf"]
     ports = [{k: free_port() for k in ("client", "http", "cluster")} for _ in range(NODES)]
     procs = []
     for node in range(NODES):
         folder = tmp_path / f"nats-{node}"
         folder.mkdir()
         (folder / "nats.conf").write_text(local_conf(conf, node, ports, folder))
-        env = {**os.environ, "POD_NAME": f"nats-{node}"}
+        (folder / "users.conf").write_text(users)  # the projected ConfigMap beside it
+        env = {**os.environ, **PASSWORDS, "POD_NAME": f"nats-{node}"}
         procs.append(
             subprocess.Popen(
                 [nats_server_binary(), "-c", str(folder / "nats.conf")],
@@ -58,7 +64,10 @@ def cluster(tmp_path):
             )
         )
     try:
-        yield [f"nats://127.0.0.1:{p['client']}" for p in ports], procs
+        operator = auth.NatsUser(
+            "operator", [], [], password=PASSWORDS[auth.password_variable("operator")]
+        )
+        yield [operator.url(f"nats://127.0.0.1:{p['client']}") for p in ports], procs
     finally:
         for proc in procs:
             proc.terminate()
