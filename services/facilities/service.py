@@ -38,10 +38,11 @@ async def serve(settings: FacilitiesSettings, stop: asyncio.Event | None = None)
 
         control = RackControl(monitor)
         app = create_app(monitor, store, settings, control)
-        api = await stack.enter_async_context(serve_app(app, settings.host, settings.port))
+        # gRPC first: once the HTTP API answers /health, every way in is up.
         grpc_server = FacilitiesControlServer(control, settings)
         await grpc_server.start()
         stack.push_async_callback(grpc_server.stop)
+        api = await stack.enter_async_context(serve_app(app, settings.host, settings.port))
         log.info(
             "facilities: %d racks, API on %s, control (gRPC) on %s, database %s",
             len(monitor.racks),
