@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,17 +23,23 @@ def auto_dtype(device: str) -> str:
     return "float32"
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (from /proc/cpuinfo's flags).
+    """Whether this CPU has bf16 dot-product instructions (from /proc/cpuinfo's flags, read
+    once per process: every quantized layer asks at construction).
 
     Without them a bf16 matmul is emulated: measured on a 2-core AVX-512 machine without
     avx512_bf16, SmolLM2's projections at 32 rows took 9.2 ms in bf16 against 2.2 ms in fp32.
     """
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return native_bf16_in(Path("/proc/cpuinfo").read_text())
     except OSError:
         return False
-    for line in text.splitlines():
+
+
+def native_bf16_in(cpuinfo: str) -> bool:
+    """Whether /proc/cpuinfo's text names a bf16 dot-product instruction set."""
+    for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):  # x86, Arm
             flags = set(value.split())
