@@ -1,8 +1,11 @@
-"""How every service process runs: until SIGINT or SIGTERM, then a graceful stop."""
+"""How every service process runs: until SIGINT or SIGTERM, then a graceful stop; and its
+heap handed back to the OS after loading or a busy spell."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -19,3 +22,14 @@ def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> No
         await serve(stop)
 
     asyncio.run(run())
+
+
+def trim_heap() -> None:
+    """Return the free memory of glibc's heaps to the OS (glibc keeps what was freed).
+
+    Loading dequantizes every weight to fp32 before the model casts and quantizes its own
+    copies (a bf16 + int4 worker kept about 300 MiB more resident without a trim), and steps
+    allocate and free activations of every size (a busy worker kept about 80 MiB more after a
+    minute). Cheap: under a millisecond here."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 from tokenyard.engine.contract import Engine
 from tokenyard.engine.outputs import RequestOutput
 from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.lifecycle import trim_heap
 from tokenyard.services.worker.step_timing import StepTiming
 
 log = logging.getLogger(__name__)
@@ -205,13 +205,3 @@ class EngineLoop:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def trim_heap() -> None:
-    """Return the free memory of glibc's heaps to the OS.
-
-    Steps allocate and free activations of every size (a 512-token prefill's are about
-    12 MiB in fp32); glibc keeps what they freed, and a worker measured about 80 MiB more
-    resident after a busy minute than after malloc_trim. Cheap (under a millisecond here)."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -11,8 +11,6 @@ It implements tokenyard.engine.contract.Engine; all calls must come from one thr
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import itertools
 import logging
@@ -42,6 +40,7 @@ from tokenyard.engine.sequence import Sequence, Status
 from tokenyard.engine.spec.speculator import build_speculator
 from tokenyard.engine.stop import StopChecker
 from tokenyard.kv.layout import KVLayout
+from tokenyard.lifecycle import trim_heap
 from tokenyard.models.loader import LoadedModel, load_model
 from tokenyard.models.moe import moe_blocks
 from tokenyard.models.tokenizer import IncrementalDetokenizer
@@ -57,16 +56,6 @@ __all__ = [
     "RequestOutput",
     "TokenLogprob",
 ]
-
-
-def release_freed_heap() -> None:
-    """Hands the heap that loading freed back to the OS (glibc keeps it otherwise).
-
-    Loading dequantizes every weight to fp32 before the model casts and quantizes its own
-    copies; without this a bf16 + int4 worker kept about 300 MiB more resident."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class LLMEngine:
@@ -128,7 +117,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.last_step_tokens = 0  # tokens the last step computed (prefill chunks + decodes)
         del loaded
-        release_freed_heap()
+        gc.collect()  # the loaded checkpoint and the model's intermediate copies
+        trim_heap()
         log.info("engine ready: %s, %s", self.model_id, self.memory.describe())
 
     def close(self) -> None:
