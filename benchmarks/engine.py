@@ -103,7 +103,7 @@ def single_summary(times: list[float], start: float) -> dict:
 # --- our engine -----------------------------------------------------------------------------
 
 
-def run_ours(dtype: str, quantization: str | None) -> dict:
+def run_ours(dtype: str, quantization: str | None, prompt_len: int = PROMPT_LEN) -> dict:
     from tokenyard.engine.config import EngineConfig
     from tokenyard.engine.llm_engine import LLMEngine
     from tokenyard.engine.sampling_params import SamplingParams
@@ -119,7 +119,7 @@ def run_ours(dtype: str, quantization: str | None) -> dict:
         )
     )
     params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
-    batch = prompts(engine.tokenizer, NUM_CONCURRENT, PROMPT_LEN)
+    batch = prompts(engine.tokenizer, NUM_CONCURRENT, prompt_len)
     _drive(
         engine, {"warm": batch[0]}, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     )
@@ -240,7 +240,7 @@ def memory_bandwidth_gbs() -> float:
     return best
 
 
-def worker(kind: str, threads: int) -> None:
+def worker(kind: str, threads: int, prompt_len: int = PROMPT_LEN) -> None:
     import torch
 
     torch.set_num_threads(threads)
@@ -248,7 +248,7 @@ def worker(kind: str, threads: int) -> None:
         result = run_hf()
     else:
         _, dtype, quant = kind.split(":")
-        result = run_ours(dtype, quant or None)
+        result = run_ours(dtype, quant or None, prompt_len)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result))
 
@@ -271,10 +271,16 @@ def main() -> int:
         help="ours:<dtype>:<quantization> entries, comma-separated",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        default=PROMPT_LEN,
+        help="prompt tokens of our engine's requests (a --worker run; the table keeps 128)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.threads)
+        worker(args.worker, args.threads, args.prompt_len)
         return 0
     import torch
 

@@ -12,6 +12,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from nats.aio.msg import Msg
 
@@ -50,14 +51,21 @@ DUMP_OVERHEAD_BYTES = 4096
 
 class WorkerBase:
     def __init__(
-        self, settings: WorkerSettings, bus: Bus, engine: Engine, params_cls: type[SamplingParams]
+        self,
+        settings: WorkerSettings,
+        bus: Bus,
+        engine: Engine,
+        params_cls: type[SamplingParams],
+        *,
+        engine_thread: ThreadPoolExecutor | None = None,
     ) -> None:
+        """``engine_thread``: the thread ``engine`` was built on (engine_loop.engine_thread)."""
         self.settings = settings
         self.worker_id = settings.worker_id
         self.bus = bus
         self.engine = engine
         self.params_cls = params_cls
-        self.loop = EngineLoop(engine, on_kv_events=self._publish_kv_events)
+        self.loop = EngineLoop(engine, on_kv_events=self._publish_kv_events, thread=engine_thread)
         self.kv = KVPort(self.loop, settings)
         self.streams: dict[str, TokenStream] = {}
         self.cancelled: dict[str, float] = {}

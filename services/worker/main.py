@@ -25,6 +25,7 @@ from tokenyard.lifecycle import run_until_signalled
 from tokenyard.services.worker import control
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.decode import DecodeHandler
+from tokenyard.services.worker.engine_loop import engine_thread
 from tokenyard.services.worker.prefill import PrefillHandler
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.span_bus import spans_to_bus
@@ -110,9 +111,12 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
 
 async def run_worker(settings: WorkerSettings, stop: asyncio.Event, readiness: Readiness) -> None:
     ready = readiness.flag
-    engine, params_cls = await asyncio.to_thread(build_engine, settings)
+    thread = engine_thread()  # built where it will run: see engine_thread's note
+    engine, params_cls = await asyncio.get_running_loop().run_in_executor(
+        thread, build_engine, settings
+    )
     bus = await Bus.connect(settings.nats_url, name=f"worker-{settings.worker_id}")
-    worker = WorkerBase(settings, bus, engine, params_cls)
+    worker = WorkerBase(settings, bus, engine, params_cls, engine_thread=thread)
     prefill = PrefillHandler(worker) if settings.takes_prefill_jobs else None
     readiness.worker, readiness.prefill = worker, prefill
     # Every role takes hand-offs: a prefill worker is asked only to resume a request whose
