@@ -33,7 +33,7 @@ test: lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not open_target" -p no:cacheprovider
+	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
 
 lint: setup
 	$(VENV)/bin/ruff check .
