@@ -6,6 +6,9 @@ Scenarios (every side runs in its own fresh process, so peak memory is its own):
   a) one request, 128 prompt tokens, 128 output tokens: TTFT and decode tok/s;
   b) 32 requests arriving together, 128 prompt + 128 output tokens each (EOS ignored):
      output tok/s, TTFT and inter-token latency p50/p99. HF runs them as 4 static batches of 8.
+  c) with --worker closed:<dtype>:<quantization> --requests N: the bench client's load shape
+     in process (what benchmarks/peers.py compares the stack with): 32 requests in flight,
+     a new one added as each finishes, N in all, the engine configured as a worker is.
 Also: peak RSS, KV pool use, and the machine's limit for (a): measured memory bandwidth over
 the bytes of weights one decode step reads.
 """
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 128
@@ -75,7 +79,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summarize(
-    first: dict[int, float], times: dict[int, list[float]], start: float, end: float
+    first: dict[Any, float], times: dict[Any, list[float]], start: float, end: float
 ) -> dict:
     ttft = [first[r] - start for r in first]
     itl = [b - a for ts in times.values() for a, b in zip(ts, ts[1:], strict=False)]
@@ -137,6 +141,55 @@ def run_ours(dtype: str, quantization: str | None, prompt_len: int = PROMPT_LEN)
     result["memory_report"] = engine.memory.__dict__
     result["weights_bytes_per_decode_step"] = engine.memory.decode_read_bytes
     return result
+
+
+def run_closed_loop(dtype: str, quantization: str | None, prompt_len: int, total: int) -> dict:
+    """Scenario (c): NUM_CONCURRENT requests in flight until ``total`` have run, each
+    replaced as it finishes (a closed-loop client), on an engine with a worker's limits."""
+    from tokenyard.engine.config import EngineConfig
+    from tokenyard.engine.llm_engine import LLMEngine
+    from tokenyard.engine.sampling_params import SamplingParams
+    from tokenyard.services.worker.settings import WorkerSettings
+
+    engine = LLMEngine(
+        EngineConfig(
+            dtype=dtype,
+            quantization=quantization,
+            max_num_seqs=WorkerSettings().max_num_seqs,
+            kv_cache_bytes=1024**3,
+        )
+    )
+    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+    batch = prompts(engine.tokenizer, total, prompt_len)
+    _drive(engine, {"warm": batch[0]}, SamplingParams(max_tokens=4, temperature=0.0))
+    first: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
+    sent_at: dict[str, float] = {}
+    sent = 0
+
+    def send() -> None:
+        nonlocal sent
+        rid = f"r{sent}"
+        times[rid], sent_at[rid] = [], time.perf_counter()
+        engine.add_request(rid, batch[sent], params)
+        sent += 1
+
+    start = time.perf_counter()
+    while sent < min(NUM_CONCURRENT, total):
+        send()
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            first.setdefault(o.request_id, now)
+            times[o.request_id].extend([now] * len(o.new_token_ids))
+            if o.finished and sent < total:
+                send()
+    result = summarize(first, times, start, time.perf_counter())
+    ttft = [first[r] - sent_at[r] for r in first]  # from each request's own send
+    result.update(ttft_ms_p50=1e3 * pct(ttft, 0.5), ttft_ms_p99=1e3 * pct(ttft, 0.99))
+    result.update(requests=total, prompt_len=prompt_len)
+    return {"closed_loop": result}
 
 
 def _drive(engine, reqs: dict[str, list[int]], params):
@@ -240,12 +293,15 @@ def memory_bandwidth_gbs() -> float:
     return best
 
 
-def worker(kind: str, threads: int, prompt_len: int = PROMPT_LEN) -> None:
+def worker(kind: str, threads: int, prompt_len: int = PROMPT_LEN, requests: int = 0) -> None:
     import torch
 
     torch.set_num_threads(threads)
     if kind == "hf":
         result = run_hf()
+    elif kind.startswith("closed:"):
+        _, dtype, quant = kind.split(":")
+        result = run_closed_loop(dtype, quant or None, prompt_len, requests or 2 * NUM_CONCURRENT)
     else:
         _, dtype, quant = kind.split(":")
         result = run_ours(dtype, quant or None, prompt_len)
@@ -277,10 +333,11 @@ def main() -> int:
         default=PROMPT_LEN,
         help="prompt tokens of our engine's requests (a --worker run; the table keeps 128)",
     )
+    parser.add_argument("--requests", type=int, default=0, help="closed-loop total (scenario c)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.threads, args.prompt_len)
+        worker(args.worker, args.threads, args.prompt_len, args.requests)
         return 0
     import torch
 
