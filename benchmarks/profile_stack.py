@@ -1,7 +1,7 @@
 """Where the time of a loaded `tokenyard up` goes: py-spy on every process, plus step timings.
 
     .venv/bin/python benchmarks/profile_stack.py --concurrency 32 --num-prompts 64 \
-        --out benchmarks/results/profile_stack.json [--aggregated]
+        --out benchmarks/results/profile_stack.json [--aggregated | --disaggregated]
 
 Starts the stack as `tokenyard up` does (its defaults: dtype auto + int4 workers, KV-cache,
 facilities and telemetry services), warms it, then loads it with `tokenyard bench serve`
@@ -103,7 +103,8 @@ def start_stack(args: argparse.Namespace, log_dir: Path) -> LocalStack:
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)  # exactly what `tokenyard up` runs, defaults included
     argv = ["--port", str(free_port()), "--log-dir", str(log_dir)]
-    config = up.config_from(parser.parse_args(argv + (["--aggregated"] if args.aggregated else [])))
+    layout = ["--aggregated"] if args.aggregated else ["--disaggregated"] if args.split else []
+    config = up.config_from(parser.parse_args(argv + layout))
     stack = LocalStack(config).start()
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -131,6 +132,7 @@ def bench(url: str, args: argparse.Namespace, out: Path, num: int, warmup: int) 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--aggregated", action="store_true")
+    p.add_argument("--disaggregated", dest="split", action="store_true")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)

@@ -10,6 +10,7 @@ right after its start stops the stack with its log.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from pathlib import Path
@@ -21,18 +22,36 @@ from tokenyard.services.keys import default_keys_url
 from tokenyard.services.launch.stack import LocalStack, StackConfig, StackError
 from tokenyard.services.telemetry.settings import DEFAULT_PORT as TELEMETRY_PORT
 
+# On a CPU host with fewer cores, `tokenyard up` runs one aggregated worker unless a split is
+# asked for. Two workers there get one thread each and cannot lend each other a core: on 2
+# cores the split measured slower than one 2-thread worker at every load (docs/benchmarks.md,
+# the peers run). Hosts between 2 and this many cores were not measured.
+DISAGGREGATE_FROM_CORES = 4
+
+
+def aggregated_by_default(device: str, cores: int) -> bool:
+    return device == "cpu" and cores < DISAGGREGATE_FROM_CORES
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
     parser.add_argument(
-        "--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)"
+        "--prefill", type=int, metavar="N", help="prefill workers (default 1; implies a split)"
     )
     parser.add_argument(
-        "--decode", type=int, default=1, metavar="M", help="decode workers (default 1)"
+        "--decode", type=int, metavar="M", help="decode workers (default 1; implies a split)"
     )
-    parser.add_argument(
+    layout = parser.add_mutually_exclusive_group()
+    layout.add_argument(
         "--aggregated", action="store_true", help="one worker runs prefill and decode"
+    )
+    layout.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="prefill and decode workers (the default on a GPU or a CPU host of "
+        f"{DISAGGREGATE_FROM_CORES} cores or more; below that one aggregated worker, "
+        "which measured faster at every load on 2 cores)",
     )
     parser.add_argument(
         "--model", help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)"
@@ -140,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from(args: argparse.Namespace) -> StackConfig:
-    if args.prefill < 1 or args.decode < 0:
+    if (args.prefill is not None and args.prefill < 1) or (args.decode or 0) < 0:
         raise SystemExit("--prefill must be at least 1 and --decode at least 0")
     if args.kvcache_mib < 1:
         raise SystemExit("--kvcache-mib must be at least 1")
@@ -168,9 +187,9 @@ def config_from(args: argparse.Namespace) -> StackConfig:
     return StackConfig(
         port=args.port,
         host=args.host,
-        prefill=args.prefill,
-        decode=args.decode,
-        aggregated=args.aggregated,
+        prefill=1 if args.prefill is None else args.prefill,
+        decode=1 if args.decode is None else args.decode,
+        aggregated=_aggregated(args),
         nats_url=args.nats_url,
         model=args.model,
         kvcache=not args.no_kvcache,
@@ -192,6 +211,13 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
     )
+
+
+def _aggregated(args: argparse.Namespace) -> bool:
+    if args.aggregated:
+        return True
+    split_asked = args.disaggregated or args.prefill is not None or args.decode is not None
+    return not split_asked and aggregated_by_default(args.device, os.cpu_count() or 1)
 
 
 def _quantization_env(args: argparse.Namespace) -> dict[str, str]:

@@ -29,8 +29,11 @@ def sample(
     raw = logits
     if any(p.has_penalties for p in params):
         logits = _apply_penalties(logits.clone(), seqs)
-    tokens = torch.empty(len(seqs), dtype=torch.long)
     greedy = [i for i, p in enumerate(params) if p.greedy]
+    if len(greedy) == len(seqs):  # all greedy: no copy of the rows (6 MiB at 32 x 49,152)
+        token_list = logits.argmax(dim=-1).tolist()
+        return token_list, chosen_logprobs(raw, token_list, [p.logprobs for p in params])
+    tokens = torch.empty(len(seqs), dtype=torch.long)
     if greedy:
         tokens[greedy] = logits[greedy].argmax(dim=-1)
     rest = [i for i, p in enumerate(params) if not p.greedy]

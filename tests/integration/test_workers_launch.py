@@ -67,6 +67,7 @@ def test_up_stops_everything_on_ctrl_c(tmp_path):
             str(port),
             "--no-kvcache",
             "--no-facilities",
+            "--disaggregated",
             "--console-port",
             "0",
             "--log-dir",

@@ -115,3 +115,17 @@ def test_up_tensor_parallel_size_reaches_the_stack():
         up_config("--tensor-parallel-size", "0")
     with pytest.raises(SystemExit, match="runs on one rank only"):
         up_config("--tensor-parallel-size", "2", "--speculative", '{"method": "ngram"}')
+
+
+def test_the_default_layout_follows_the_host(monkeypatch):
+    from tokenyard.services import up
+
+    assert up.aggregated_by_default("cpu", 2) and not up.aggregated_by_default("cpu", 4)
+    assert not up.aggregated_by_default("cuda", 2)
+    monkeypatch.setattr(up.os, "cpu_count", lambda: 2)
+    assert up_config().aggregated
+    assert not up_config("--disaggregated").aggregated
+    assert not up_config("--decode", "2").aggregated  # asking for workers asks for a split
+    assert not up_config("--device", "cuda").aggregated
+    monkeypatch.setattr(up.os, "cpu_count", lambda: 8)
+    assert not up_config().aggregated and up_config("--aggregated").aggregated
