@@ -150,7 +150,8 @@ def _top(tokenizer: Tokenizer, token_id: int, text: str, logprob: float) -> TopL
 def completion_logprobs(
     lps: list[pb.TokenLogprob], tokenizer: Tokenizer, offset: int = 0
 ) -> CompletionLogprobs:
-    """The legacy shape: parallel lists, `text_offset` counted in characters from `offset`."""
+    """The legacy shape: parallel lists, `text_offset` counted in characters of the returned
+    text from `offset`."""
     out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for lp in lps:
         text = token_text(tokenizer, lp.token_id, lp.token)
@@ -160,7 +161,9 @@ def completion_logprobs(
             {token_text(tokenizer, t.token_id, t.token): t.logprob for t in lp.top}
         )
         out.text_offset.append(offset)
-        offset += len(text)
+        # A special token (an end of turn generated under ignore_eos) is listed, but the
+        # text skips special tokens: it takes no characters there.
+        offset += len(text) if tokenizer.decode([lp.token_id]) else 0
     return out
 
 

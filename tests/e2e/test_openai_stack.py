@@ -117,7 +117,15 @@ def test_logprobs_shapes(client, model):
     assert (
         len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
     )
-    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == legacy.choices[0].text
+    text = legacy.choices[0].text
+    # each token sits at its offset in the text; a special token (an end of turn the model
+    # may emit under ignore_eos) is listed but takes no room, since the text skips those
+    ends = [*lp.text_offset[1:], len(text)]
+    shown = [tok for tok, a, b in zip(lp.tokens, lp.text_offset, ends, strict=True) if b > a]
+    assert lp.text_offset[0] == 0 and "".join(shown) == text
+    assert all(
+        text[a:b] in ("", tok) for tok, a, b in zip(lp.tokens, lp.text_offset, ends, strict=True)
+    )
 
 
 def test_seed_gives_the_same_text_twice(client, model):

@@ -32,7 +32,7 @@ from tokenyard.sim.workload import from_bench
 # stepped its engine on another thread than the one that loaded it, and OpenMP's second
 # team made every step about 1.5x slower than the calibration's (services/worker/
 # engine_loop.engine_thread). Since the fix: -11% and -17% on an idle 2-core machine.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.calibration, pytest.mark.timeout(900)]
 
 TOLERANCE = 0.30
 # A short, fixed workload: 24 completions of 128 prompt tokens and 32 output tokens, at

@@ -12,7 +12,11 @@ import pytest
 
 from tokenyard.planner import calibrate, cpu
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a loaded machine: minutes
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.calibration,
+    pytest.mark.timeout(900),
+]  # a loaded machine: minutes
 
 TOLERANCE = 0.25
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tokenyard import LLM
+from tokenyard.engine.config import cpu_has_native_bf16
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.models.loader import default_model_path
 
@@ -159,8 +160,23 @@ def test_greedy_equals_plain_decoding_exactly_in_deterministic_mode(make_engine)
 
 # How far a verification row's logprob may sit from a decode row's in bf16 (bf16 steps near
 # a logit of 20 are 0.125); two rows can choose differently only where the top two tokens
-# are closer than twice this.
-BF16_ROW_TOL = 0.25
+# are closer than twice this. With native bf16 (AVX512-BF16, AMX) oneDNN's kernels round
+# differently from the emulated path, and a self-draft verification row measured 0.30 from
+# the decode row on an AVX512-BF16 EPYC (the same token chosen, top two 0.25 apart): 0.35
+# there. The test also measures how far the same rows move between batches of different
+# sizes on this machine and allows that instead when larger.
+BF16_ROW_TOL = 0.35 if cpu_has_native_bf16() else 0.25
+
+
+def _logprob_gap(ref: list[list], got: list[list]) -> float:
+    """The largest logprob difference over each pair of runs' common greedy prefix."""
+    gap = 0.0
+    for a_run, b_run in zip(ref, got, strict=True):
+        for a, b in zip(a_run, b_run, strict=True):
+            if a.token_id != b.token_id:
+                break
+            gap = max(gap, abs(a.logprob - b.logprob))
+    return gap
 
 
 @pytest.mark.parametrize(
@@ -176,23 +192,26 @@ def test_bf16_greedy_equals_plain_decoding_but_at_near_ties(make_engine, spec):
     than that difference; it may part only at such a near-tie."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
 
-    def run(engine, tag):
-        for i, p in enumerate(PROMPTS):
+    def run(engine, tag, prompts=PROMPTS):
+        for i, p in enumerate(prompts):
             engine.add_request(f"{tag}{i}", [{"role": "user", "content": p}], params)
         outs = finish_all(engine)
         return [
-            [lp for o in outs[f"{tag}{i}"] for lp in o.logprobs or []] for i in range(len(PROMPTS))
+            [lp for o in outs[f"{tag}{i}"] for lp in o.logprobs or []] for i in range(len(prompts))
         ]
 
-    plain = run(make_engine(dtype="bfloat16"), "p")
+    plain_engine = make_engine(dtype="bfloat16")
+    plain = run(plain_engine, "p")
+    alone = [run(plain_engine, f"a{i}", [p])[0] for i, p in enumerate(PROMPTS)]
+    tol = max(BF16_ROW_TOL, _logprob_gap(plain, alone))  # the batch's own effect here
     speculated = run(make_engine(dtype="bfloat16", speculative_config=spec), "s")
     equal = 0
     for ref, got in zip(plain, speculated, strict=True):
         for a, b in zip(ref, got, strict=True):
             if b.token_id != a.token_id:  # parted: only where plain's top two nearly tie
                 (_, first), (_, second) = a.top[:2]
-                assert first - second <= 2 * BF16_ROW_TOL, (first, second)
+                assert first - second <= 2 * tol, (first, second, tol)
                 break
-            assert abs(a.logprob - b.logprob) <= BF16_ROW_TOL
+            assert abs(a.logprob - b.logprob) <= tol, (a, b, tol)
             equal += 1
     assert equal >= 8

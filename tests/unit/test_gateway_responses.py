@@ -107,6 +107,16 @@ def test_completion_logprobs_offsets_count_characters():
     assert shaped.top_logprobs == [{}, {}, {}]
 
 
+def test_a_special_token_is_listed_but_takes_no_room_in_the_text():
+    # the text skips special tokens (an end of turn generated under ignore_eos)
+    lps = [pb.TokenLogprob(token_id=ord(c) + 10, logprob=-1.0) for c in "ab"]
+    lps.append(pb.TokenLogprob(token_id=2, token="<eos>", logprob=-0.5))
+    lps.append(pb.TokenLogprob(token_id=ord("c") + 10, logprob=-1.0))
+    shaped = completion_logprobs(lps, TOK)
+    assert shaped.tokens == ["a", "b", "<eos>", "c"]
+    assert shaped.text_offset == [0, 1, 2, 2]
+
+
 def test_completion_stream_and_whole():
     fmt = CompletionFormat("c1", "m", 1, TOK, logprobs=True, include_usage=True)
     evs, acc = run(fmt, text_chunks("abcd", per_chunk=2, logprobs=True))
