@@ -27,8 +27,7 @@ class SimSettings:
     room_air_c: float = 24.0
     pump_failure_flow_fraction: float = 0.1
     chiller_failure_supply_rise_c: float = 12.0
-    # A worker at this token rate counts as fully busy even with few sequences; 0 = each
-    # worker's own full rate, from the step-time line its heartbeats carry.
+    # A worker at this token rate counts as fully busy even with few sequences; 0 = ignore.
     full_tokens_per_s: float = 0.0
 
 
@@ -54,21 +53,10 @@ class Faults:
         return names
 
 
-def full_rate(hb: WorkerHeartbeat) -> float:
-    """Tokens/s the worker computes with every sequence slot decoding, from its measured
-    step time (fixed + per token, the fit its heartbeats carry); 0 before it has one."""
-    step_ms = hb.step_fixed_ms + hb.step_ms_per_token * hb.max_num_seqs
-    return 1000.0 * hb.max_num_seqs / step_ms if hb.max_num_seqs and step_ms > 0 else 0.0
-
-
-def utilization(hb: WorkerHeartbeat, full_tokens_per_s: float = 0.0) -> float:
-    """0..1: the larger of batch occupancy and the output token rate against the full rate
-    (the configured one, or else the worker's own from its step times). Occupancy alone
-    misses a worker whose few sequences have the engine to themselves; the rate alone
-    misses a full batch whose steps are long (prompts chunked into them)."""
+def utilization(hb: WorkerHeartbeat, full_tokens_per_s: float) -> float:
+    """0..1 from batch occupancy, or from the token rate when that is configured and higher."""
     occupancy = hb.num_running / hb.max_num_seqs if hb.max_num_seqs else 0.0
-    full = full_tokens_per_s or full_rate(hb)
-    rate = hb.tokens_per_s / full if full > 0 else 0.0
+    rate = hb.tokens_per_s / full_tokens_per_s if full_tokens_per_s > 0 else 0.0
     return min(1.0, max(occupancy, rate))
 
 

@@ -13,7 +13,6 @@ from tokenyard.facilities.simulator import (
     RackSimulator,
     SimSettings,
     coolant_rise_c,
-    full_rate,
     rack_power_kw,
     utilization,
 )
@@ -62,18 +61,6 @@ def test_utilization_from_occupancy_or_token_rate() -> None:
     assert utilization(hb, 100.0) == 0.5
     assert utilization(WorkerHeartbeat(num_running=20, max_num_seqs=8), 0.0) == 1.0
     assert utilization(WorkerHeartbeat(), 0.0) == 0.0
-
-
-def test_the_full_rate_defaults_to_the_workers_measured_step_line() -> None:
-    # 8 sequences decoding: 20 ms + 8 x 2.5 ms = 40 ms a step, 200 tokens/s at full batch
-    hb = WorkerHeartbeat(
-        num_running=1, max_num_seqs=8, tokens_per_s=150, step_fixed_ms=20, step_ms_per_token=2.5
-    )
-    assert full_rate(hb) == 200.0
-    assert utilization(hb) == 0.75  # the rate, above occupancy's 1/8
-    assert utilization(hb, 300.0) == 0.5  # a configured full rate wins
-    no_fit = WorkerHeartbeat(num_running=1, max_num_seqs=8, tokens_per_s=150)
-    assert full_rate(no_fit) == 0.0 and utilization(no_fit) == 0.125  # occupancy only
 
 
 def test_rack_power_is_idle_plus_utilization_times_tdp(inventory: Inventory) -> None:
