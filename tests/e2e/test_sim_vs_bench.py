@@ -31,7 +31,7 @@ from tokenyard.sim.workload import from_bench
 # NOTE: TTFT p50 once came out 33% low (simulated 229 ms, measured 342 ms): the worker
 # stepped its engine on another thread than the one that loaded it, and OpenMP's second
 # team made every step about 1.5x slower than the calibration's (services/worker/
-# engine_loop.engine_thread). Since the fix: -11% and -17% on an idle 2-core machine.
+# engine_loop.engine_thread). Since the fix: -11%, -17% and -26% on an idle 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.calibration, pytest.mark.timeout(900)]
 
 TOLERANCE = 0.30
