@@ -24,8 +24,9 @@ from tokenyard.services.telemetry.settings import DEFAULT_PORT as TELEMETRY_PORT
 
 # On a CPU host with fewer cores, `tokenyard up` runs one aggregated worker unless a split is
 # asked for. Two workers there get one thread each and cannot lend each other a core: on 2
-# cores the split measured slower than one 2-thread worker at every load (docs/benchmarks.md,
-# the peers run). Hosts between 2 and this many cores were not measured.
+# cores one 2-thread worker measured faster at 1 and 8 concurrent requests in two runs,
+# level at 32, and ahead in one of two shared-prefix runs (docs/benchmarks.md, peers).
+# Hosts between 2 and this many cores were not measured.
 DISAGGREGATE_FROM_CORES = 4
 
 
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="prefill and decode workers (the default on a GPU or a CPU host of "
         f"{DISAGGREGATE_FROM_CORES} cores or more; below that one aggregated worker, "
-        "which measured faster at every load on 2 cores)",
+        "which measured faster on 2 cores at low and medium load)",
     )
     parser.add_argument(
         "--model", help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)"
