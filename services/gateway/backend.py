@@ -39,6 +39,11 @@ RESUME_TIMEOUT_S = 5.0  # a decode worker answers a hand-off at once; this only 
 
 # resume(streamed tokens, the dead worker) -> the worker that took the request, or None
 Resume = Callable[[list[int], str], Awaitable[str | None]]
+# replay(from output index): ask the request's workers to send its chunks again
+Replay = Callable[[int], Awaitable[None]]
+# Ask for a replay when the stream has made no progress this long after a chunk went missing
+# (a later one came first) or after the bus reconnected (chunks sent meanwhile are gone).
+REPLAY_AFTER_S = 1.0
 
 
 class TokenStream(Protocol):
@@ -106,10 +111,13 @@ class NatsTokenStream:
         fleet: FleetView,
         settings: GatewaySettings,
         resume: Resume | None = None,
+        replay: Replay | None = None,
+        reconnects: Callable[[], int] = lambda: 0,
     ) -> None:
         self._sub, self._queue, self._placement = sub, queue, placement
         self._fleet, self._settings = fleet, settings
         self._resume = resume
+        self._replay, self._reconnects = replay, reconnects
         self._orderer = ChunkOrderer()
         self._ready: deque[pb.TokenChunk] = deque()
         self._last_chunk = time.monotonic()
@@ -117,6 +125,9 @@ class NatsTokenStream:
         self._deadline = self._last_chunk + timeout if timeout else None
         self._worker = placement.prefill_worker_id
         self._streamed: list[int] = []  # output tokens released in order so far
+        # The last release in order, and the bus's reconnect count then.
+        self._progress_at, self._progress_reconnects = self._last_chunk, reconnects()
+        self._replayed_at = 0.0
 
     def __aiter__(self) -> NatsTokenStream:
         return self
@@ -127,6 +138,7 @@ class NatsTokenStream:
             if self._orderer.finished:
                 raise StopAsyncIteration
             self._check_deadline(time.monotonic())
+            await self._maybe_replay(time.monotonic())
             try:
                 chunk = await asyncio.wait_for(self._queue.get(), timeout=poll)
             except TimeoutError:
@@ -137,6 +149,8 @@ class NatsTokenStream:
             self._last_chunk = time.monotonic()
             self._worker = self._owner(chunk)
             released = self._orderer.push(chunk)
+            if released:
+                self._progress_at, self._progress_reconnects = self._last_chunk, self._reconnects()
             for c in released:
                 self._streamed.extend(c.token_ids)
             self._ready.extend(released)
@@ -156,6 +170,16 @@ class NatsTokenStream:
         if chunk.index == 0 and self._placement.decode_worker_id:
             return self._placement.decode_worker_id
         return chunk.worker_id or self._worker
+
+    async def _maybe_replay(self, now: float) -> None:
+        """Core NATS drops what is published while a subscriber's server restarts: when a
+        chunk is missing, ask the workers to send the stream again from the first gap."""
+        if self._replay is None or now - max(self._progress_at, self._replayed_at) < REPLAY_AFTER_S:
+            return
+        if not self._orderer.waiting() and self._reconnects() == self._progress_reconnects:
+            return
+        self._replayed_at = now
+        await self._replay(self._orderer.next_index)
 
     def _check_deadline(self, now: float) -> None:
         if self._deadline is not None and now > self._deadline:
@@ -296,7 +320,28 @@ class NatsBackend:
             await sub.unsubscribe()
             raise
         resume = partial(self._resume, rid, model, prompt_ids, params)
-        return NatsTokenStream(sub, queue, placement, self.fleet, self.settings, resume)
+        return NatsTokenStream(
+            sub,
+            queue,
+            placement,
+            self.fleet,
+            self.settings,
+            resume,
+            replay=partial(self._replay, rid),
+            reconnects=lambda: bus.nc.stats["reconnects"],
+        )
+
+    async def _replay(self, rid: str, from_index: int) -> None:
+        if not self.connected():
+            return  # asked again on the next poll
+        assert self.bus is not None
+        subject = subjects.replay(self.settings.instance_id, rid)
+        try:
+            await self.bus.publish(subject, pb.Replay(request_id=rid, from_index=from_index))
+        except Exception:  # the connection may drop again; asked again on the next poll
+            log.debug("replay request for %s failed", rid, exc_info=True)
+        else:
+            log.info("asked the workers of %s to send again from index %d", rid, from_index)
 
     async def _resume(
         self,

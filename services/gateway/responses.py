@@ -50,6 +50,10 @@ class ChunkOrderer:
         self._pending: dict[int, pb.TokenChunk] = {}
         self.finished = False
 
+    def waiting(self) -> bool:
+        """Holds chunks past a gap: one before them is missing (or late)."""
+        return bool(self._pending)
+
     def push(self, chunk: pb.TokenChunk) -> list[pb.TokenChunk]:
         if self.finished or chunk.index < self.next_index:
             return []

@@ -44,6 +44,8 @@ _tracer = tracer("tokenyard.worker")
 log = logging.getLogger(__name__)
 
 CANCELLED_TTL_S = 300.0  # remember cancelled ids this long (their job may still be queued)
+# Keep an ended stream's chunks this long for a gateway that missed some (Replay).
+REPLAY_TTL_S = 60.0
 STEP_LOG_S = 10.0  # how often a busy worker logs its step timings
 # A KV dump's bytes besides its hashes (ids, epoch, headers): what it leaves of max_payload.
 DUMP_OVERHEAD_BYTES = 4096
@@ -68,6 +70,7 @@ class WorkerBase:
         self.loop = EngineLoop(engine, on_kv_events=self._publish_kv_events, thread=engine_thread)
         self.kv = KVPort(self.loop, settings)
         self.streams: dict[str, TokenStream] = {}
+        self.ended: dict[str, tuple[float, TokenStream]] = {}  # for replays, REPLAY_TTL_S
         self.cancelled: dict[str, float] = {}
         self.fleet = FleetView()  # every worker's heartbeats, ours included
         # The facilities service's word on our rack; it caps how many sequences we admit.
@@ -105,6 +108,7 @@ class WorkerBase:
         await self.kv.start()
         self._loop_task = tg.create_task(self.loop.run(), name="engine-loop")
         await self.bus.subscribe(subjects.CANCEL_ALL, pb.Cancel, self.on_cancel)
+        await self.bus.subscribe(subjects.REPLAY_ALL, pb.Replay, self.on_replay)
         await self.bus.subscribe(subjects.FACILITIES_STATE_ALL, RackState, self.on_rack_state)
         await self.bus.subscribe(
             subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self.on_peer_heartbeat
@@ -157,8 +161,21 @@ class WorkerBase:
             ),
         )
         self.streams[request_id] = stream
-        stream.done.add_done_callback(lambda _: self.streams.pop(request_id, None))
+        stream.done.add_done_callback(lambda _: self._ended(stream))
         return stream
+
+    def _ended(self, stream: TokenStream) -> None:
+        request_id = stream.request_id
+        if self.streams.get(request_id) is stream:  # not a newer stream of the same request
+            del self.streams[request_id]
+        now = time.monotonic()
+        self.ended.pop(request_id, None)  # to the end of the insertion order
+        self.ended[request_id] = (now, stream)
+        while self.ended:  # oldest first: dicts keep insertion order
+            rid, (at, _) = next(iter(self.ended.items()))
+            if now - at <= REPLAY_TTL_S:
+                break
+            del self.ended[rid]
 
     async def generate(
         self,
@@ -300,6 +317,19 @@ class WorkerBase:
         await self.loop.abort(rid)
         log.info("cancelled %s (%s)", rid, cancel.reason or "no reason")
         await stream.aborted()
+
+    async def on_replay(self, replay: pb.Replay, _msg: Msg) -> None:
+        rid = replay.request_id
+        # Both, when this worker ran the request twice (its prefill, then its decode).
+        streams = [self.streams.get(rid)]
+        if rid in self.ended:
+            streams.append(self.ended[rid][1])
+        sent = 0
+        for stream in streams:
+            if stream is not None:
+                sent += await stream.replay(replay.from_index)
+        if sent:
+            log.info("replayed %d chunks of %s from index %d", sent, rid, replay.from_index)
 
     def is_cancelled(self, request_id: str) -> bool:
         return request_id in self.cancelled

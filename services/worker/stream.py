@@ -41,6 +41,9 @@ class TokenStream:
         self.next_index = start_index
         self.cached_tokens = cached_tokens
         self.output_token_ids: list[int] = []
+        # Every chunk sent, kept for a gateway that asks for them again (`replay`): core NATS
+        # drops what is published while a subscriber's server restarts.
+        self.sent: list[pb.TokenChunk] = []
         self.timer = timer
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
@@ -58,13 +61,13 @@ class TokenStream:
         self.output_token_ids.extend(out.new_token_ids)
         if self.timer is not None:
             self.timer.on_tokens(len(out.new_token_ids))
-        await self.bus.publish(self.subject, chunk)
+        await self._send(chunk)
         if out.finished:
             self._finish(out.finish_reason or "stop")
 
     async def fail(self, code: pb.Error.Code, message: str) -> None:
         chunk = error_chunk(self.request_id, self.next_index, self.worker_id, code, message)
-        await self.bus.publish(self.subject, chunk)
+        await self._send(chunk)
         self._finish("error")
 
     async def aborted(self) -> None:
@@ -74,8 +77,19 @@ class TokenStream:
         )
         chunk.finish_reason = "abort"
         chunk.ClearField("error")
-        await self.bus.publish(self.subject, chunk)
+        await self._send(chunk)
         self._finish("abort")
+
+    async def replay(self, from_index: int) -> int:
+        """Publish again the chunks sent from output index `from_index` on; how many."""
+        again = [c for c in self.sent if c.index >= from_index]
+        for chunk in again:
+            await self.bus.publish(self.subject, chunk)
+        return len(again)
+
+    async def _send(self, chunk: pb.TokenChunk) -> None:
+        self.sent.append(chunk)
+        await self.bus.publish(self.subject, chunk)
 
     def hand_back(self) -> None:
         self._finish(HANDED_BACK)

@@ -36,6 +36,14 @@ def cancel(gateway_id: str, request_id: str) -> str:
 CANCEL_ALL = f"{PREFIX}.cancel.*.*"
 
 
+def replay(gateway_id: str, request_id: str) -> str:
+    """Ask the workers of one request to publish its chunks again (the gateway lost some)."""
+    return f"{PREFIX}.replay.{gateway_id}.{request_id}"
+
+
+REPLAY_ALL = f"{PREFIX}.replay.*.*"
+
+
 def kv_events(worker_id: str) -> str:
     return f"{PREFIX}.kv.events.{worker_id}"
 

@@ -242,6 +242,14 @@ class Cancel(_message.Message):
     reason: str
     def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class Replay(_message.Message):
+    __slots__ = ("request_id", "from_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    from_index: int
+    def __init__(self, request_id: _Optional[str] = ..., from_index: _Optional[int] = ...) -> None: ...
+
 class WorkerHeartbeat(_message.Message):
     __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "max_num_seqs", "tokens_per_s", "kv_endpoint", "host", "sent_unix_ms", "block_size", "heartbeat_interval_ms", "max_model_len", "seq_cap", "step_fixed_ms", "step_ms_per_token", "pending_prompt_tokens", "local_prefill", "not_ready", "kv_epoch", "kv_seq", "draining", "control_endpoint")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
