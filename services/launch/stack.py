@@ -295,9 +295,13 @@ class LocalStack:
 
     def _shared_weights_dir(self) -> Path | None:
         """A fresh directory under /dev/shm for the workers' shared weights, or None (off,
-        on a GPU, or no /dev/shm: the workers keep private copies)."""
+        on a GPU, one worker, or no /dev/shm: the workers keep private copies). One worker
+        has nobody to share with, and its private weights are packed for oneDNN
+        (QuantizedLinear.prepack), which shared ones cannot be."""
         shm = Path(SHARED_MEMORY_DIR)
         if not self.config.shared_weights or self.config.device != "cpu" or not shm.is_dir():
+            return None
+        if self._planned_workers() == 1:
             return None
         return Path(tempfile.mkdtemp(prefix="tokenyard-weights-", dir=shm))
 

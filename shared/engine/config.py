@@ -89,6 +89,9 @@ class EngineConfig:
     # their built weights as one read-only file (tokenyard.engine.shared_weights); CPU only.
     # None = private memory.
     shared_weights_dir: str | None = None
+    # Private CPU weights only: keep each quantized layer's bf16 dense copy in oneDNN's
+    # packed layout (QuantizedLinear.prepack: the same kernel without a reorder per call).
+    prepack_weights: bool = True
     # Speculative decoding, in vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4}
     # or {"method": "draft", "model": None, "quantization": "int4"} (tokenyard.engine.spec).
     # A dict or its JSON text is parsed into a SpeculativeConfig here.

@@ -16,7 +16,7 @@ from tokenyard.kv.layout import KVLayout
 from tokenyard.models.llama import LlamaForCausalLM
 from tokenyard.models.loader import LoadedModel
 from tokenyard.models.moe import SparseMoeBlock, moe_blocks
-from tokenyard.models.quantize import Fp8Linear, QuantizedLinear, quantize
+from tokenyard.models.quantize import Fp8Linear, QuantizedLinear, prepack, quantize
 from tokenyard.models.tp import VocabParallelEmbedding, apply_tp, check_tp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -114,6 +114,8 @@ def build_model_and_pool(
         block.batch_invariant = config.deterministic
     if config.shared_weights_dir and device.type == "cpu":
         share_weights(model, config.shared_weights_dir)
+    elif config.prepack_weights and device.type == "cpu":
+        prepack(model)
     layout = kv_layout(loaded, config)
     weights_bytes = _weights_bytes(model)
     buffers_bytes = _buffers_bytes(model, config, dtype)
@@ -199,13 +201,18 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def _weights_bytes(model: torch.nn.Module, shared_with: torch.nn.Module | None = None) -> int:
     """Bytes of the model's tensors, each counted once (tied embeddings are one tensor);
     those of `shared_with` are left out (a self-draft shares the target's)."""
-    seen = {t.data_ptr() for t in _tensors(shared_with)} if shared_with is not None else set()
+    seen = {_identity(t) for t in _tensors(shared_with)} if shared_with is not None else set()
     total = 0
     for t in _tensors(model):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+        if _identity(t) not in seen:
+            seen.add(_identity(t))
             total += t.numel() * t.element_size()
     return total
+
+
+def _identity(t: torch.Tensor) -> int:
+    """Where a tensor's bytes are; a packed (opaque) weight has no pointer, only itself."""
+    return id(t) if t.is_mkldnn else t.data_ptr()
 
 
 def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:

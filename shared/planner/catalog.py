@@ -107,6 +107,11 @@ class Hardware:
     decode_flops_eff: float = 0.5
     prefill_flops_eff: float = 0.5
     step_overhead_ms: float = 2.0
+    # A CPU engine runs a decode of at most this many sequences through its weight-only
+    # (int4) kernels and larger ones through the dense copy's matmul: two kernels, each with
+    # its own share of the matmul rate. 0: one kernel for every batch (GPU entries).
+    small_batch_rows: int = 0
+    small_batch_flops_eff: float = 0.0
     memory_utilization: float = 0.9  # the share the engine may take (gpu_memory_utilization)
     buffer_fraction: float = 0.05  # activations, graphs, allocator slack, of the whole memory
     allreduce_latency_us: float = 8.0

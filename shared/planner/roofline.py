@@ -81,7 +81,9 @@ class Deployment:
         flops = (
             2.0 * m.active_params * batch + 4.0 * m.layers * context * m.heads * m.head_dim * batch
         )
-        peak = self.hw.flops(self.weights_dtype) * self.hw.decode_flops_eff
+        small = batch <= self.hw.small_batch_rows
+        eff = self.hw.small_batch_flops_eff if small else self.hw.decode_flops_eff
+        peak = self.hw.flops(self.weights_dtype) * eff
         compute_s = flops / self.tp / peak
         return self.hw.step_overhead_ms * 1e-3 + max(mem_s, compute_s) + self._allreduce_s(batch)
 

@@ -9,8 +9,10 @@ shared memory), and the answer must be the offline engine's greedy answer.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import re
-import socket
+import struct
 
 import pytest
 from worker_client import Heartbeats, Request, connect, wait_disaggregated
@@ -24,6 +26,37 @@ pytestmark = pytest.mark.slow
 PREFILL_HOST, DECODE_HOST, NATS_HOST = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 PROMPT = "Describe a lighthouse keeper's day, hour by hour, in plain words. " * 5
 MAX_TOKENS = 12
+
+
+def listening_addresses(pid: int, port: int) -> set[str]:
+    """The addresses on which process `pid` listens on TCP `port` (/proc/net/tcp and tcp6;
+    an IPv4-mapped IPv6 address as its IPv4 form, a wildcard as 0.0.0.0 or ::)."""
+    fds = f"/proc/{pid}/fd"
+    inodes = set()
+    for fd in os.listdir(fds):
+        target = os.readlink(f"{fds}/{fd}") if os.path.islink(f"{fds}/{fd}") else ""
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as rows:
+            for line in rows.readlines()[1:]:
+                fields = line.split()
+                address, port_hex = fields[1].split(":")
+                if fields[3] == "0A" and int(port_hex, 16) == port and fields[9] in inodes:
+                    found.add(kernel_address(address))
+    return found
+
+
+def kernel_address(hex_address: str) -> str:
+    """/proc/net's hex address: 32-bit words in host (little-endian) order."""
+    raw = b"".join(
+        struct.pack("<I", int(hex_address[i : i + 8], 16)) for i in range(0, len(hex_address), 8)
+    )
+    if len(raw) == 4:
+        return str(ipaddress.IPv4Address(raw))
+    v6 = ipaddress.IPv6Address(raw)
+    return str(v6.ipv4_mapped or v6)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +103,11 @@ async def test_handoff_moves_kv_between_two_addresses(stack, make_engine):
     assert prefill.kv_endpoint.startswith(f"{PREFILL_HOST}:")
     assert beats.latest["decode-b"].host == DECODE_HOST
     kv_port = int(prefill.kv_endpoint.rsplit(":", 1)[1])
-    with pytest.raises(OSError):  # bound to its own address only: 127.0.0.1 is not it
-        socket.create_connection(("127.0.0.1", kv_port), timeout=1).close()
+    # Bound to its own address only (not 127.0.0.1, not 0.0.0.0). Asked of the kernel for
+    # the worker's own sockets: a connect to 127.0.0.1 can reach another process's listener
+    # that happens to have the same port number.
+    worker_pid = next(p.pid for p in stack.procs if p.name == "prefill-a")
+    assert listening_addresses(worker_pid, kv_port) == {PREFILL_HOST}
 
     await wait_disaggregated(bus, prompt)
     params = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0, ignore_eos=True)

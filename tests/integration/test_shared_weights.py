@@ -123,7 +123,7 @@ def test_a_directory_without_room_leaves_the_weights_private(tmp_path, monkeypat
 
 def test_the_stack_gives_workers_a_directory_and_removes_it_on_stop(launch_stack):
     config = StackConfig(
-        engine="fake", decode=0, kvcache=False, facilities=False, telemetry=False, gateway=False
+        engine="fake", decode=1, kvcache=False, facilities=False, telemetry=False, gateway=False
     )
     assert LocalStack(config).shared_weights_dir is None  # nothing made before start()
     with launch_stack(config) as stack:
@@ -133,3 +133,15 @@ def test_the_stack_gives_workers_a_directory_and_removes_it_on_stop(launch_stack
         assert f"TOKENYARD_WORKER_SHARED_WEIGHTS_DIR={directory}".encode() in env
         (directory / f"x{SUFFIX}").write_bytes(b"weights")
     assert not directory.exists()
+
+
+def test_one_worker_keeps_its_weights_private(launch_stack):
+    """Nobody to share with, and private weights are packed for oneDNN (quantize.prepack)."""
+    config = StackConfig(
+        engine="fake", aggregated=True, kvcache=False, facilities=False, telemetry=False,
+        gateway=False,
+    )  # fmt: skip
+    with launch_stack(config) as stack:
+        assert stack.shared_weights_dir is None
+        env = Path(f"/proc/{stack.workers[0].pid}/environ").read_bytes().split(b"\0")
+        assert not any(e.startswith(b"TOKENYARD_WORKER_SHARED_WEIGHTS_DIR=") for e in env)

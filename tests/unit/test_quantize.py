@@ -196,3 +196,30 @@ def test_native_bf16_is_read_from_the_cpu_flags():
 
     for flags, native in (("fpu avx2 avx512f", False), ("fpu avx512f avx512_bf16", True)):
         assert config.native_bf16_in(f"processor\t: 0\nflags\t\t: {flags}\n") is native
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_prepacked_dense_copy_gives_the_same_results_to_the_bit(bits):
+    linear = _linear(bias=False).to(torch.bfloat16)
+    plain = QuantizedLinear(linear, bits)
+    packed = QuantizedLinear(linear, bits)
+    assert packed.prepack() and packed.dense.is_mkldnn
+    assert not packed.prepack()  # once is enough
+    for rows in (1, plain.dense_above, plain.dense_above + 1, 32, 300):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        assert torch.equal(packed(x), plain(x)), rows
+    x3 = torch.randn(2, 20, 64, dtype=torch.bfloat16)  # a batch of sequences: any leading dims
+    assert torch.equal(packed(x3), plain(x3))
+    assert torch.equal(q.fp32_linear(packed, x3[0]), q.fp32_linear(plain, x3[0]))
+
+
+def test_only_a_bf16_dense_copy_on_the_cpu_is_packed():
+    assert not QuantizedLinear(_linear(bias=False), 8).prepack()  # fp32: left as it is
+    assert not QuantizedLinear(_linear().to(torch.bfloat16), 8).prepack()  # a bias
+    no_dense = QuantizedLinear(_linear(bias=False).to(torch.bfloat16), 8, keep_dense=False)
+    assert not no_dense.prepack()
+    model = nn.Sequential(nn.Linear(64, 48, bias=False), nn.Linear(48, 64, bias=False))
+    model.to(torch.bfloat16)
+    model.lm_head = nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+    quantize(model, "int4")
+    assert q.prepack(model) == 3
