@@ -79,22 +79,26 @@ def warm(engine) -> None:
     measure(engine, 2, 32, 8, tag="warm")
 
 
-def best_of(
-    engine, runs: int, batch: int, prompt_len: int, output_len: int, tag: str = ""
-) -> EngineFigures:
-    """The fastest TTFT and decode step of `runs` runs. The first run of a batch or prompt
-    size pays for what the CPU's matmul library builds for a new shape, and a short run
-    catches a scheduler hiccup whole: noise that is only ever slower, so the minimum."""
-    figures = [
-        measure(engine, batch, prompt_len, output_len, tag=f"{tag}r{i}-") for i in range(runs)
-    ]
-    return EngineFigures(
-        prompt_len,
-        output_len,
-        batch,
-        min(f.ttft_s for f in figures),
-        min(f.decode_step_s for f in figures),
-    )
+def best_of(engine, runs: int, shapes: dict[str, tuple[int, int, int]]) -> dict[str, EngineFigures]:
+    """Each shape's (batch, prompt length, output length) fastest TTFT and decode step over
+    `runs` rounds, every round measuring every shape in turn: the calibration points and
+    the checked ones then see the same moments of the machine, and the first run of a new
+    shape (which pays for what the CPU's matmul library builds for it) and a hiccup only
+    ever make a run slower, so the minimum."""
+    seen: dict[str, list[EngineFigures]] = {name: [] for name in shapes}
+    for i in range(runs):
+        for name, (batch, prompt_len, output_len) in shapes.items():
+            seen[name].append(measure(engine, batch, prompt_len, output_len, tag=f"{name}r{i}-"))
+    return {
+        name: EngineFigures(
+            f[0].prompt_len,
+            f[0].output_len,
+            f[0].batch,
+            min(x.ttft_s for x in f),
+            min(x.decode_step_s for x in f),
+        )
+        for name, f in seen.items()
+    }
 
 
 def calibrate(
@@ -169,12 +173,15 @@ def calibrate_and_check(engine, bw_gbs: float, tflops: float, lengths: Lengths =
     from tokenyard.planner.cpu import cpu_hardware
 
     warm(engine)
-    runs = lengths.runs
-    b1 = best_of(engine, runs, 1, 128, lengths.b1_output)
-    b4 = best_of(engine, runs, 4, 128, lengths.b8_output)
-    b32 = best_of(engine, runs, 32, 128, lengths.b32_output)
-    b8 = best_of(engine, runs, 8, 128, lengths.b8_output)
-    long = best_of(engine, runs, 1, 512, lengths.long_output)
+    shapes = {
+        "b1": (1, 128, lengths.b1_output),
+        "b4": (4, 128, lengths.b8_output),
+        "b32": (32, 128, lengths.b32_output),
+        "b8": (8, 128, lengths.b8_output),
+        "long": (1, 512, lengths.long_output),
+    }
+    best = best_of(engine, lengths.runs, shapes)
+    b1, b4, b32, b8, long = (best[name] for name in shapes)
     model = default_model()
     values = calibrate(b1, b32, bw_gbs, tflops, model, small=b4, small_rows=weight_only_rows())
     dep = Deployment(model, cpu_hardware(values, remeasure=False), weights_dtype="int4")
