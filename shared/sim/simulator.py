@@ -44,6 +44,9 @@ class SimConfig:
     ttft_slo_s: float = 2.0
     itl_slo_s: float = 0.1
     network_gbs: float = 50.0
+    # What a request spends outside the engines before its first token reaches the client
+    # (HTTP, tokenizing, routing, the work queue, the token's way back): added to its arrival.
+    request_path_s: float = 0.0
     max_attempts: int = 20  # a request the router turns away is retried after Retry-After
     facilities: fpolicy.PolicySettings = field(default_factory=fpolicy.PolicySettings)
     derate_penalty: float = 0.5
@@ -146,7 +149,7 @@ class Simulation:
 
     def run(self) -> SimResult:
         for r in self.requests:
-            self.at(r.arrival_s, "arrive", Live(r))
+            self.at(r.arrival_s + self.cfg.request_path_s, "arrive", Live(r))
         self.tick()  # the first heartbeats, so the router knows the fleet
         while self._events and self.outstanding > 0:
             t, _, kind, payload = heapq.heappop(self._events)

@@ -35,6 +35,16 @@ def test_one_request_on_one_worker_takes_the_roofline_time():
     assert result.itl_p50_ms == pytest.approx(decode / 10 * 1e3, abs=0.01)
 
 
+def test_the_request_path_adds_to_ttft_only():
+    dep, (workers, inventory) = fleet(0, 0, 1)
+    req = SimRequest(0, 0.0, 100, 11)
+    config = SimConfig(policy="kv-aware", request_path_s=0.025)
+    result = Simulation(workers, inventory, [req], config).run()
+    decode = sum(dep.decode_step_s(1, 100 + k) for k in range(10))
+    assert result.ttft_p50_ms == pytest.approx((dep.prefill_s(100) + 0.025) * 1e3, abs=0.01)
+    assert result.itl_p50_ms == pytest.approx(decode / 10 * 1e3, abs=0.01)
+
+
 def test_every_request_completes_and_tokens_add_up():
     _, (workers, inventory) = fleet(2, 4)
     reqs = generate(WorkloadSpec(kind="poisson", requests=400, rate=40, prompt_len=512,
