@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -16,6 +17,14 @@ from sqlalchemy import create_engine, text
 import infra
 from tokenyard.bus.nats import Bus
 from tokenyard.services.launch.stack import LocalStack, StackConfig
+
+# `python -m pytest` puts the repository's root on sys.path, where our kernels/ folder
+# (installed as tokenyard.kernels) would stand in for PyPI's `kernels`, which transformers
+# imports once it is installed (a dependency of transformers from 5.25): every test that
+# builds a Hugging Face model then failed with "cannot import name 'CUDAProperties'". The
+# tests import the project as installed, never from the root.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
 
 @pytest.fixture(scope="session")
