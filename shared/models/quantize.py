@@ -24,6 +24,8 @@ costs memory: the report counts both copies, and the tied lm_head reuses the emb
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -133,11 +135,13 @@ class QuantizedLinear(LeanModule):
         projections measured 1.13x faster and the output projection 1.55x (2-core
         AVX512-BF16), with results equal to the bit. The packed weight is opaque: it cannot
         be viewed, saved or shared between processes, so only private weights are packed.
-        False where there is nothing to pack (no dense copy, not bf16, not on the CPU) and
-        with a bias (oneDNN adds it with other rounding than torch's addmm; Llama has none)."""
+        False where there is nothing to pack (no dense copy, not bf16, not on the CPU), with
+        a bias (oneDNN adds it with other rounding than torch's addmm; Llama has none), and
+        where oneDNN has no bf16 path (an AVX2-only CPU: its reorder raises there)."""
         dense = self.dense
         if (
-            dense is None
+            not mkldnn_packs_bf16()
+            or dense is None
             or self.bias is not None
             or dense.is_mkldnn
             or dense.dtype != torch.bfloat16
@@ -220,6 +224,12 @@ def fp32_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def int4_fits(linear: nn.Linear) -> bool:
     """torch's int4 packing wants whole groups along in_features and 16-row tiles along out."""
     return linear.in_features % GROUP_SIZE == 0 and linear.out_features % 16 == 0
+
+
+@functools.cache
+def mkldnn_packs_bf16() -> bool:
+    """Whether oneDNN runs bf16 linears on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def prepack(model: nn.Module) -> int:

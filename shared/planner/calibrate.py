@@ -137,15 +137,18 @@ def calibrate(
         "decode_flops_eff": round(ideal_32 / max(b32.decode_step_s - overhead, 1e-6), 4),
         "prefill_flops_eff": round(ideal_prefill / max(b1.ttft_s - overhead, 1e-6), 4),
         "memory_read_gbs": round(bw_gbs, 2),
-        "bf16_tflops": round(tflops, 4),
+        "matmul_tflops": round(tflops, 4),
     }
 
 
-def weight_only_rows() -> int:
-    """The most rows an int4 layer of the engine runs through its weight-only kernel."""
+def weight_only_rows(dtype: str) -> int:
+    """The most rows an int4 layer of an engine computing in `dtype` runs through its
+    weight-only kernel."""
+    import torch
+
     from tokenyard.models.quantize import dense_above_rows
 
-    return dense_above_rows(4)
+    return dense_above_rows(4, getattr(torch, dtype))
 
 
 def default_model() -> ModelSpec:
@@ -183,7 +186,9 @@ def calibrate_and_check(engine, bw_gbs: float, tflops: float, lengths: Lengths =
     best = best_of(engine, lengths.runs, shapes)
     b1, b4, b32, b8, long = (best[name] for name in shapes)
     model = default_model()
-    values = calibrate(b1, b32, bw_gbs, tflops, model, small=b4, small_rows=weight_only_rows())
+    values = calibrate(
+        b1, b32, bw_gbs, tflops, model, small=b4, small_rows=weight_only_rows(engine.config.dtype)
+    )
     dep = Deployment(model, cpu_hardware(values, remeasure=False), weights_dtype="int4")
     predicted = {
         "b8_decode_tok_s": 8 / dep.decode_step_s(8, b8.context),

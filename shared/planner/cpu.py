@@ -4,7 +4,8 @@ the engine's efficiencies against them, calibrated by `benchmarks/planner_cpu.py
 The calibration (cpu_calibration.yaml, beside this file) holds what our own engine reached:
 - step_overhead_ms: a batch-1 decode step minus the time to read its weights once;
 - decode_flops_eff: a 32-sequence decode step's FLOPs over its time, as a share of the
-  measured bf16 matmul rate;
+  measured matmul rate in the engine's compute dtype (bf16 where the CPU multiplies bf16
+  natively, fp32 elsewhere: `tokenyard.engine.config.auto_dtype`);
 - prefill_flops_eff: the same for one 128-token prefill.
 Bandwidth and matmul rate are measured again whenever the entry is built, so a busier or
 faster machine shifts the prediction the way it shifts the engine.
@@ -38,12 +39,22 @@ def memory_read_gbs(mib: int = 512, repeats: int = 5) -> float:
     return best
 
 
-def matmul_tflops(n: int = 1024, repeats: int = 5) -> float:
-    """The best bf16 matmul rate of an n x n x n product."""
+def compute_dtype() -> str:
+    """The dtype our engine computes in on this CPU by default (`dtype="auto"`)."""
+    from tokenyard.engine.config import auto_dtype
+
+    return auto_dtype("cpu")
+
+
+def matmul_tflops(n: int = 1024, repeats: int = 5, dtype: str | None = None) -> float:
+    """The best matmul rate of an n x n x n product in `dtype`, by default the engine's
+    compute dtype: timing bf16 on a CPU that emulates it measured a thousandth of the rate
+    the engine's fp32 path reaches there."""
     import torch
 
-    a = torch.randn(n, n, dtype=torch.bfloat16)
-    b = torch.randn(n, n, dtype=torch.bfloat16)
+    kind = getattr(torch, dtype or compute_dtype())
+    a = torch.randn(n, n, dtype=kind)
+    b = torch.randn(n, n, dtype=kind)
     a @ b
     best = 0.0
     for _ in range(repeats):
@@ -81,12 +92,12 @@ def measured() -> tuple[float, float]:
 
 def cpu_hardware(calibration: dict | None = None, *, remeasure: bool = True) -> Hardware:
     cal = calibration if calibration is not None else load_calibration()
-    bw, tflops = measured() if remeasure else (cal["memory_read_gbs"], cal["bf16_tflops"])
+    bw, tflops = measured() if remeasure else (cal["memory_read_gbs"], cal["matmul_tflops"])
     return Hardware(
         name="cpu",
         memory_gb=physical_memory_gb(),
         bandwidth_gbs=bw,
-        bf16_tflops=tflops,
+        bf16_tflops=tflops,  # the dense rate the engine's dtype reaches (bf16 or fp32)
         fp8_tflops=0.0,
         link_gbs=0.0,
         domain=1,

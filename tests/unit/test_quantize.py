@@ -198,6 +198,12 @@ def test_native_bf16_is_read_from_the_cpu_flags():
         assert config.native_bf16_in(f"processor\t: 0\nflags\t\t: {flags}\n") is native
 
 
+needs_bf16_packing = pytest.mark.skipif(
+    not q.mkldnn_packs_bf16(), reason="oneDNN has no bf16 linear on this CPU (AVX2 only)"
+)
+
+
+@needs_bf16_packing
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_prepacked_dense_copy_gives_the_same_results_to_the_bit(bits):
     linear = _linear(bias=False).to(torch.bfloat16)
@@ -213,6 +219,15 @@ def test_a_prepacked_dense_copy_gives_the_same_results_to_the_bit(bits):
     assert torch.equal(q.fp32_linear(packed, x3[0]), q.fp32_linear(plain, x3[0]))
 
 
+def test_nothing_is_packed_where_onednn_has_no_bf16_linear(monkeypatch):
+    monkeypatch.setattr(q, "mkldnn_packs_bf16", lambda: False)
+    layer = QuantizedLinear(_linear(bias=False).to(torch.bfloat16), 4)
+    assert not layer.prepack() and not layer.dense.is_mkldnn
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), QuantizedLinear(_linear(bias=False).to(torch.bfloat16), 4)(x))
+
+
+@needs_bf16_packing
 def test_only_a_bf16_dense_copy_on_the_cpu_is_packed():
     assert not QuantizedLinear(_linear(bias=False), 8).prepack()  # fp32: left as it is
     assert not QuantizedLinear(_linear().to(torch.bfloat16), 8).prepack()  # a bias
