@@ -17,7 +17,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -407,6 +407,15 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
+#if defined(__AVX2__)
+// The sum of 8 floats: halves, then pairs, then the last two.
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 constexpr int64_t kMaxRows = 16;  // the GEMV kernel's row limit: larger steps take the dense path
 
 // The GEMV kernel takes the rows in chunks of at most kChunk, with each row's accumulators
@@ -435,6 +444,20 @@ void int8_gemv_chunk(const float* x, int64_t K, const int8_t* q, const float* sc
       }
     }
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+#elif defined(__AVX2__) && defined(__FMA__)
+    // AVX2 CPUs: the same loop at 8 lanes (without it, the scalar loop below took 15.8 ms for
+    // SmolLM2's output projection at batch 1 against 4.3 ms for torch's int8 kernel).
+    __m256 a0[MB], a1[MB];
+    for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k))));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k + 8))));
+      for (int m = 0; m < MB; ++m) {
+        a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), a0[m]);
+        a1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), a1[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) acc[m] = sum8(_mm256_add_ps(a0[m], a1[m]));
 #endif
     for (; k < K; ++k) {
       for (int m = 0; m < MB; ++m) acc[m] += static_cast<float>(row[k]) * x[m * K + k];

@@ -39,12 +39,25 @@ def cpu_has_native_bf16() -> bool:
 
 def native_bf16_in(cpuinfo: str) -> bool:
     """Whether /proc/cpuinfo's text names a bf16 dot-product instruction set."""
+    return bool(flags_in(cpuinfo) & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def flags_in(cpuinfo: str) -> set[str]:
+    """The first CPU's feature flags in /proc/cpuinfo's text (x86 "flags", Arm "Features")."""
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):  # x86, Arm
-            flags = set(value.split())
-            return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-    return False
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+@functools.cache
+def cpu_has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (our C++ kernels' widest path; without it, AVX2's)."""
+    try:
+        return "avx512f" in flags_in(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return False
 
 
 @dataclass

@@ -44,22 +44,26 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 #   on one thread (each worker of a two-worker stack) the int4 kernel loses from about 8
 #   rows (2.1 ms dense against 2.4 ms int4 at 8 rows, 1.4 against 1.2 at 4);
 # - fp32 dense (`dtype="auto"` on CPUs without native bf16): int4 took 0.70x fp32's time at
-#   14 rows and 1.03x at 16, on one thread;
+#   14 rows and 1.03x at 16, on one thread; on a 2-core AVX2-only EPYC, int8 (the output
+#   projection, 576 x 49,152) took 11.8 ms per 16 rows in our kernel against 40 ms for the
+#   fp32 matmul at 16 rows and 51 ms at 32, so int8 keeps its kernel up to 32 rows there;
 # - bf16 dense emulated (no native bf16): slower than int4 at every decode batch measured
 #   (9.2 ms against 3.3 ms at 32 rows), so only prefill-sized steps use it.
 DENSE_ABOVE_ROWS = {
     "bf16_native": {8: 8, 4: 12},
     "bf16_native_one_thread": {8: 8, 4: 6},
     "fp32": {8: 8, 4: 14},
+    "fp32_avx2": {8: 32, 4: 14},
     "bf16_emulated": {8: 64, 4: 64},
 }
 
 
 def dense_above_rows(bits: int, dense_dtype: torch.dtype = torch.bfloat16) -> int:
     """The row count above which a layer uses its dense copy, for torch's thread count now."""
+    from tokenyard.engine.config import cpu_has_avx512, cpu_has_native_bf16
+
     if dense_dtype == torch.float32:
-        return DENSE_ABOVE_ROWS["fp32"][bits]
-    from tokenyard.engine.config import cpu_has_native_bf16
+        return DENSE_ABOVE_ROWS["fp32" if cpu_has_avx512() else "fp32_avx2"][bits]
 
     if not cpu_has_native_bf16():
         return DENSE_ABOVE_ROWS["bf16_emulated"][bits]

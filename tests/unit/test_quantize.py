@@ -168,8 +168,12 @@ def test_one_thread_switches_int4_to_the_native_bf16_dense_weight_sooner(monkeyp
 def test_the_dense_switch_follows_the_dense_copys_dtype_and_the_cpu(monkeypatch):
     import tokenyard.engine.config as config
 
+    monkeypatch.setattr(config, "cpu_has_avx512", lambda: True)
     fp32 = QuantizedLinear(_linear().float(), 4)
     assert fp32.dense_above == q.DENSE_ABOVE_ROWS["fp32"][4]
+    monkeypatch.setattr(config, "cpu_has_avx512", lambda: False)
+    # AVX2: our int8 kernel beats the fp32 matmul up to 32 rows (the output projection)
+    assert QuantizedLinear(_linear().float(), 8).dense_above == 32 > q.DENSE_ABOVE_ROWS["fp32"][8]
     monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
     emulated = QuantizedLinear(_linear().to(torch.bfloat16), 4)
     # an emulated bf16 matmul loses to int4 at every decode batch: only prefill steps use it
@@ -196,6 +200,8 @@ def test_native_bf16_is_read_from_the_cpu_flags():
 
     for flags, native in (("fpu avx2 avx512f", False), ("fpu avx512f avx512_bf16", True)):
         assert config.native_bf16_in(f"processor\t: 0\nflags\t\t: {flags}\n") is native
+    assert config.flags_in("processor\t: 0\nflags\t\t: fpu avx2 fma\n") == {"fpu", "avx2", "fma"}
+    assert config.flags_in("no flags here") == set()
 
 
 needs_bf16_packing = pytest.mark.skipif(
