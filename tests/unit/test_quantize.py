@@ -225,6 +225,24 @@ def test_a_prepacked_dense_copy_gives_the_same_results_to_the_bit(bits):
     assert torch.equal(q.fp32_linear(packed, x3[0]), q.fp32_linear(plain, x3[0]))
 
 
+def test_an_fp32_dense_copy_is_packed_only_on_avx2_cpus(monkeypatch):
+    import tokenyard.engine.config as config
+
+    monkeypatch.setattr(config, "cpu_has_avx512", lambda: True)
+    assert not QuantizedLinear(_linear(bias=False), 4).prepack()  # MKL's fp32 is kept there
+    monkeypatch.setattr(config, "cpu_has_avx512", lambda: False)
+    plain = QuantizedLinear(_linear(bias=False), 4)
+    packed = QuantizedLinear(_linear(bias=False), 4)
+    assert packed.prepack() and packed.dense.is_mkldnn
+    for rows in (plain.dense_above + 1, 32, 300):  # the dense path; fewer rows run int4
+        x = torch.randn(rows, 64)
+        y = packed(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, 48)
+        torch.testing.assert_close(y, plain(x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(4, 64)
+    assert torch.equal(packed(x), plain(x))  # the int4 kernel: the packed copy is not read
+
+
 def test_nothing_is_packed_where_onednn_has_no_bf16_linear(monkeypatch):
     monkeypatch.setattr(q, "mkldnn_packs_bf16", lambda: False)
     layer = QuantizedLinear(_linear(bias=False).to(torch.bfloat16), 4)
