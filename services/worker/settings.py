@@ -78,8 +78,9 @@ class WorkerSettings(BaseSettings):
     # A shared-memory directory where the CPU engines of one host share their built weights
     # as one read-only file (tokenyard.engine.shared_weights); empty = private memory.
     shared_weights_dir: str = ""
-    # Private CPU weights: keep the bf16 dense copies in oneDNN's packed layout (a 32-row
-    # decode step measured 1.35x faster; results equal to the bit). False: plain tensors.
+    # Private CPU weights: keep the dense copies in oneDNN's packed layout where that pays
+    # (QuantizedLinear.prepack: a 32-row bf16 step measured 1.35x faster, results equal to
+    # the bit; fp32 on AVX2-only CPUs 1.19x). False: plain tensors.
     prepack_weights: bool = True
     # The shared KV-cache service (host:port); empty = off. Prefill fetches a prompt's
     # cached prefix from it and writes newly computed full blocks through to it.

@@ -24,22 +24,30 @@ def auto_dtype(device: str) -> str:
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags, from /proc/cpuinfo read once per process (every quantized
+    layer asks at construction); empty where it cannot be read."""
+    try:
+        return frozenset(flags_in(Path("/proc/cpuinfo").read_text()))
+    except OSError:
+        return frozenset()
+
+
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (from /proc/cpuinfo's flags, read
-    once per process: every quantized layer asks at construction).
+    """Whether this CPU has bf16 dot-product instructions.
 
     Without them a bf16 matmul is emulated: measured on a 2-core AVX-512 machine without
     avx512_bf16, SmolLM2's projections at 32 rows took 9.2 ms in bf16 against 2.2 ms in fp32.
     """
-    try:
-        return native_bf16_in(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return False
+    return bool(cpu_flags() & NATIVE_BF16_FLAGS)
+
+
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86, x86, Arm
 
 
 def native_bf16_in(cpuinfo: str) -> bool:
     """Whether /proc/cpuinfo's text names a bf16 dot-product instruction set."""
-    return bool(flags_in(cpuinfo) & {"avx512_bf16", "amx_bf16", "bf16"})
+    return bool(flags_in(cpuinfo) & NATIVE_BF16_FLAGS)
 
 
 def flags_in(cpuinfo: str) -> set[str]:
@@ -51,13 +59,9 @@ def flags_in(cpuinfo: str) -> set[str]:
     return set()
 
 
-@functools.cache
 def cpu_has_avx512() -> bool:
     """Whether this CPU has AVX-512 (our C++ kernels' widest path; without it, AVX2's)."""
-    try:
-        return "avx512f" in flags_in(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return False
+    return "avx512f" in cpu_flags()
 
 
 @dataclass
@@ -102,8 +106,9 @@ class EngineConfig:
     # their built weights as one read-only file (tokenyard.engine.shared_weights); CPU only.
     # None = private memory.
     shared_weights_dir: str | None = None
-    # Private CPU weights only: keep each quantized layer's bf16 dense copy in oneDNN's
-    # packed layout (QuantizedLinear.prepack: the same kernel without a reorder per call).
+    # Private CPU weights only: keep each quantized layer's dense copy in oneDNN's packed
+    # layout where that pays (QuantizedLinear.prepack: bf16 where oneDNN has a bf16 linear,
+    # fp32 on CPUs without AVX-512).
     prepack_weights: bool = True
     # Speculative decoding, in vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4}
     # or {"method": "draft", "model": None, "quantization": "int4"} (tokenyard.engine.spec).

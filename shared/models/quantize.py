@@ -250,7 +250,7 @@ def mkldnn_packs_bf16() -> bool:
 
 
 def prepack(model: nn.Module) -> int:
-    """QuantizedLinear.prepack() on every layer that has a bf16 dense copy; how many."""
+    """QuantizedLinear.prepack() on every quantized layer; how many it packed."""
     return sum(m.prepack() for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
