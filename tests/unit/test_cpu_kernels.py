@@ -38,7 +38,9 @@ def _reference(q, kv_layer, tables, lens, scale):
     ).squeeze(2)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    "dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)]
+)
 @pytest.mark.parametrize("heads", [3, 9])  # no grouping, and 3 query heads per KV head
 def test_decode_attention_matches_torch(ops, dtype, tol, heads):
     pool = _pool(dtype)
@@ -116,12 +118,14 @@ def test_paged_attention_is_the_same_with_and_without_kernels(ops, monkeypatch):
     assert (outs[0] - outs[1]).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize(
+    "dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 1e-2)]
+)
 def test_fused_steps_match_their_torch_twins(ops, dtype, tol, monkeypatch):
     from tokenyard.models import fused
 
     g = torch.Generator().manual_seed(5)
-    rows, dim, width = 7, 40, 35  # widths that leave a tail past the 16-wide vector loops
+    rows, dim, width = 7, 40, 35  # widths that leave a tail past the 8- and 16-wide vector loops
     x = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
     residual = torch.randn(rows, dim, generator=g).to(dtype)
     weight = torch.rand(dim, generator=g).to(dtype)
@@ -135,7 +139,8 @@ def test_fused_steps_match_their_torch_twins(ops, dtype, tol, monkeypatch):
         normed, summed = fused.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
         rotated = qkv.clone()
         fused.rotary_(rotated, positions, cos, sin, num_heads=4, head_dim=16)  # the 5th head stays
-        return normed, summed, rotated, fused.silu_and_mul(gate_up)
+        first_layer = fused.add_rms_norm(x.clone(), None, weight, 1e-5)[0]  # no residual yet
+        return normed, summed, rotated, fused.silu_and_mul(gate_up), first_layer
 
     with_kernels = run()
     monkeypatch.setattr(fused.cpu_kernels, "ops", lambda: None)
