@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -76,6 +77,20 @@ class Bus:
     async def close(self) -> None:
         if not self.nc.is_closed:
             await self.nc.drain()
+
+    async def sync(self, timeout: float = 10.0) -> None:
+        """Return once the server has processed everything this connection sent so far (a
+        subscription made before is then live for every other client's publish).
+
+        nats-py's flush() alone does not promise that: it writes its PING straight to the
+        socket, ahead of commands still in the client's pending buffer (nats-py 2.16), so
+        under load the PONG could come back before a SUB just made had left the process,
+        and a publish from another connection then reached nobody (one loss in fifteen
+        with two cores busy). Wait for the buffer to go out first."""
+        deadline = time.monotonic() + timeout
+        while self.nc.pending_data_size and self.nc.is_connected and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        await self.nc.flush(timeout=max(1, int(deadline - time.monotonic())))
 
     async def publish(
         self, subject: str, message: Message, headers: dict[str, str] | None = None

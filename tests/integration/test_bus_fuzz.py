@@ -105,7 +105,7 @@ async def test_garbage_on_every_subject_leaves_every_service_running(stack: Loca
                 await bus.js.publish(subject, data)
             else:
                 await bus.nc.publish(subject, data)
-        await bus.nc.flush()
+        await bus.sync()
     finally:
         await bus.close()
     stack.check_alive()

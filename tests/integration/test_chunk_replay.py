@@ -74,7 +74,7 @@ async def worker_stream(nats_url: str, rid: str) -> tuple[Bus, TokenStream]:
             await stream.replay(replay.from_index)
 
     await bus.subscribe(subjects.REPLAY_ALL, pb.Replay, on_replay)
-    await bus.nc.flush()
+    await bus.sync()
     return bus, stream
 
 
@@ -88,7 +88,7 @@ def flushed(bus: Bus):
 
     async def publish_and_flush(*args, **kwargs) -> None:
         await publish(*args, **kwargs)
-        await bus.nc.flush()
+        await bus.sync()
 
     return publish_and_flush
 
@@ -100,7 +100,7 @@ async def test_a_gap_is_filled_by_a_replay_from_its_start(bus: Bus, nats_url: st
     asked: list[int] = []
     try:
         stream = await gateway_stream(bus, rid, asked, [0], deaf)
-        await bus.nc.flush()
+        await bus.sync()
         await worker.on_output(output(rid, [0]))  # lost
         await worker.on_output(output(rid, [1, 2]))  # lost
         await asyncio.sleep(0.2)  # the gateway's connection has read (and dropped) them
@@ -123,7 +123,7 @@ async def test_after_a_reconnect_a_silent_stream_asks_for_its_tail(bus: Bus, nat
     asked: list[int] = []
     try:
         stream = await gateway_stream(bus, rid, asked, reconnects, deaf)
-        await bus.nc.flush()
+        await bus.sync()
         await worker.on_output(output(rid, [5, 6]))
         first = await asyncio.wait_for(anext(stream), 20)
         assert first.index == 0

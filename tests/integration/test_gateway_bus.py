@@ -35,18 +35,8 @@ async def serve_router(bus: Bus, reply: pb.RouteReply, seen: list[pb.RouteReques
         await bus.reply(msg, reply)
 
     sub = await bus.subscribe(subjects.ROUTER_ROUTE, pb.RouteRequest, on_route)
-    await synced(bus)
+    await bus.sync()
     return sub
-
-
-async def synced(bus: Bus) -> None:
-    """Returns once the server has every subscription this connection made.
-
-    NOTE: twice: nats-py's flush() writes its PING ahead of commands still in its buffer,
-    so one PONG can come back before the SUB reaches the server (messages then go missing).
-    """
-    await bus.nc.flush()
-    await bus.nc.flush()
 
 
 PLACED = pb.RouteReply(placement=pb.Placement(prefill_worker_id=WORKER, decode_worker_id=WORKER))
@@ -114,7 +104,7 @@ async def test_cancel_reaches_the_workers(backend, bus):
         cancels.put_nowait((msg.subject, c))
 
     await bus.subscribe(subjects.CANCEL_ALL, pb.Cancel, on_cancel)
-    await synced(bus)
+    await bus.sync()
     await backend.cancel("r9", "client disconnected")
     subject, got = await asyncio.wait_for(cancels.get(), 2)
     assert got.request_id == "r9"

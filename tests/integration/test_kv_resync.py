@@ -143,12 +143,12 @@ async def test_a_router_that_missed_events_asks_for_a_dump(stack):
         assert handler.index.blocks_of(WORKER) == await worker_blocks(bus)
 
         await events.unsubscribe()  # the events of the next two requests never reach it
-        await bus.nc.flush()
+        await bus.sync()
         missed = [prompt(i) for i in range(10, 12)]
         await serve(bus, missed)
         assert not hashes(missed) & handler.index.blocks_of(WORKER)
         await bus.subscribe(subjects.KV_EVENTS_ALL, pb.KVEvent, handler.on_kv_event)
-        await bus.nc.flush()
+        await bus.sync()
         await serve(bus, [prompt(20)])  # its event comes after a gap
 
         async def rebuilt() -> bool:

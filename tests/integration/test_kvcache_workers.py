@@ -89,7 +89,7 @@ async def run(bus: Bus, handler: PrefillHandler, rid: str, prompt: list[int]) ->
         params=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0),
     )
     assert await handler.run_job(job)
-    await bus.nc.flush()
+    await bus.sync()
     await asyncio.sleep(0.2)
     await sub.unsubscribe()
     return [t for c in sorted(chunks, key=lambda c: c.index) for t in c.token_ids]

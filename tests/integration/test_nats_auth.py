@@ -76,8 +76,7 @@ async def collect(bus: Bus, subject: str) -> list[str]:
         got.append(msg.subject)
 
     await bus.subscribe(subject, pb.WorkerHeartbeat, on)
-    await bus.nc.flush()
-    await bus.nc.flush()
+    await bus.sync()
     return got
 
 
@@ -97,7 +96,7 @@ async def test_a_worker_publishes_only_its_own_heartbeats(connect):
     await worker.publish(subjects.heartbeat("decode", "decode-1"), pb.WorkerHeartbeat())
     await worker.publish(subjects.heartbeat("decode", "decode-9"), pb.WorkerHeartbeat())
     await worker.publish(subjects.facilities_state("rack-a"), pb.WorkerHeartbeat())
-    await worker.nc.flush()
+    await worker.sync()
     assert await _eventually(lambda: seen)
     await asyncio.sleep(0.3)
     assert seen == [subjects.heartbeat("decode", "decode-1")]
@@ -127,7 +126,7 @@ async def test_the_router_answers_route_requests_but_publishes_nothing_else(conn
         await router.publish(subjects.tokens("gw-a", req.request_id), pb.WorkerHeartbeat())
 
     await router.subscribe(subjects.ROUTER_ROUTE, pb.RouteRequest, on_route)
-    await router.nc.flush()
+    await router.sync()
     gateway = await connect("gateway")
     tokens = await collect(gateway, subjects.tokens("gw-a", "*"))
     reply = await gateway.request(
@@ -167,7 +166,7 @@ async def test_a_gateway_cannot_read_or_cancel_another_gateways_requests(server:
         operator = await connect("operator")
         await operator.publish(subjects.tokens("gw-a", "r7"), pb.WorkerHeartbeat())
         await operator.publish(subjects.tokens("gw-b", "r8"), pb.WorkerHeartbeat())
-        await operator.nc.flush()
+        await operator.sync()
         assert await _eventually(lambda: got)
         await asyncio.sleep(0.3)
         assert got == [subjects.tokens("gw-b", "r8")]

@@ -68,13 +68,13 @@ async def test_anonymous_is_refused_and_a_pool_speaks_for_its_role_only(server):
 
     try:
         await operator.subscribe(f"{subjects.PREFIX}.>", pb.WorkerHeartbeat, on)
-        await operator.nc.flush()
+        await operator.sync()
         # Any decode worker's heartbeat (replicas are named at start); no prefill one, no
         # rack state.
         await decode.publish(subjects.heartbeat("decode", "web-7f9-1"), pb.WorkerHeartbeat())
         await decode.publish(subjects.heartbeat("prefill", "web-7f9-1"), pb.WorkerHeartbeat())
         await decode.publish(subjects.facilities_state("rack-a"), pb.WorkerHeartbeat())
-        await decode.nc.flush()
+        await decode.sync()
         for _ in range(200):
             if seen:
                 break
