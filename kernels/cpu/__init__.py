@@ -53,6 +53,7 @@ _FUNCTIONS = [
     "rotary",
     "silu_and_mul",
     "int8_linear",
+    "int4_linear",
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 

@@ -4,9 +4,10 @@
 // - write_kv, decode_attention: twins in tokenyard.models.attention. A decode row walks its
 //   block table in the pool and never gathers its context into a temporary tensor, which is
 //   what made the torch path's decode attention cost a quarter of a 32-sequence step.
-// - int8_linear: weight-only int8 GEMM for steps of a few rows, where decoding is bound by
-//   the bytes of weights read (twin: tokenyard.models.quantize.QuantizedLinear). For int4,
-//   torch's own CPU kernel was faster than ours and is used instead.
+// - int8_linear, int4_linear: weight-only GEMMs for steps of a few rows, where decoding is
+//   bound by the bytes of weights read (twin: tokenyard.models.quantize.QuantizedLinear).
+//   int4 runs here on CPUs without native bf16, where torch's int4 kernel converts its
+//   activations to bf16 in software; with native bf16 torch's kernel is used.
 // - add_rms_norm, rotary, silu_and_mul: twins in tokenyard.models.fused. Each replaces five
 //   to eight small torch ops per layer; at batch 1 those ops' dispatch cost more than the
 //   arithmetic, a third of a decode step on a 30-layer model.
@@ -57,9 +58,12 @@ inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - 
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
-// 16 int8 -> float.
+// 16 int8 (or uint8) -> float.
 inline vf vload_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf vload_u8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 template <typename scalar_t>
 inline vf vload(const scalar_t* p);
@@ -103,9 +107,12 @@ inline vf vscale2(vf p, vf n) {
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
-// 8 int8 -> float.
+// 8 int8 (or uint8) -> float.
 inline vf vload_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf vload_u8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 template <typename scalar_t>
 inline vf vload(const scalar_t* p);
@@ -570,6 +577,73 @@ void int8_gemv(const float* x, int64_t M, int64_t K, const int8_t* q, const floa
   });
 }
 
+// Weight-only int4 in GGUF Q4_1's layout: row n of q holds K / 32 groups of 16 bytes, whose
+// low nibbles are the group's weights 0-15 and high nibbles 16-31; w = q * scale + zero, one
+// fp32 scale and zero per (row, group). Each group is unpacked and scaled once per chunk of
+// up to kChunk4 rows, then multiplied into every row of the chunk: torch's int4 kernel
+// unpacks once per four rows (a 2-core AVX2 EPYC: 11 ms for four rows of SmolLM2's 30
+// layers, 24 ms for eight, 48 for sixteen).
+constexpr int64_t kGroup = 32;
+constexpr int64_t kChunk4 = 8;
+
+template <int MB>
+void int4_gemm_chunk(const float* x, int64_t K, const uint8_t* q, const float* scale, const float* zero, float* out,
+                     int64_t N, int64_t begin, int64_t end) {
+  const int64_t G = K / kGroup;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = q + n * (K / 2);
+    const float* sr = scale + n * G;
+    const float* zr = zero + n * G;
+    float acc[MB] = {};
+#if defined(TY_VEC)
+    vf a[MB];
+    for (int m = 0; m < MB; ++m) a[m] = vzero();
+    alignas(16) uint8_t nib[kGroup];
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
+      _mm_store_si128(reinterpret_cast<__m128i*>(nib), _mm_and_si128(b, low));
+      _mm_store_si128(reinterpret_cast<__m128i*>(nib + 16), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+      const vf s = vset(sr[g]), z = vset(zr[g]);
+      for (int v = 0; v < kGroup / kW; ++v) {
+        const vf w = vfma(vload_u8(nib + v * kW), s, z);
+        for (int m = 0; m < MB; ++m) a[m] = vfma(w, vload(x + m * K + g * kGroup + v * kW), a[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) acc[m] = vsum(a[m]);
+#else
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t j = 0; j < kGroup; ++j) {
+        const uint8_t byte = row[g * 16 + (j & 15)];
+        const float w = static_cast<float>(j < 16 ? byte & 15 : byte >> 4) * sr[g] + zr[g];
+        for (int m = 0; m < MB; ++m) acc[m] += w * x[m * K + g * kGroup + j];
+      }
+    }
+#endif
+    for (int m = 0; m < MB; ++m) out[m * N + n] = acc[m];
+  }
+}
+
+void int4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, const float* zero,
+               float* out, int64_t N) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kChunk4) {
+      const float* xc = x + m0 * K;
+      float* oc = out + m0 * N;
+      switch (std::min(kChunk4, M - m0)) {
+        case 1: int4_gemm_chunk<1>(xc, K, q, scale, zero, oc, N, begin, end); break;
+        case 2: int4_gemm_chunk<2>(xc, K, q, scale, zero, oc, N, begin, end); break;
+        case 3: int4_gemm_chunk<3>(xc, K, q, scale, zero, oc, N, begin, end); break;
+        case 4: int4_gemm_chunk<4>(xc, K, q, scale, zero, oc, N, begin, end); break;
+        case 5: int4_gemm_chunk<5>(xc, K, q, scale, zero, oc, N, begin, end); break;
+        case 6: int4_gemm_chunk<6>(xc, K, q, scale, zero, oc, N, begin, end); break;
+        case 7: int4_gemm_chunk<7>(xc, K, q, scale, zero, oc, N, begin, end); break;
+        default: int4_gemm_chunk<8>(xc, K, q, scale, zero, oc, N, begin, end); break;
+      }
+    }
+  });
+}
+
 void check_rows(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
   TORCH_CHECK(x.size(0) <= kMaxRows, "at most ", kMaxRows, " rows per call, got ", x.size(0));
@@ -589,6 +663,29 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const auto xf = x.to(at::kFloat).contiguous();  // the inner loops read one format
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
   int8_gemv(xf.data_ptr<float>(), M, K, qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), out.data_ptr<float>(), N);
+  return out.to(x.scalar_type());
+}
+
+// Weight-only int4: x [M, K] @ W^T -> [M, N] in x's dtype, W dequantized from qweight uint8
+// [N, K / 2] (Q4_1 nibbles, see int4_gemm_chunk), scale and zero fp32 [N, K / 32].
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                       const at::Tensor& zero) {
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "qweight must be contiguous uint8 [N, K / 2]");
+  const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of ", kGroup);
+  for (const auto* t : {&scale, &zero}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == K / kGroup,
+                "scale and zero must be contiguous fp32 [N, K / 32]");
+  }
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point");
+  const int64_t M = x.size(0);
+  const auto xf = x.to(at::kFloat).contiguous();
+  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  int4_gemm(xf.data_ptr<float>(), M, K, qweight.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<float>(),
+            out.data_ptr<float>(), N);
   return out.to(x.scalar_type());
 }
 

@@ -46,14 +46,16 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # - fp32 dense (`dtype="auto"` on CPUs without native bf16): int4 took 0.70x fp32's time at
 #   14 rows and 1.03x at 16, on one thread; on a 2-core AVX2-only EPYC, int8 (the output
 #   projection, 576 x 49,152) took 11.8 ms per 16 rows in our kernel against 40 ms for the
-#   fp32 matmul at 16 rows and 51 ms at 32, so int8 keeps its kernel up to 32 rows there;
+#   fp32 matmul at 16 rows and 51 ms at 32, and int4 in our kernel (own_int4_kernel) 34 ms
+#   for the 30 layers at 16 rows and 66 ms at 32 against 50 and 72 ms for the packed fp32
+#   matmul, so both keep their kernels up to 32 rows there;
 # - bf16 dense emulated (no native bf16): slower than int4 at every decode batch measured
 #   (9.2 ms against 3.3 ms at 32 rows), so only prefill-sized steps use it.
 DENSE_ABOVE_ROWS = {
     "bf16_native": {8: 8, 4: 12},
     "bf16_native_one_thread": {8: 8, 4: 6},
     "fp32": {8: 8, 4: 14},
-    "fp32_avx2": {8: 32, 4: 14},
+    "fp32_avx2": {8: 32, 4: 32},
     "bf16_emulated": {8: 64, 4: 64},
 }
 
@@ -91,6 +93,7 @@ class QuantizedLinear(LeanModule):
         self.bias = linear.bias
         self.dense = linear.weight if keep_dense else None
         self.dense_above = dense_above_rows(bits, linear.weight.dtype)
+        self.own_int4 = False  # int4 in our kernel's layout (own_int4_kernel)
         if bits == 8:
             scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
             self.register_buffer(
@@ -111,15 +114,25 @@ class QuantizedLinear(LeanModule):
                 .clamp(0, 15)
                 .to(torch.int32)
             )
-            # torch's layout: w = (q - 8) * scale + zero, scales_and_zeros [in / group, out, 2]
-            zero = lo + 8 * scale
-            self.register_buffer(
-                "qweight", torch._convert_weight_to_int4pack_for_cpu(q.view_as(w), 2)
-            )
-            self.register_buffer(
-                "scales",
-                torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16),
-            )
+            self.own_int4 = own_int4_kernel()
+            if self.own_int4:
+                # GGUF Q4_1's layout: w = q * scale + zero; byte j of a group holds weight j
+                # in its low nibble and weight j + 16 in its high one. uint8 [out, in / 2].
+                nibbles = q.to(torch.uint8)
+                packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)
+                self.register_buffer("qweight", packed.reshape(self.out_features, -1))
+                self.register_buffer("scales", scale.contiguous())  # fp32 [out, in / 32]
+                self.register_buffer("zeros", lo.contiguous())
+            else:
+                # torch's layout: w = (q - 8) * scale + zero, scales_and_zeros [in / group, out, 2]
+                zero = lo + 8 * scale
+                self.register_buffer(
+                    "qweight", torch._convert_weight_to_int4pack_for_cpu(q.view_as(w), 2)
+                )
+                self.register_buffer(
+                    "scales",
+                    torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16),
+                )
         else:
             raise ValueError(f"bits must be 8 or 4, got {bits}")
 
@@ -172,10 +185,21 @@ class QuantizedLinear(LeanModule):
             return torch._weight_int8pack_mm(xb, self.qweight, self.scales.to(torch.bfloat16)).to(
                 x.dtype
             )
+        if self.own_int4:
+            kernels = cpu_kernels.ops_for(x)
+            if kernels is not None:
+                return kernels.int4_linear(x.contiguous(), self.qweight, self.scales, self.zeros)
+            return (x.float() @ self.int4_weight().T).to(x.dtype)  # the twin: slow, exact
         xb = x.to(torch.bfloat16).contiguous()
         return torch._weight_int4pack_mm_for_cpu(xb, self.qweight, GROUP_SIZE, self.scales).to(
             x.dtype
         )
+
+    def int4_weight(self) -> torch.Tensor:
+        """The fp32 weight [out, in] our int4 layout stands for: q * scale + zero."""
+        packed = self.qweight.view(self.out_features, -1, GROUP_SIZE // 2)
+        q = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # [out, groups, 32]
+        return (q * self.scales[..., None] + self.zeros[..., None]).view(self.out_features, -1)
 
     def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] -> fp32 [M, out], never rounded to x's dtype (the output projection's logits).
@@ -196,7 +220,8 @@ class QuantizedLinear(LeanModule):
 
     def quantized_bytes(self) -> int:
         """What one small-batch step reads of this layer's weights."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales))
+        parts = [self.qweight, self.scales] + ([self.zeros] if self.own_int4 else [])
+        return sum(t.numel() * t.element_size() for t in parts)
 
 
 class Fp8Linear(LeanModule):
@@ -227,6 +252,17 @@ def fp32_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(layer, QuantizedLinear):
         return layer.forward_fp32(x)
     return layer(x).float()
+
+
+def own_int4_kernel() -> bool:
+    """Whether int4 layers take our C++ kernel's layout (Q4_1 nibbles, fp32 scales and zeros)
+    rather than torch's: on CPUs without native bf16, where torch's int4 kernel converts its
+    activations to bf16 in software and unpacks its weights once per four rows (on a 2-core
+    AVX2 EPYC, SmolLM2's 30 layers at 8 rows: 27 ms in torch's kernel, 18 ms in ours), and
+    only where our kernels are built. With native bf16, torch's kernel is kept."""
+    from tokenyard.engine.config import cpu_has_native_bf16
+
+    return not cpu_has_native_bf16() and cpu_kernels.ops() is not None
 
 
 def int4_fits(linear: nn.Linear) -> bool:
@@ -278,6 +314,8 @@ def _quantized(name: str, linear: nn.Linear, mode: str, bits: int, keep_dense: b
 
 def dequantized(layer: nn.Module) -> torch.Tensor:
     """The float weight a layer stands for on its small-batch path (tests compare against it)."""
+    if isinstance(layer, QuantizedLinear) and layer.own_int4:
+        return layer.int4_weight()
     if isinstance(layer, QuantizedLinear):
         eye = torch.eye(layer.in_features, dtype=torch.bfloat16)
         return layer._quantized_mm(eye).float().T

@@ -262,3 +262,54 @@ def test_only_a_bf16_dense_copy_on_the_cpu_is_packed():
     model.lm_head = nn.Linear(64, 96, bias=False).to(torch.bfloat16)
     quantize(model, "int4")
     assert q.prepack(model) == 3
+
+
+@pytest.fixture
+def own_int4(monkeypatch):
+    """int4 layers built in our kernel's layout, whatever this CPU would choose."""
+    if cpu_kernels.ops() is None:
+        pytest.skip("CPU kernels not built here")
+    monkeypatch.setattr(q, "own_int4_kernel", lambda: True)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_our_int4_kernel_and_its_torch_twin_agree(own_int4, monkeypatch, dtype, tol):
+    layer = QuantizedLinear(_linear(out_features=48, in_features=96, bias=False), 4, False)
+    assert layer.own_int4 and layer.qweight.dtype == torch.uint8
+    x = torch.randn(19, 96).to(dtype)  # two chunks of 8 rows and three more
+    with_kernel = layer(x)
+    assert with_kernel.dtype == dtype
+    monkeypatch.setattr(q.cpu_kernels, "ops", lambda: None)
+    twin = layer(x)
+    assert (twin.float() - with_kernel.float()).abs().max().item() < tol
+    assert torch.allclose(twin.float(), x.float() @ layer.int4_weight().T, atol=tol)
+
+
+def test_our_int4_layout_keeps_a_q4_1_weight_exactly(own_int4):
+    """Our layout keeps fp32 scales and zeros: a weight already on a Q4_1 grid comes back
+    to fp32 rounding, and each row's result does not depend on the other rows."""
+    torch.manual_seed(2)
+    levels = torch.randint(0, 16, (32, 64)).float()
+    levels[:, ::32], levels[:, 1::32] = 0, 15  # every group spans 0..15
+    scale, offset = torch.rand(32, 2, 1) * 0.01 + 0.001, -torch.rand(32, 2, 1) * 0.05
+    w = (levels.view(32, 2, 32) * scale + offset).view(32, 64)
+    linear = nn.Linear(64, 32, bias=False)
+    linear.weight.data = w
+    layer = QuantizedLinear(linear, 4, keep_dense=False)
+    assert (layer.int4_weight() - w).abs().max() < 1e-6
+    x = torch.randn(20, 64)
+    batch = layer(x)
+    assert all(torch.equal(layer(x[i : i + 1]), batch[i : i + 1]) for i in range(20))
+
+
+def test_our_int4_kernel_refuses_a_malformed_layout(own_int4):
+    ops = cpu_kernels.ops()
+    qweight = torch.zeros(16, 32, dtype=torch.uint8)  # K = 64: two groups
+    scales, zeros = torch.ones(16, 2), torch.zeros(16, 2)
+    assert ops.int4_linear(torch.ones(3, 64), qweight, scales, zeros).shape == (3, 16)
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.int4_linear(torch.ones(3, 63), qweight, scales, zeros)
+    with pytest.raises(RuntimeError, match="scale and zero"):
+        ops.int4_linear(torch.ones(3, 64), qweight, scales[:, :1].contiguous(), zeros)
+    with pytest.raises(RuntimeError, match="qweight must be"):
+        ops.int4_linear(torch.ones(3, 64), qweight.to(torch.int8), scales, zeros)
