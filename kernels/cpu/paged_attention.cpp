@@ -58,6 +58,25 @@ inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - 
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
+// Lane t of the result = the sum of a[t]'s lanes, for kW vectors: four rounds of pairwise
+// shuffles and adds (46 instructions for 16 sums, against about 8 for each horizontal sum).
+// The rounds leave token 4j + k in lane 4k + j; one permute puts lane t back at token t.
+inline vf vsum_lanes(const vf* a) {
+  vf b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: a[2i]'s halves added, lanes 8-15: a[2i + 1]'s
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit chunk k: token 4i + k, four partial sums
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const vf e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
 // 16 int8 (or uint8) -> float.
 inline vf vload_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -100,6 +119,20 @@ inline float vsum(vf v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// Lane t of the result = the sum of a[t]'s lanes, for kW vectors (see the AVX-512 version):
+// three rounds leave token 2j + k in lane 4k + j; one permute restores the order.
+inline vf vsum_lanes(const vf* a) {
+  vf b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const vf e = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(e, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 // p * 2^n for integral n, built in the exponent bits; n is clamped to the normal range, which
 // only the far ends of vexp's clamped input reach.
 inline vf vscale2(vf p, vf n) {
@@ -313,7 +346,11 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
   const scalar_t* block = nullptr;
   const int64_t num_blocks = (it.ctx + it.block_size - 1) / it.block_size;
   const int64_t row_bytes = NV * kW * sizeof(scalar_t);
-  for (int64_t t = 0; t < it.ctx; ++t) {
+  // Pass 1 takes kW keys at a time where blocks hold whole tiles: each query head's kW
+  // partial-sum vectors are reduced together (vsum_lanes), not one horizontal sum per key.
+  const bool tiles = it.block_size % kW == 0;
+  vf part[kMaxGroup][kW];
+  for (int64_t t = 0; t < it.ctx;) {
     if ((t & (it.block_size - 1)) == 0) {
       const int64_t j = t / it.block_size;
       block = it.pool + it.table[j] * it.s_block;
@@ -322,6 +359,22 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
       } else {  // the last key block: start on the values
         prefetch_rows(it.pool + it.table[0] * it.s_block + it.s_kv, it.block_size, it.s_tok, row_bytes);
       }
+    }
+    if (tiles && t + kW <= it.ctx) {  // t is a multiple of kW here: the tile is in one block
+      for (int r = 0; r < kW; ++r) {
+        const scalar_t* kr = block + ((t + r) & (it.block_size - 1)) * it.s_tok;
+        vf k[NV];
+        for (int v = 0; v < NV; ++v) k[v] = vload(kr + kW * v);
+        for (int64_t i = 0; i < it.group; ++i) {
+          const float* qi = it.q + i * NV * kW;
+          vf a = vmul(vload(qi), k[0]);
+          for (int v = 1; v < NV; ++v) a = vfma(vload(qi + kW * v), k[v], a);
+          part[i][r] = a;
+        }
+      }
+      for (int64_t i = 0; i < it.group; ++i) vstore(it.scores + i * it.ctx + t, vsum_lanes(part[i]));
+      t += kW;
+      continue;
     }
     const scalar_t* kr = block + (t & (it.block_size - 1)) * it.s_tok;
     vf k[NV];
@@ -332,6 +385,7 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
       for (int v = 1; v < NV; ++v) a = vfma(vload(qi + kW * v), k[v], a);
       it.scores[i * it.ctx + t] = vsum(a);
     }
+    ++t;
   }
   softmax_rows(it.scores, it.group, it.ctx);
   vf acc[kMaxGroup][NV];
@@ -375,13 +429,23 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, cons
   const bool vector_path = group <= kMaxGroup && (head_dim == 64 || head_dim == 128);
 #endif
 
-  // Small steps run on the calling thread: waking the thread pool costs more than they do.
-  int64_t max_len = 1;
-  for (int64_t b = 0; b < num_seqs; ++b) max_len = std::max(max_len, lens[b]);
-  const int64_t grain = std::max<int64_t>(1, 512 / max_len);
-  at::parallel_for(0, num_seqs * num_kv_heads, grain, [&](int64_t begin, int64_t end) {
+  // Items are split into one contiguous run per thread by cost (an item's context length),
+  // not by count: a prefill chunk's rows (prompt tokens as rows of their own, see
+  // tokenyard.models.attention) cost from one key to the whole prompt. Runs of under 512
+  // keys stay on the calling thread: waking the thread pool costs more than they do.
+  const int64_t items = num_seqs * num_kv_heads;
+  int64_t total = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) total += lens[b] * num_kv_heads;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / 512));
+  std::vector<int64_t> first(parts + 1, items);  // first[p]: part p's first item
+  first[0] = 0;
+  for (int64_t item = 0, done = 0, p = 1; item < items && p < parts; ++item) {
+    done += lens[item / num_kv_heads];
+    while (p < parts && done * parts >= p * total) first[p++] = item + 1;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = first[part_begin]; item < first[part_end]; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
       scores.resize(group * lens[b]);
       for (int64_t i = 0; i < group; ++i) {

@@ -10,9 +10,12 @@ Every row's key and value are written into the pool at its slot; then decoding r
 over their block tables in one batched call, and each prefill chunk attends causally over
 its context (cached prefix + earlier chunks + itself).
 
-On a CPU the cache write and the decode rows run in C++ kernels (`tokenyard.kernels.cpu`)
-that walk the block tables in place; the torch code here is their twin, used where the
-kernels cannot be built and compared against them in the tests.
+On a CPU the cache write and the attention run in C++ kernels (`tokenyard.kernels.cpu`)
+that walk the block tables in place. There a prefill chunk's rows attend as rows of their
+own, each over its context up to its own position (`AttnMetadata.kernel_rows`), in the same
+call as the decoding rows: no gathered keys, no mask, no [n, context] score matrix in
+memory. The torch code here is the kernels' twin, used where they cannot be built and
+compared against them in the tests.
 """
 
 from __future__ import annotations
@@ -50,6 +53,21 @@ class AttnMetadata:
         width = self.decode_block_tables.shape[1] * self.block_size
         return (torch.arange(width)[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
 
+    @cached_property
+    def kernel_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row as one query over its own context, for the CPU kernel: block tables
+        [T, max_blocks] (padded with block 0) and context lengths [T]. A prefill chunk's rows
+        share their span's table and see keys up to their own positions (causal)."""
+        parts = [] if self.decode_block_tables is None else [self.decode_block_tables]
+        lens = [] if self.decode_context_lens is None else [self.decode_context_lens]
+        for span in self.prefills:
+            parts.append(span.block_ids.expand(span.num_tokens, -1))
+            first = span.context_len - span.num_tokens + 1
+            lens.append(torch.arange(first, span.context_len + 1))
+        width = max(t.shape[1] for t in parts)
+        tables = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts])
+        return tables, torch.cat(lens)
+
 
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim], already rotated
@@ -66,22 +84,12 @@ def paged_attention(
         kernels.write_kv(
             k.contiguous(), v.contiguous(), kv_layer, meta.slot_blocks, meta.slot_offsets
         )
-    else:
-        kv_layer[meta.slot_blocks, :, meta.slot_offsets] = torch.stack(
-            (k, v), dim=1
-        )  # [T, 2, H_kv, D]
+        tables, lens = meta.kernel_rows
+        return kernels.decode_attention(q.contiguous(), kv_layer, tables, lens, scale)
+    kv_layer[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    if meta.num_decode and kernels is not None:
-        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-        out[: meta.num_decode] = kernels.decode_attention(
-            q[: meta.num_decode].contiguous(),
-            kv_layer,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            scale,
-        )
-    elif meta.num_decode:
+    if meta.num_decode:
         b = meta.num_decode
         assert meta.decode_block_tables is not None
         # Gather keys and values separately: each gather lands contiguous, so merging the

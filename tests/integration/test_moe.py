@@ -105,15 +105,24 @@ def test_memory_report_and_expert_token_counts(checkpoint):
 
 def test_quantized_moe_stays_close_to_fp32(checkpoint):
     """The shipped precision, dtype auto + int4 experts (the router stays full precision;
-    prefill-sized steps run the dense copy, as on the default model): the first greedy token
-    agrees. NOTE: the int4 kernel itself, on these random tiny weights, flips 2 of 3 first
-    tokens: their top logits lie within 0.1-0.5 nats of each other. The prompts are long
-    enough (147 tokens, about 74 rows per expert with 2 of 4 chosen) that every expert's
-    share of the prefill is above the int4 kernel's row limit (32 on an AVX2-only CPU)."""
-    _, _, folder = checkpoint
+    prefill-sized steps run the dense copy, as on the default model): each first greedy
+    token is one the exact fp32 model ranks within 0.1 nats of its best, and its
+    log-probability is within 0.25 of the exact one. NOTE: not token equality: these random
+    tiny models' next-token distributions are nearly flat at the top (one prompt's two best
+    tokens lie 0.037 nats apart), and where the CPU multiplies bf16 natively (dtype auto =
+    bf16) that tie flips; the int4 kernel itself flips 2 of 3 first tokens. The prompts are
+    long enough (147 tokens, about 74 rows per expert with 2 of 4 chosen) that every
+    expert's share of the prefill is above the int4 kernel's row limit (32 on an AVX2-only
+    CPU)."""
+    _, hf_model, folder = checkpoint
     long = prompts(3, shortest=40)
-    exact = run(make_engine(folder), long, max_tokens=1)
     engine = make_engine(folder, dtype="auto", quantization="int4")
     quantized = run(engine, long, 1)
     assert min(min(c) for c in engine.stats().expert_tokens) > 32  # one prefill step each
-    assert [r.token_ids for r in quantized] == [r.token_ids for r in exact]
+    for prompt, result in zip(long, quantized, strict=True):
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([prompt])).logits[0, -1].float()
+        exact = torch.log_softmax(logits, dim=-1)
+        [token] = result.token_ids
+        assert exact.max().item() - exact[token].item() <= 0.1, (prompt[:3], token)
+        assert abs(result.logprobs[0].logprob - exact[token].item()) <= 0.25

@@ -118,6 +118,44 @@ def test_paged_attention_is_the_same_with_and_without_kernels(ops, monkeypatch):
     assert (outs[0] - outs[1]).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_prefill_chunks_attend_through_the_kernel_as_the_torch_path_does(
+    ops, dtype, tol, monkeypatch
+):
+    """Two prefill chunks in one step, one fresh (no cached prefix) and one after a 50-token
+    prefix, long enough that the kernel splits the rows between threads by cost and reads
+    whole tiles of keys as well as tails; the kernel's output against the torch path's."""
+    g = torch.Generator().manual_seed(8)
+    fresh, later, prefix, heads = 70, 45, 50, 9
+    t = fresh + later
+    q, k, v = (torch.randn(t, h, D, generator=g).to(dtype) for h in (heads, H_KV, H_KV))
+    first_blocks = torch.tensor([11, 2, 30, 5, 17])
+    second_blocks = torch.tensor([9, 21, 3, 38, 14, 6, 25])
+    positions = torch.cat([torch.arange(fresh), torch.arange(prefix, prefix + later)])
+    slot_blocks = torch.cat(
+        [first_blocks[torch.arange(fresh) // BLOCK], second_blocks[(positions[fresh:]) // BLOCK]]
+    )
+    meta_args = dict(
+        slot_blocks=slot_blocks,
+        slot_offsets=positions % BLOCK,
+        prefills=[
+            PrefillSpan(start=0, num_tokens=fresh, context_len=fresh, block_ids=first_blocks),
+            PrefillSpan(
+                start=fresh, num_tokens=later, context_len=prefix + later, block_ids=second_blocks
+            ),
+        ],
+        block_size=BLOCK,
+    )
+    outs = []
+    for use_kernels in (True, False):
+        pool = _pool(dtype, seed=9)
+        if not use_kernels:
+            monkeypatch.setattr(attention.cpu_kernels, "ops", lambda: None)
+        outs.append(paged_attention(q, k, v, pool[:, 2], AttnMetadata(**meta_args), D**-0.5))
+    assert outs[0].dtype == dtype
+    assert (outs[0].float() - outs[1].float()).abs().max().item() < tol
+
+
 @pytest.mark.parametrize(
     "dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 1e-2)]
 )
