@@ -41,6 +41,9 @@ void check_pool(const at::Tensor& kv_layer) {
 // once. Without either, TY_VEC is undefined and the kernels run their scalar loops.
 #if defined(__AVX512F__)
 #define TY_VEC 1
+#if defined(__AVX512BF16__)
+#define TY_DOT_BF16 1  // vdpbf16ps: bf16 pair products summed into fp32 lanes
+#endif
 constexpr int kW = 16;
 using vf = __m512;
 inline vf vzero() { return _mm512_setzero_ps(); }
@@ -267,6 +270,8 @@ struct DecodeItem {
   int64_t ctx, group, head_dim, block_size, s_block, s_kv, s_tok;
   float* scores;  // scratch [group, ctx]
   float* out;  // [group, head_dim]
+  const scalar_t* q_raw;  // the same rows as q, unscaled, in the pool's dtype (the bf16 dot path)
+  float scale;
 };
 
 // Softmax over each query head's scores, in place.
@@ -350,6 +355,36 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
   // partial-sum vectors are reduced together (vsum_lanes), not one horizontal sum per key.
   const bool tiles = it.block_size % kW == 0;
   vf part[kMaxGroup][kW];
+#if defined(TY_DOT_BF16)
+  // A bf16 pool on a CPU with AVX512-BF16: q . k as bf16 pair products summed in fp32
+  // (vdpbf16ps), 32 elements an instruction and no conversion of the keys; the scale is
+  // applied to the sums. NV / 2 such vectors per row.
+  constexpr bool dot_bf16 = std::is_same_v<scalar_t, at::BFloat16>;
+  __m512bh qb[kMaxGroup][NV / 2];
+  if constexpr (dot_bf16) {
+    for (int64_t i = 0; i < it.group; ++i)
+      for (int v = 0; v < NV / 2; ++v)
+        qb[i][v] = (__m512bh)_mm512_loadu_si512(it.q_raw + i * NV * kW + 2 * kW * v);
+  }
+  const vf vscale = vset(it.scale);
+#else
+  constexpr bool dot_bf16 = false;
+#endif
+  // q . (the key row at kr), for query head i: a vector whose lanes sum to the score.
+  auto dot = [&](const scalar_t* kr, int64_t i, const vf* k) -> vf {
+#if defined(TY_DOT_BF16)
+    if constexpr (dot_bf16) {
+      vf a = _mm512_dpbf16_ps(vzero(), qb[i][0], (__m512bh)_mm512_loadu_si512(kr));
+      for (int v = 1; v < NV / 2; ++v)
+        a = _mm512_dpbf16_ps(a, qb[i][v], (__m512bh)_mm512_loadu_si512(kr + 2 * kW * v));
+      return a;
+    }
+#endif
+    const float* qi = it.q + i * NV * kW;
+    vf a = vmul(vload(qi), k[0]);
+    for (int v = 1; v < NV; ++v) a = vfma(vload(qi + kW * v), k[v], a);
+    return a;
+  };
   for (int64_t t = 0; t < it.ctx;) {
     if ((t & (it.block_size - 1)) == 0) {
       const int64_t j = t / it.block_size;
@@ -364,27 +399,26 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
       for (int r = 0; r < kW; ++r) {
         const scalar_t* kr = block + ((t + r) & (it.block_size - 1)) * it.s_tok;
         vf k[NV];
-        for (int v = 0; v < NV; ++v) k[v] = vload(kr + kW * v);
-        for (int64_t i = 0; i < it.group; ++i) {
-          const float* qi = it.q + i * NV * kW;
-          vf a = vmul(vload(qi), k[0]);
-          for (int v = 1; v < NV; ++v) a = vfma(vload(qi + kW * v), k[v], a);
-          part[i][r] = a;
-        }
+        if constexpr (!dot_bf16)
+          for (int v = 0; v < NV; ++v) k[v] = vload(kr + kW * v);
+        for (int64_t i = 0; i < it.group; ++i) part[i][r] = dot(kr, i, k);
       }
-      for (int64_t i = 0; i < it.group; ++i) vstore(it.scores + i * it.ctx + t, vsum_lanes(part[i]));
+      for (int64_t i = 0; i < it.group; ++i) {
+        vf sums = vsum_lanes(part[i]);
+#if defined(TY_DOT_BF16)
+        if constexpr (dot_bf16) sums = vmul(sums, vscale);
+#endif
+        vstore(it.scores + i * it.ctx + t, sums);
+      }
       t += kW;
       continue;
     }
     const scalar_t* kr = block + (t & (it.block_size - 1)) * it.s_tok;
     vf k[NV];
-    for (int v = 0; v < NV; ++v) k[v] = vload(kr + kW * v);
-    for (int64_t i = 0; i < it.group; ++i) {
-      const float* qi = it.q + i * NV * kW;
-      vf a = vmul(vload(qi), k[0]);
-      for (int v = 1; v < NV; ++v) a = vfma(vload(qi + kW * v), k[v], a);
-      it.scores[i * it.ctx + t] = vsum(a);
-    }
+    if constexpr (!dot_bf16)
+      for (int v = 0; v < NV; ++v) k[v] = vload(kr + kW * v);
+    for (int64_t i = 0; i < it.group; ++i)
+      it.scores[i * it.ctx + t] = dot_bf16 ? vsum(dot(kr, i, k)) * it.scale : vsum(dot(kr, i, k));
     ++t;
   }
   softmax_rows(it.scores, it.group, it.ctx);
@@ -454,7 +488,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, cons
       }
       const DecodeItem<scalar_t> it{qf.data(), pool + h * kv_layer.stride(3), tables + b * block_tables.stride(0),
                                     lens[b], group, head_dim, block_size, kv_layer.stride(0), kv_layer.stride(1),
-                                    kv_layer.stride(2), scores.data(), acc.data()};
+                                    kv_layer.stride(2), scores.data(), acc.data(),
+                                    qp + (b * num_heads + h * group) * head_dim, fscale};
 #if defined(TY_VEC)
       if constexpr (kVectorType<scalar_t>) {
         if (vector_path && head_dim == 64) {
