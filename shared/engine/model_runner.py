@@ -14,6 +14,7 @@ import torch
 from tokenyard.engine.scheduler import ScheduledSeq
 from tokenyard.models.attention import AttnMetadata, PrefillSpan
 from tokenyard.models.llama import LlamaForCausalLM
+from tokenyard.models.quantize import prompt_step
 
 
 @dataclass
@@ -36,6 +37,7 @@ class InputSpan:
     token_ids: list[int]
     start: int  # the position of the first
     block_table: list[int]  # covers every position up to start + len(token_ids)
+    prompt: bool = False  # the span holds prompt tokens (quantize.prompt_step)
 
 
 @dataclass
@@ -121,13 +123,14 @@ class ModelRunner:
             input_ids, positions, meta = _to_device(
                 self.kv_cache.device, input_ids, positions, meta
             )
-        return self.model(input_ids, positions, meta, self.kv_cache), ends
+        with prompt_step(any(span.prompt for span in spans)):
+            return self.model(input_ids, positions, meta, self.kv_cache), ends
 
 
 def _span(s: ScheduledSeq) -> InputSpan:
     start = s.seq.num_computed_tokens
     tokens = s.seq.token_ids[start : start + s.num_tokens] + s.spec_token_ids
-    return InputSpan(tokens, start, s.seq.block_table)
+    return InputSpan(tokens, start, s.seq.block_table, start < s.seq.num_prompt_tokens)
 
 
 def _prepare(

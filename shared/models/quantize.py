@@ -24,7 +24,10 @@ costs memory: the report counts both copies, and the tied lm_head reuses the emb
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +78,24 @@ def dense_above_rows(bits: int, dense_dtype: torch.dtype = torch.bfloat16) -> in
 
 # The row count oneDNN picks a packed layout for: a mid-size decode batch (any count runs).
 PREPACK_ROWS = 32
+
+_step = threading.local()
+
+
+@contextlib.contextmanager
+def prompt_step(active: bool) -> Iterator[None]:
+    """Within: the step carries prompt tokens, and every quantized layer with a dense copy
+    uses it whatever the row count. A prompt's rows then take the same path whether they
+    come as one cold prefill or as the short tail after a prefix-cache hit (which the row
+    count alone would send through the weight-only kernel): with bf16 activations the two
+    paths' roundings flipped a near-tied greedy answer. Costs a dense read of the weights
+    on the rare prompt step of a few rows. Per thread: each engine steps on its own."""
+    before = getattr(_step, "prompt", False)
+    _step.prompt = active
+    try:
+        yield
+    finally:
+        _step.prompt = before
 
 
 class QuantizedLinear(LeanModule):
@@ -141,7 +162,9 @@ class QuantizedLinear(LeanModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
-        if self.dense is not None and rows.shape[0] > self.dense_above:
+        if self.dense is not None and (
+            rows.shape[0] > self.dense_above or getattr(_step, "prompt", False)
+        ):
             if self.dense.is_mkldnn:  # prepack(): the same oneDNN kernel, no reorder per call
                 return torch.ops.mkldnn._linear_pointwise(x, self.dense, None, "none", [], "")
             return F.linear(x, self.dense, self.bias)
