@@ -31,6 +31,9 @@ VICTIMS = ["decode-3", "prefill-1", "router", "kvcache", "nats"]
 STREAM_TIMEOUT_S = 180.0
 
 
+ERRORS: list[str] = []  # the error events' messages, for the report when the test fails
+
+
 async def one_stream(client: httpx.AsyncClient, model: str, i: int) -> str:
     """'full', 'error' (a clear OpenAI error), 'refused' (not accepted: 4xx/5xx at once),
     or 'broken' (anything else: a cut stream, no finish, a hang)."""
@@ -52,6 +55,7 @@ async def one_stream(client: httpx.AsyncClient, model: str, i: int) -> str:
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
+                    ERRORS.append(str(event["error"].get("message")))
                     return "error"
                 for choice in event.get("choices", []):
                     finish = choice.get("finish_reason") or finish
@@ -121,6 +125,7 @@ async def test_sixteen_streams_survive_one_kill_at_a_time(stack: LocalStack):
         Counter(),
     )
     report["total"] = dict(total)
+    report["error_messages"] = sorted(set(ERRORS))
     print(json.dumps(report, indent=1))
     if path := os.environ.get("TOKENYARD_CHAOS_REPORT"):
         Path(path).write_text(json.dumps(report, indent=1))
