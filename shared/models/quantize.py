@@ -43,9 +43,14 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # Rows per step above which a layer's dense copy beats the weight-only kernel, by bits, for
 # the dense copy's dtype and torch's thread count. Measured over SmolLM2's four projection
 # shapes (a 30-layer model's weights, cold in cache) on 2-core AVX-512 machines:
-# - bf16 dense where the CPU multiplies bf16 natively (avx512_bf16): 12 rows on two threads;
-#   on one thread (each worker of a two-worker stack) the int4 kernel loses from about 8
-#   rows (2.1 ms dense against 2.4 ms int4 at 8 rows, 1.4 against 1.2 at 4);
+# - bf16 dense against torch's int4 kernel where the CPU multiplies bf16 natively (measured
+#   on avx512_bf16, before our kernel had a bf16 path; now the case of Arm): 12 rows on two
+#   threads; on one thread (each worker of a two-worker stack) the int4 kernel loses from
+#   about 8 rows (2.1 ms dense against 2.4 ms int4 at 8 rows, 1.4 against 1.2 at 4);
+# - bf16 dense against our int4 kernel's bf16 path (AVX512-BF16, own_int4_kernel): int4
+#   took 14.8 ms at 12 rows against 16.1 dense on two threads and tied at 16 (17.5 against
+#   17.8), but in the engine a 16-sequence step ran 30-33 ms with the dense copy and 32-43
+#   with int4, so 12; on one thread 17.3 against 19.5 at 8 rows, 26.5 against 22.4 at 12;
 # - fp32 dense (`dtype="auto"` on CPUs without native bf16): int4 took 0.70x fp32's time at
 #   14 rows and 1.03x at 16, on one thread; on a 2-core AVX2-only EPYC, int8 (the output
 #   projection, 576 x 49,152) took 11.8 ms per 16 rows in our kernel against 40 ms for the
@@ -57,6 +62,8 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 DENSE_ABOVE_ROWS = {
     "bf16_native": {8: 8, 4: 12},
     "bf16_native_one_thread": {8: 8, 4: 6},
+    "bf16_own_int4": {8: 8, 4: 12},
+    "bf16_own_int4_one_thread": {8: 8, 4: 8},
     "fp32": {8: 8, 4: 14},
     "fp32_avx2": {8: 32, 4: 32},
     "bf16_emulated": {8: 64, 4: 64},
@@ -72,8 +79,8 @@ def dense_above_rows(bits: int, dense_dtype: torch.dtype = torch.bfloat16) -> in
 
     if not cpu_has_native_bf16():
         return DENSE_ABOVE_ROWS["bf16_emulated"][bits]
-    one = torch.get_num_threads() == 1
-    return DENSE_ABOVE_ROWS["bf16_native_one_thread" if one else "bf16_native"][bits]
+    kernel = "bf16_own_int4" if own_int4_kernel() else "bf16_native"
+    return DENSE_ABOVE_ROWS[kernel + ("_one_thread" if torch.get_num_threads() == 1 else "")][bits]
 
 
 # The row count oneDNN picks a packed layout for: a mid-size decode batch (any count runs).
@@ -281,13 +288,17 @@ def fp32_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def own_int4_kernel() -> bool:
     """Whether int4 layers take our C++ kernel's layout (Q4_1 nibbles, fp32 scales and zeros)
-    rather than torch's: on CPUs without native bf16, where torch's int4 kernel converts its
-    activations to bf16 in software and unpacks its weights once per four rows (on a 2-core
-    AVX2 EPYC, SmolLM2's 30 layers at 8 rows: 27 ms in torch's kernel, 18 ms in ours), and
-    only where our kernels are built. With native bf16, torch's kernel is kept."""
-    from tokenyard.engine.config import cpu_has_native_bf16
+    rather than torch's, where our kernels are built:
+    - on CPUs without native bf16, where torch's int4 kernel converts its activations to
+      bf16 in software and unpacks its weights once per four rows (on a 2-core AVX2 EPYC,
+      SmolLM2's 30 layers at 8 rows: 27 ms in torch's kernel, 18 ms in ours);
+    - on AVX512-BF16, where ours multiplies with bf16 dot products (the same layers on a
+      2-core EPYC: 1 row 4.4 against 4.7 ms in torch's, 8 rows 12.1 against 15.5).
+    Other CPUs with native bf16 (Arm) keep torch's kernel: ours has no bf16 path there."""
+    from tokenyard.engine.config import cpu_flags, cpu_has_native_bf16
 
-    return not cpu_has_native_bf16() and cpu_kernels.ops() is not None
+    fits = not cpu_has_native_bf16() or "avx512_bf16" in cpu_flags()
+    return fits and cpu_kernels.ops() is not None
 
 
 def int4_fits(linear: nn.Linear) -> bool:

@@ -150,10 +150,12 @@ def test_deterministic_mode_needs_a_row_wise_kernel():
             EngineConfig(dtype="bfloat16", quantization=quantization, deterministic=True)
 
 
-def test_one_thread_switches_int4_to_the_native_bf16_dense_weight_sooner(monkeypatch):
+@pytest.mark.parametrize("own", [False, True])  # torch's int4 kernel (Arm), ours (AVX512-BF16)
+def test_one_thread_switches_int4_to_the_native_bf16_dense_weight_sooner(monkeypatch, own):
     import tokenyard.engine.config as config
 
     monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(q, "own_int4_kernel", lambda: own)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -162,7 +164,10 @@ def test_one_thread_switches_int4_to_the_native_bf16_dense_weight_sooner(monkeyp
         two = QuantizedLinear(_linear().to(torch.bfloat16), 4)
     finally:
         torch.set_num_threads(before)
-    assert one.dense_above == q.DENSE_ABOVE_ROWS["bf16_native_one_thread"][4] < two.dense_above
+    kernel = "bf16_own_int4" if own else "bf16_native"
+    assert one.dense_above == q.DENSE_ABOVE_ROWS[kernel + "_one_thread"][4] < two.dense_above
+    assert two.dense_above == q.DENSE_ABOVE_ROWS[kernel][4]
+    assert one.own_int4 == two.own_int4 == own
 
 
 def test_the_dense_switch_follows_the_dense_copys_dtype_and_the_cpu(monkeypatch):
@@ -276,13 +281,16 @@ def own_int4(monkeypatch):
 def test_our_int4_kernel_and_its_torch_twin_agree(own_int4, monkeypatch, dtype, tol):
     layer = QuantizedLinear(_linear(out_features=48, in_features=96, bias=False), 4, False)
     assert layer.own_int4 and layer.qweight.dtype == torch.uint8
-    x = torch.randn(19, 96).to(dtype)  # two chunks of 8 rows and three more
-    with_kernel = layer(x)
-    assert with_kernel.dtype == dtype
+    # 19: two chunks of 8 rows and three more; 1 and 2: the bf16 path's two-chain loop, over
+    # 3 groups (an odd count: a tail group)
+    xs = [torch.randn(rows, 96).to(dtype) for rows in (19, 2, 1)]
+    with_kernel = [layer(x) for x in xs]
+    assert all(y.dtype == dtype for y in with_kernel)
     monkeypatch.setattr(q.cpu_kernels, "ops", lambda: None)
-    twin = layer(x)
-    assert (twin.float() - with_kernel.float()).abs().max().item() < tol
-    assert torch.allclose(twin.float(), x.float() @ layer.int4_weight().T, atol=tol)
+    for x, y in zip(xs, with_kernel, strict=True):
+        twin = layer(x)
+        assert (twin.float() - y.float()).abs().max().item() < tol
+        assert torch.allclose(twin.float(), x.float() @ layer.int4_weight().T, atol=tol)
 
 
 def test_our_int4_layout_keeps_a_q4_1_weight_exactly(own_int4):
@@ -297,9 +305,10 @@ def test_our_int4_layout_keeps_a_q4_1_weight_exactly(own_int4):
     linear.weight.data = w
     layer = QuantizedLinear(linear, 4, keep_dense=False)
     assert (layer.int4_weight() - w).abs().max() < 1e-6
-    x = torch.randn(20, 64)
-    batch = layer(x)
-    assert all(torch.equal(layer(x[i : i + 1]), batch[i : i + 1]) for i in range(20))
+    for x in (torch.randn(20, 64), torch.randn(20, 64).bfloat16()):  # both activation paths
+        batch = layer(x)
+        assert all(torch.equal(layer(x[i : i + 1]), batch[i : i + 1]) for i in range(20))
+        assert torch.equal(layer(x[3:5]), batch[3:5])  # a chunk of two: the two-chain loop
 
 
 def test_our_int4_kernel_refuses_a_malformed_layout(own_int4):
