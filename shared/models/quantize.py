@@ -109,10 +109,10 @@ class QuantizedLinear(LeanModule):
     """A Linear whose weight is kept int8 (per channel) or int4 (per group of 32).
 
     int8 runs our C++ GEMV (tokenyard.kernels.cpu) for up to 16 rows a call; int4 runs our
-    C++ kernel on CPUs without native bf16 (`own_int4_kernel`, Q4_1's layout, fp32
-    activations). Elsewhere (int4 with native bf16, int8 without our kernels) torch's CPU
-    weight-only kernels run, which are fast only with bf16 activations: rows are cast to
-    bf16 and the result back to the input's dtype.
+    C++ kernel on x86 CPUs (`own_int4_kernel`, Q4_1's layout: fp32 activations without
+    native bf16, bf16 dot products with AVX512-BF16). Elsewhere (int4 on Arm with bf16,
+    either without our kernels) torch's CPU weight-only kernels run, which are fast only
+    with bf16 activations: rows are cast to bf16 and the result back to the input's dtype.
     """
 
     def __init__(self, linear: nn.Linear, bits: int, keep_dense: bool = True) -> None:
