@@ -661,19 +661,28 @@ void int8_gemv_chunk(const float* x, int64_t K, const int8_t* q, const float* sc
   }
 }
 
+// fn(std::integral_constant<int, R>{}, m0) for each chunk of R <= kRows rows from row m0:
+// the weight-only GEMMs take the chunk's row count as a template argument, so that each
+// row's accumulators are unrolled into registers.
+template <int R, typename Fn>
+void with_rows(int64_t rows, Fn&& fn) {
+  if constexpr (R > 1) {
+    if (rows < R) return with_rows<R - 1>(rows, fn);
+  }
+  fn(std::integral_constant<int, R>{});
+}
+
+template <int kRows, typename Fn>
+void for_row_chunks(int64_t M, Fn&& fn) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) with_rows<kRows>(std::min<int64_t>(kRows, M - m0), [&](auto r) { fn(r, m0); });
+}
+
 // out = x @ (q * scale)^T for every chunk of rows, output rows in parallel.
 void int8_gemv(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, float* out, int64_t N) {
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
-      const float* xc = x + m0 * K;
-      float* oc = out + m0 * N;
-      switch (std::min(kChunk, M - m0)) {
-        case 1: int8_gemv_chunk<1>(xc, K, q, scale, oc, N, begin, end); break;
-        case 2: int8_gemv_chunk<2>(xc, K, q, scale, oc, N, begin, end); break;
-        case 3: int8_gemv_chunk<3>(xc, K, q, scale, oc, N, begin, end); break;
-        default: int8_gemv_chunk<4>(xc, K, q, scale, oc, N, begin, end); break;
-      }
-    }
+    for_row_chunks<kChunk>(M, [&](auto rows, int64_t m0) {
+      int8_gemv_chunk<decltype(rows)::value>(x + m0 * K, K, q, scale, out + m0 * N, N, begin, end);
+    });
   });
 }
 
@@ -772,20 +781,9 @@ void int4_gemm_chunk_bf16(const at::BFloat16* x, int64_t K, const uint8_t* q, co
 void int4_gemm_bf16(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
                     const float* zero, float* out, int64_t N) {
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kChunk4) {
-      const at::BFloat16* xc = x + m0 * K;
-      float* oc = out + m0 * N;
-      switch (std::min(kChunk4, M - m0)) {
-        case 1: int4_gemm_chunk_bf16<1>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        case 2: int4_gemm_chunk_bf16<2>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        case 3: int4_gemm_chunk_bf16<3>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        case 4: int4_gemm_chunk_bf16<4>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        case 5: int4_gemm_chunk_bf16<5>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        case 6: int4_gemm_chunk_bf16<6>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        case 7: int4_gemm_chunk_bf16<7>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        default: int4_gemm_chunk_bf16<8>(xc, K, q, scale, zero, oc, N, begin, end); break;
-      }
-    }
+    for_row_chunks<kChunk4>(M, [&](auto rows, int64_t m0) {
+      int4_gemm_chunk_bf16<decltype(rows)::value>(x + m0 * K, K, q, scale, zero, out + m0 * N, N, begin, end);
+    });
   });
 }
 #endif
@@ -793,20 +791,9 @@ void int4_gemm_bf16(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* 
 void int4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, const float* zero,
                float* out, int64_t N) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kChunk4) {
-      const float* xc = x + m0 * K;
-      float* oc = out + m0 * N;
-      switch (std::min(kChunk4, M - m0)) {
-        case 1: int4_gemm_chunk<1>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        case 2: int4_gemm_chunk<2>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        case 3: int4_gemm_chunk<3>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        case 4: int4_gemm_chunk<4>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        case 5: int4_gemm_chunk<5>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        case 6: int4_gemm_chunk<6>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        case 7: int4_gemm_chunk<7>(xc, K, q, scale, zero, oc, N, begin, end); break;
-        default: int4_gemm_chunk<8>(xc, K, q, scale, zero, oc, N, begin, end); break;
-      }
-    }
+    for_row_chunks<kChunk4>(M, [&](auto rows, int64_t m0) {
+      int4_gemm_chunk<decltype(rows)::value>(x + m0 * K, K, q, scale, zero, out + m0 * N, N, begin, end);
+    });
   });
 }
 
