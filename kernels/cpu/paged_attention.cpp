@@ -367,10 +367,12 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
       for (int v = 0; v < NV / 2; ++v)
         qb[i][v] = (__m512bh)_mm512_loadu_si512(it.q_raw + i * NV * kW + 2 * kW * v);
   }
-  const vf vscale = vset(it.scale);
 #else
   constexpr bool dot_bf16 = false;
 #endif
+  // The fp32 path's queries carry the scale already (times 1 is exact).
+  const float score_scale = dot_bf16 ? it.scale : 1.f;
+  const vf vscale = vset(score_scale);
   // q . (the key row at kr), for query head i: a vector whose lanes sum to the score.
   auto dot = [&](const scalar_t* kr, int64_t i, const vf* k) -> vf {
 #if defined(TY_DOT_BF16)
@@ -404,13 +406,7 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
           for (int v = 0; v < NV; ++v) k[v] = vload(kr + kW * v);
         for (int64_t i = 0; i < it.group; ++i) part[i][r] = dot(kr, i, k);
       }
-      for (int64_t i = 0; i < it.group; ++i) {
-        vf sums = vsum_lanes(part[i]);
-#if defined(TY_DOT_BF16)
-        if constexpr (dot_bf16) sums = vmul(sums, vscale);
-#endif
-        vstore(it.scores + i * it.ctx + t, sums);
-      }
+      for (int64_t i = 0; i < it.group; ++i) vstore(it.scores + i * it.ctx + t, vmul(vsum_lanes(part[i]), vscale));
       t += kW;
       continue;
     }
@@ -419,7 +415,7 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
     if constexpr (!dot_bf16)
       for (int v = 0; v < NV; ++v) k[v] = vload(kr + kW * v);
     for (int64_t i = 0; i < it.group; ++i)
-      it.scores[i * it.ctx + t] = dot_bf16 ? vsum(dot(kr, i, k)) * it.scale : vsum(dot(kr, i, k));
+      it.scores[i * it.ctx + t] = vsum(dot(kr, i, k)) * score_scale;
     ++t;
   }
   softmax_rows(it.scores, it.group, it.ctx);
@@ -740,9 +736,9 @@ void int4_gemm_chunk(const float* x, int64_t K, const uint8_t* q, const float* s
 // takes one vdpbf16ps per group (32 products summed into fp32 lanes) on its activations as
 // they are. The groups alternate between two accumulators per row, so that with one or two
 // rows the additions do not all wait on each other; every chunk size does the same (a row's
-// sums, in the same order, whatever its neighbours: deterministic mode relies on it). SmolLM2's 30 layers on a 2-core
-// AVX512-BF16 EPYC, against torch's int4 kernel: 1 row 4.4 against 4.7 ms, 8 rows 12.1
-// against 15.5, 16 rows 17.2 against 22.6.
+// sums, in the same order, whatever its neighbours: deterministic mode relies on it).
+// SmolLM2's 30 layers on a 2-core AVX512-BF16 EPYC, against torch's int4 kernel: 1 row 4.4
+// against 4.7 ms, 8 rows 12.1 against 15.5, 16 rows 17.2 against 22.6.
 template <int MB>
 void int4_gemm_chunk_bf16(const at::BFloat16* x, int64_t K, const uint8_t* q, const float* scale, const float* zero,
                           float* out, int64_t N, int64_t begin, int64_t end) {
