@@ -57,6 +57,11 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 #   fp32 matmul at 16 rows and 51 ms at 32, and int4 in our kernel (own_int4_kernel) 34 ms
 #   for the 30 layers at 16 rows and 66 ms at 32 against 50 and 72 ms for the packed fp32
 #   matmul, so both keep their kernels up to 32 rows there;
+# - bf16 dense on AMX (a 2-core Xeon with amx_bf16) against torch's int4 kernel: oneDNN's
+#   AMX matmul took 9.8-10.2 ms for the 30 layers at 1-8 rows (a weight read) and 53 ms at
+#   512; int4 3.5 ms at 1 row, 5.8 at 4, 10.3 at 5-8 on two threads; on one thread 5.8 at 1
+#   row, 16.6 at 6, 19.7 at 8 against 19-20 dense. The output projection's int8 GEMV: 0.7 ms
+#   at 1 row, 1.1 at 3, 1.4-1.8 at 4 against 1.2 dense; on one thread tied at 4 (2.4 ms);
 # - bf16 dense emulated (no native bf16): slower than int4 at every decode batch measured
 #   (9.2 ms against 3.3 ms at 32 rows), so only prefill-sized steps use it.
 DENSE_ABOVE_ROWS = {
@@ -64,6 +69,8 @@ DENSE_ABOVE_ROWS = {
     "bf16_native_one_thread": {8: 8, 4: 6},
     "bf16_own_int4": {8: 8, 4: 12},
     "bf16_own_int4_one_thread": {8: 8, 4: 8},
+    "bf16_amx": {8: 3, 4: 4},
+    "bf16_amx_one_thread": {8: 3, 4: 7},
     "fp32": {8: 8, 4: 14},
     "fp32_avx2": {8: 32, 4: 32},
     "bf16_emulated": {8: 64, 4: 64},
@@ -72,14 +79,17 @@ DENSE_ABOVE_ROWS = {
 
 def dense_above_rows(bits: int, dense_dtype: torch.dtype = torch.bfloat16) -> int:
     """The row count above which a layer uses its dense copy, for torch's thread count now."""
-    from tokenyard.engine.config import cpu_has_avx512, cpu_has_native_bf16
+    from tokenyard.engine.config import cpu_flags, cpu_has_avx512, cpu_has_native_bf16
 
     if dense_dtype == torch.float32:
         return DENSE_ABOVE_ROWS["fp32" if cpu_has_avx512() else "fp32_avx2"][bits]
 
     if not cpu_has_native_bf16():
         return DENSE_ABOVE_ROWS["bf16_emulated"][bits]
-    kernel = "bf16_own_int4" if own_int4_kernel() else "bf16_native"
+    if "amx_bf16" in cpu_flags():
+        kernel = "bf16_amx"
+    else:
+        kernel = "bf16_own_int4" if own_int4_kernel() else "bf16_native"
     return DENSE_ABOVE_ROWS[kernel + ("_one_thread" if torch.get_num_threads() == 1 else "")][bits]
 
 
@@ -292,12 +302,15 @@ def own_int4_kernel() -> bool:
     - on CPUs without native bf16, where torch's int4 kernel converts its activations to
       bf16 in software and unpacks its weights once per four rows (on a 2-core AVX2 EPYC,
       SmolLM2's 30 layers at 8 rows: 27 ms in torch's kernel, 18 ms in ours);
-    - on AVX512-BF16, where ours multiplies with bf16 dot products (the same layers on a
-      2-core EPYC: 1 row 4.4 against 4.7 ms in torch's, 8 rows 12.1 against 15.5).
-    Other CPUs with native bf16 (Arm) keep torch's kernel: ours has no bf16 path there."""
+    - on AVX512-BF16 without AMX, where ours multiplies with bf16 dot products (the same
+      layers on a 2-core EPYC: 1 row 4.4 against 4.7 ms in torch's, 8 rows 12.1 against 15.5).
+    CPUs with AMX keep torch's kernel: on a 2-core Xeon with amx_bf16 ours took 5.6 ms at 1
+    row and 14.4 at 8 against 3.5 and 10.4 in torch's. Other CPUs with native bf16 (Arm)
+    keep torch's kernel too: ours has no bf16 path there."""
     from tokenyard.engine.config import cpu_flags, cpu_has_native_bf16
 
-    fits = not cpu_has_native_bf16() or "avx512_bf16" in cpu_flags()
+    flags = cpu_flags()
+    fits = not cpu_has_native_bf16() or ("avx512_bf16" in flags and "amx_bf16" not in flags)
     return fits and cpu_kernels.ops() is not None
 
 

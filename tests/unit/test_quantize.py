@@ -150,11 +150,21 @@ def test_deterministic_mode_needs_a_row_wise_kernel():
             EngineConfig(dtype="bfloat16", quantization=quantization, deterministic=True)
 
 
-@pytest.mark.parametrize("own", [False, True])  # torch's int4 kernel (Arm), ours (AVX512-BF16)
-def test_one_thread_switches_int4_to_the_native_bf16_dense_weight_sooner(monkeypatch, own):
+@pytest.mark.parametrize(
+    ("kernel", "flags", "own"),
+    [
+        ("bf16_native", {"bf16"}, False),  # Arm: torch's int4 kernel
+        ("bf16_own_int4", {"avx512_bf16"}, True),  # AVX512-BF16: ours
+        ("bf16_amx", {"avx512_bf16", "amx_bf16"}, False),  # AMX: torch's int4, AMX dense
+    ],
+)
+def test_the_int4_dense_switch_follows_the_thread_count_and_the_cpu(
+    monkeypatch, kernel, flags, own
+):
     import tokenyard.engine.config as config
 
     monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(q, "own_int4_kernel", lambda: own)
     before = torch.get_num_threads()
     try:
@@ -164,10 +174,28 @@ def test_one_thread_switches_int4_to_the_native_bf16_dense_weight_sooner(monkeyp
         two = QuantizedLinear(_linear().to(torch.bfloat16), 4)
     finally:
         torch.set_num_threads(before)
-    kernel = "bf16_own_int4" if own else "bf16_native"
-    assert one.dense_above == q.DENSE_ABOVE_ROWS[kernel + "_one_thread"][4] < two.dense_above
+    assert one.dense_above == q.DENSE_ABOVE_ROWS[kernel + "_one_thread"][4]
     assert two.dense_above == q.DENSE_ABOVE_ROWS[kernel][4]
+    # without AMX a second thread speeds the dense matmul less than the int4 kernel; with
+    # AMX the other way round (the 30 layers at 1 row: dense 19 -> 10 ms, int4 5.8 -> 3.5)
+    assert (one.dense_above > two.dense_above) == (kernel == "bf16_amx")
     assert one.own_int4 == two.own_int4 == own
+
+
+def test_our_int4_kernel_is_chosen_by_the_cpus_bf16_instructions(monkeypatch):
+    import tokenyard.engine.config as config
+
+    if cpu_kernels.ops() is None:
+        pytest.skip("the CPU kernels are not built here")
+    for flags, ours in [
+        (set(), True),  # no native bf16: ours in fp32
+        ({"avx512_bf16"}, True),
+        ({"avx512_bf16", "amx_bf16"}, False),
+        ({"bf16"}, False),
+    ]:
+        monkeypatch.setattr(config, "cpu_flags", lambda f=flags: frozenset(f))
+        monkeypatch.setattr(config, "cpu_has_native_bf16", lambda f=flags: bool(f))
+        assert q.own_int4_kernel() is ours, flags
 
 
 def test_the_dense_switch_follows_the_dense_copys_dtype_and_the_cpu(monkeypatch):
