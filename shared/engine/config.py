@@ -42,6 +42,12 @@ def cpu_has_native_bf16() -> bool:
     return bool(cpu_flags() & NATIVE_BF16_FLAGS)
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU multiplies bf16 tiles (Intel AMX): oneDNN's matmuls, and torch's
+    fused attention built on them, then outrun our vector kernels on a step of many rows."""
+    return "amx_bf16" in cpu_flags()
+
+
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86, x86, Arm
 
 

@@ -79,14 +79,14 @@ DENSE_ABOVE_ROWS = {
 
 def dense_above_rows(bits: int, dense_dtype: torch.dtype = torch.bfloat16) -> int:
     """The row count above which a layer uses its dense copy, for torch's thread count now."""
-    from tokenyard.engine.config import cpu_flags, cpu_has_avx512, cpu_has_native_bf16
+    from tokenyard.engine.config import cpu_has_amx, cpu_has_avx512, cpu_has_native_bf16
 
     if dense_dtype == torch.float32:
         return DENSE_ABOVE_ROWS["fp32" if cpu_has_avx512() else "fp32_avx2"][bits]
 
     if not cpu_has_native_bf16():
         return DENSE_ABOVE_ROWS["bf16_emulated"][bits]
-    if "amx_bf16" in cpu_flags():
+    if cpu_has_amx():
         kernel = "bf16_amx"
     else:
         kernel = "bf16_own_int4" if own_int4_kernel() else "bf16_native"
@@ -307,10 +307,9 @@ def own_int4_kernel() -> bool:
     CPUs with AMX keep torch's kernel: on a 2-core Xeon with amx_bf16 ours took 5.6 ms at 1
     row and 14.4 at 8 against 3.5 and 10.4 in torch's. Other CPUs with native bf16 (Arm)
     keep torch's kernel too: ours has no bf16 path there."""
-    from tokenyard.engine.config import cpu_flags, cpu_has_native_bf16
+    from tokenyard.engine.config import cpu_flags, cpu_has_amx, cpu_has_native_bf16
 
-    flags = cpu_flags()
-    fits = not cpu_has_native_bf16() or ("avx512_bf16" in flags and "amx_bf16" not in flags)
+    fits = not cpu_has_native_bf16() or ("avx512_bf16" in cpu_flags() and not cpu_has_amx())
     return fits and cpu_kernels.ops() is not None
 
 

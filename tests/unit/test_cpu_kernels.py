@@ -156,6 +156,69 @@ def test_prefill_chunks_attend_through_the_kernel_as_the_torch_path_does(
     assert (outs[0].float() - outs[1].float()).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_long_prefill_chunks_in_torchs_fused_attention_match_our_kernel(
+    ops, dtype, tol, monkeypatch
+):
+    """The AMX path: a step of two decode rows, a short chunk (stays in our kernel), a fresh
+    chunk and a chunk after a prefix (both in torch's fused attention), against the same step
+    all in our kernel; each row lands where it belongs."""
+    g = torch.Generator().manual_seed(12)
+    short, fresh, later, prefix, heads = 4, 40, 20, 33, 9
+    assert short < attention.SDPA_MIN_ROWS <= later
+    t = 2 + short + fresh + later
+    q, k, v = (torch.randn(t, h, D, generator=g).to(dtype) for h in (heads, H_KV, H_KV))
+    short_blocks, fresh_blocks, later_blocks = (
+        torch.tensor([12, 13]),
+        torch.tensor([11, 2, 30]),
+        torch.tensor([9, 21, 3, 38]),
+    )
+    positions = torch.cat(
+        [
+            torch.tensor([19, 16]),
+            torch.arange(20, 24),
+            torch.arange(fresh),
+            prefix + torch.arange(later),
+        ]
+    )
+    blocks = [torch.tensor([1, 4])]  # the decode rows: positions 19 and 16
+    blocks.append(short_blocks[positions[2 : 2 + short] // BLOCK])
+    blocks.append(fresh_blocks[positions[2 + short : 2 + short + fresh] // BLOCK])
+    blocks.append(later_blocks[positions[2 + short + fresh :] // BLOCK])
+    meta_args = dict(
+        slot_blocks=torch.cat(blocks),
+        slot_offsets=positions % BLOCK,
+        num_decode=2,
+        decode_block_tables=torch.tensor([[0, 1], [2, 4]]),
+        decode_context_lens=torch.tensor([20, 17]),
+        prefills=[
+            PrefillSpan(start=2, num_tokens=short, context_len=24, block_ids=short_blocks),
+            PrefillSpan(
+                start=2 + short, num_tokens=fresh, context_len=fresh, block_ids=fresh_blocks
+            ),
+            PrefillSpan(
+                start=2 + short + fresh,
+                num_tokens=later,
+                context_len=prefix + later,
+                block_ids=later_blocks,
+            ),
+        ],
+        block_size=BLOCK,
+    )
+    outs, pools = [], []
+    for fused in (True, False):
+        monkeypatch.setattr(attention, "sdpa_prefill", lambda dtype, fused=fused: fused)
+        pool = _pool(dtype, seed=13)
+        outs.append(paged_attention(q, k, v, pool[:, 1], AttnMetadata(**meta_args), D**-0.5))
+        pools.append(pool)
+    assert torch.equal(pools[0], pools[1])
+    assert outs[0].dtype == dtype
+    err = (outs[0].float() - outs[1].float()).abs()
+    assert err.max().item() < tol
+    # the rows our kernel computed in both runs are the same computation
+    assert torch.equal(outs[0][: 2 + short], outs[1][: 2 + short])
+
+
 @pytest.mark.parametrize(
     "dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 1e-2)]
 )
