@@ -20,13 +20,15 @@ from pathlib import Path
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in the child between fork and exec."""
+def _in_child(parent_pid: int, nice: int) -> None:
+    """Runs in the child between fork and exec: die with the parent, lower the priority."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+    if nice:
+        os.nice(nice)
 
 
 class ChildProcess:
@@ -47,6 +49,7 @@ class ChildProcess:
         self.inherit_env = inherit_env
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self.nice = 0  # added to the child's niceness (a restart keeps it)
 
     @classmethod
     def python_module(
@@ -56,7 +59,7 @@ class ChildProcess:
 
     def start(self) -> ChildProcess:
         out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - the child owns it
-        parent = os.getpid()
+        parent, nice = os.getpid(), self.nice
         try:
             self.proc = subprocess.Popen(
                 self.argv,
@@ -65,7 +68,7 @@ class ChildProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,
                 start_new_session=True,
-                preexec_fn=lambda: _die_with_parent(parent),  # noqa: PLW1509 - no threads start children
+                preexec_fn=lambda: _in_child(parent, nice),  # noqa: PLW1509 - no threads start children
             )
         finally:
             if out:

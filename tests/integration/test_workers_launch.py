@@ -20,7 +20,7 @@ LAUNCHER = """
 import json, sys, time
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 stack = LocalStack(StackConfig(engine="fake", gateway=False, kvcache=False, facilities=False, telemetry=False)).start()
-print(json.dumps([p.pid for p in stack.procs]), flush=True)
+print(json.dumps([[p.name, p.pid] for p in stack.procs]), flush=True)
 time.sleep(600)
 """
 
@@ -43,8 +43,13 @@ def children_of(pid: int) -> list[int]:
 def test_children_die_with_a_killed_launcher():
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
     try:
-        pids = json.loads(launcher.stdout.readline())
+        named = dict(json.loads(launcher.stdout.readline()))
+        pids = list(named.values())
         assert len(pids) == 4 and all(alive(p) for p in pids)  # nats, router, prefill, decode
+        # CPU workers keep the launcher's priority; the services beside them run lower
+        base = os.getpriority(os.PRIO_PROCESS, launcher.pid)
+        nice = {name: os.getpriority(os.PRIO_PROCESS, pid) - base for name, pid in named.items()}
+        assert nice == {"nats": 10, "router": 10, "prefill-1": 0, "decode-2": 0}, nice
         launcher.kill()
         launcher.wait()
         assert wait_until(lambda: not any(alive(p) for p in pids), 15), [

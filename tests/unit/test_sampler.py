@@ -130,3 +130,17 @@ def test_partial_stop_prefix_released_at_the_end():
 def test_include_stop_string():
     c = StopChecker(["\n\n"], include_stop=True)
     assert c.feed("a\n\nb", final=False) == ("a\n\n", True)
+
+
+def test_greedy_tokens_are_argmax_ties_and_masked_rows_included():
+    from tokenyard.engine.sampler import greedy_tokens
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(33, 49_152, generator=g)
+    logits[3, [7, 90, 40_000]] = 50.0  # a three-way tie: the first index wins
+    logits[4] = float("-inf")
+    logits[4, 123] = 0.0  # a grammar mask leaves one token
+    logits[5, :] = 1.0  # all tied
+    got = greedy_tokens(logits)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert got[3].item() == 7 and got[4].item() == 123 and got[5].item() == 0

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import torch
 
+from tokenyard.engine.sampler import greedy_tokens
+
 
 def verify_greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
     """logits: [k + 1, vocab], the target's raw rows -> the tokens greedy decoding emits."""
-    best = logits.argmax(dim=-1).tolist()
+    best = greedy_tokens(logits).tolist()
     emitted = []
     for draft, target in zip(drafts, best, strict=False):
         if draft != target:
