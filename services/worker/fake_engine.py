@@ -204,6 +204,9 @@ class FakeEngine:
     def cached_block_ids(self, hashes: list[int]) -> list[tuple[int, int]]:
         return []
 
+    def num_cached_prefix_blocks(self, hashes: list[int]) -> int:
+        return 0
+
     def reserve_prefix(
         self, request_id: str, token_ids: list[int], cache_salt: str = ""
     ) -> list[int]:

@@ -142,7 +142,7 @@ class KVCachePort:
         log.info("KV-cache service at %s", self.settings.kvcache_endpoint)
 
     async def stop(self) -> None:
-        if self._puts:
+        while self._puts:  # an offload still copying out starts its upload meanwhile
             await asyncio.gather(*self._puts, return_exceptions=True)
         if self._client is not None:
             await self._client.close()
@@ -164,6 +164,18 @@ class KVCachePort:
         if n:
             log.info("KV-cache hit for %s: %d prompt tokens fetched", request_id, n)
         return n
+
+    def offload_soon(
+        self, request_id: str, prompt: list[int], skip_tokens: int = 0, cache_salt: str = ""
+    ) -> None:
+        """:meth:`offload` in a task of its own, which :meth:`stop` waits for."""
+        if self._client is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self.offload(request_id, prompt, skip_tokens, cache_salt)
+        )
+        self._puts.add(task)
+        task.add_done_callback(self._puts.discard)
 
     async def offload(
         self, request_id: str, prompt: list[int], skip_tokens: int = 0, cache_salt: str = ""

@@ -112,7 +112,9 @@ class PrefillHandler:
             return False
         if reason in ("prefilled", "stop", "length"):
             # Its blocks are still in the prefix cache (held, or freed but not yet evicted).
-            await self.cache.offload(
+            # In the background: the copy-out waits for a step boundary, and the job's slot
+            # (one of max_num_seqs) would wait with it while the next request queued.
+            self.cache.offload_soon(
                 rid, prompt, skip_tokens=fetched, cache_salt=job.params.cache_salt
             )
         if reason != "prefilled":

@@ -453,6 +453,11 @@ class LLMEngine:
         cached = self.block_manager.cached
         return [(h, cached[h]) for h in hashes if h in cached]
 
+    def num_cached_prefix_blocks(self, hashes: list[int]) -> int:
+        # From any thread: dict lookups only (atomic under the GIL), never an iteration.
+        cached = self.block_manager.cached
+        return next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
+
     def reserve_prefix(
         self, request_id: str, token_ids: list[int], cache_salt: str = ""
     ) -> list[int]:

@@ -2,8 +2,8 @@
 
 The engine (tokenyard.engine.llm_engine) depends on kv for its pool layout; the helpers that
 move blocks between an engine's pool and the KV-cache service (kv/store/engine_bridge.py)
-depend only on this Protocol, so the two packages do not import each other. Every call
-must run on the thread that drives the engine, between two steps.
+depend only on this Protocol, so the two packages do not import each other. Every call but
+`num_cached_prefix_blocks` must run on the thread that drives the engine, between two steps.
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ class KVEngine(Protocol):
 
     def cached_block_ids(self, hashes: list[int]) -> list[tuple[int, int]]:
         """(hash, block id) for each of ``hashes`` whose block is in the prefix cache now."""
+        ...
+
+    def num_cached_prefix_blocks(self, hashes: list[int]) -> int:
+        """How many of ``hashes``, from the first, the prefix cache holds now. Unlike every
+        other call here, safe from any thread: a peek whose answer may be stale by the time
+        it is used, which costs a recompute or a needless fetch, never a wrong result."""
         ...
 
     def reserve_prefix(

@@ -10,6 +10,7 @@ import torch
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
 from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.kv.hashing import prefix_block_hashes, salted_root
 from tokenyard.kv.store.client import KVCacheClient
 from tokenyard.kv.store.engine_bridge import (
     fetch_prefix,
@@ -99,3 +100,29 @@ async def test_blocks_written_through_on_their_stored_events(loaded_model, cache
         assert torch.equal(
             other.kv_cache[other.block_manager.cached[h]], eng.kv_cache[cached[h]]
         ), i
+
+
+async def test_a_prefix_the_engine_holds_already_is_not_fetched_again(loaded_model, cache):
+    eng = engine(loaded_model)
+    run(eng, "p", prefill_only=True)
+    assert await offload_prefix(eng, cache, "p") == 5
+    eng.release("p")
+    hashes = prefix_block_hashes(PROMPT, eng.block_size, salted_root(""))
+    assert eng.num_cached_prefix_blocks(hashes) == 5  # the last, partial block never is
+    assert eng.num_cached_prefix_blocks(hashes[:2] + [12345] + hashes[2:]) == 2
+    free = eng.stats().num_free_blocks
+    calls = []
+
+    async def call(fn, *args):
+        calls.append(fn.__name__)
+        return fn(*args)
+
+    # the service has all 5 blocks, and so has the engine: counted, not copied
+    assert await fetch_prefix(eng, cache, PROMPT, call=call) == 80
+    assert calls == [] and eng.stats().num_free_blocks == free
+    tokens, out = run(eng, "again")
+    assert out.num_cached_tokens == 80
+    # an engine without them fetches them, through its engine thread's calls
+    other = engine(loaded_model)
+    assert await fetch_prefix(other, cache, PROMPT, call=call) == 80
+    assert calls == ["reserve_prefix", "commit_prefix"]
