@@ -68,8 +68,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
     one_cpu_rank = settings.device == "cpu" and settings.tensor_parallel_size == 1
     if one_cpu_rank and settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
         optional["kv_pool_factory"] = shared_pool
-    grows = settings.prefix_cache_grows_pool
-    optional["prefix_cache_grows_pool"] = not settings.kvcache_endpoint if grows is None else grows
+    optional["prefix_cache_grows_pool"] = settings.prefix_cache_grows_pool
     if settings.device == "cpu" and settings.shared_weights_dir:
         optional["shared_weights_dir"] = settings.shared_weights_dir
     config = EngineConfig(
