@@ -109,6 +109,7 @@ def calibrate(
     model: ModelSpec,
     small: EngineFigures | None = None,
     small_rows: int = 0,
+    dense_dtype: str = "",
 ) -> dict:
     """Efficiencies that make the roofline meet our engine at these measurements: `small`,
     a decode of at most `small_rows` sequences, runs the weight-only kernels that batches
@@ -133,6 +134,7 @@ def calibrate(
         }
     return {
         **small_eff,
+        **({"dense_dtype": dense_dtype} if dense_dtype and small_eff else {}),
         "step_overhead_ms": round(1e3 * max(overhead, 0.0), 3),
         "decode_flops_eff": round(ideal_32 / max(b32.decode_step_s - overhead, 1e-6), 4),
         "prefill_flops_eff": round(ideal_prefill / max(b1.ttft_s - overhead, 1e-6), 4),
@@ -190,7 +192,8 @@ def calibrate_and_check(engine, bw_gbs: float, tflops: float, lengths: Lengths =
     best = best_of(engine, lengths.runs, shapes)
     b1, small, b32, b8, long = (best[name] for name in shapes)
     model = default_model()
-    values = calibrate(b1, b32, bw_gbs, tflops, model, small=small, small_rows=small_rows)
+    dense = {"bfloat16": "bf16", "float32": "fp32"}.get(str(engine.config.dtype), "")
+    values = calibrate(b1, b32, bw_gbs, tflops, model, small, small_rows, dense)
     dep = Deployment(model, cpu_hardware(values, remeasure=False), weights_dtype="int4")
     predicted = {
         "b8_decode_tok_s": 8 / dep.decode_step_s(8, b8.context),

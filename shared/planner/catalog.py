@@ -112,6 +112,10 @@ class Hardware:
     # its own share of the matmul rate. 0: one kernel for every batch (GPU entries).
     small_batch_rows: int = 0
     small_batch_flops_eff: float = 0.0
+    # The dense copy's dtype ("bf16", "fp32"), which those larger batches read in place of
+    # the quantized weights; "" = the weights' own. On a CPU with AMX a 32-row step is bound
+    # by that read, not by the matmul.
+    dense_dtype: str = ""
     memory_utilization: float = 0.9  # the share the engine may take (gpu_memory_utilization)
     buffer_fraction: float = 0.05  # activations, graphs, allocator slack, of the whole memory
     allreduce_latency_us: float = 8.0

@@ -74,18 +74,24 @@ class Deployment:
         if batch <= 0:
             return 0.0
         m = self.model
-        read = m.params_touched(batch) * DTYPE_BYTES[self.weights_dtype]
+        small = batch <= self.hw.small_batch_rows
+        read = m.params_touched(batch) * DTYPE_BYTES[self._read_dtype(small)]
         read += batch * context * self.kv_bytes_per_token
         # pp stages run one after another for one token: the replica's whole read, in turn.
         mem_s = read / self.tp / (self.hw.bandwidth_gbs * 1e9 * self.hw.decode_bw_eff)
         flops = (
             2.0 * m.active_params * batch + 4.0 * m.layers * context * m.heads * m.head_dim * batch
         )
-        small = batch <= self.hw.small_batch_rows
         eff = self.hw.small_batch_flops_eff if small else self.hw.decode_flops_eff
         peak = self.hw.flops(self.weights_dtype) * eff
         compute_s = flops / self.tp / peak
         return self.hw.step_overhead_ms * 1e-3 + max(mem_s, compute_s) + self._allreduce_s(batch)
+
+    def _read_dtype(self, small: bool) -> str:
+        """The weights a step reads: a CPU engine's larger steps read the dense copy."""
+        if self.hw.small_batch_rows and not small and self.hw.dense_dtype:
+            return self.hw.dense_dtype
+        return self.weights_dtype
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """One prompt's prefill (its uncached part) alone on the replica."""
@@ -97,7 +103,8 @@ class Deployment:
         flops = 2.0 * m.active_params * new_tokens + 4.0 * m.layers * m.heads * m.head_dim * span
         peak = self.hw.flops(self.weights_dtype) * self.hw.prefill_flops_eff
         compute_s = flops / self.tp / peak
-        read = m.params_touched(new_tokens) * DTYPE_BYTES[self.weights_dtype]
+        small = new_tokens <= self.hw.small_batch_rows
+        read = m.params_touched(new_tokens) * DTYPE_BYTES[self._read_dtype(small)]
         mem_s = read / self.tp / (self.hw.bandwidth_gbs * 1e9 * self.hw.decode_bw_eff)
         return (
             self.hw.step_overhead_ms * 1e-3 + max(compute_s, mem_s) + self._allreduce_s(new_tokens)

@@ -172,3 +172,23 @@ def test_console_plan_endpoint_rejects_bad_input_clearly(telemetry_http, body, s
     assert resp.status_code == status, resp.text
     if code:
         assert resp.json()["error"]["code"] == code
+
+
+def test_a_cpu_engines_larger_decode_steps_read_the_dense_copy():
+    """Above small_batch_rows a CPU engine runs its dense bf16 copy: with a fast matmul
+    (AMX) and the flops taken out of the picture, the step is the read of that copy."""
+    model = catalog.MODELS["smollm2-135m"]
+    fast = dict(decode_bw_eff=1.0, decode_flops_eff=1e6, step_overhead_ms=0.0)
+    cpu = catalog.Hardware(
+        "cpu", 16, 20.0, 2.0, 0, 0, 1, 0, 1, 0, 1, "air", 1.0,
+        small_batch_rows=4, small_batch_flops_eff=1e6, dense_dtype="bf16", **fast,
+    )  # fmt: skip
+    dep = Deployment(model, cpu, weights_dtype="int4")
+    weights = model.params_touched(8)
+    kv = 8 * 100 * dep.kv_bytes_per_token
+    assert dep.decode_step_s(8, 100) == pytest.approx((weights * 2.0 + kv) / 20e9)
+    small = model.params_touched(4) * catalog.DTYPE_BYTES["int4"] + 4 * 100 * dep.kv_bytes_per_token
+    assert dep.decode_step_s(4, 100) == pytest.approx(small / 20e9)
+    # an entry without a dense copy reads its own weights at every batch
+    gpu = Deployment(model, catalog.HARDWARE["h100"], weights_dtype="int4")
+    assert gpu.hw.dense_dtype == "" and gpu._read_dtype(small=False) == "int4"
