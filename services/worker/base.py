@@ -197,6 +197,9 @@ class WorkerBase:
             admitted = await self._admit(stream)
         if not admitted:
             return stream  # cancelled or handed back while it waited
+        if self.is_cancelled(request_id):  # cancelled before its stream existed (a fetch)
+            await stream.aborted()
+            return stream
         self.metrics.on_prompt(len(prompt), since_arrival_s(arrival_unix_ns))
         with _tracer.start_as_current_span(
             "prefill" if prefill_only else "generate", attributes=attributes
@@ -218,6 +221,12 @@ class WorkerBase:
     async def commit(self, request_id: str, *, kv_ok: bool) -> None:
         """Start decoding an imported sequence (kv_ok=False: the engine recomputes the prompt)."""
         stream = self.streams.get(request_id)
+        if stream is not None and self.is_cancelled(request_id):
+            # The cancel came while the hand-off was imported, before its stream existed to
+            # be aborted (on_cancel found nothing to stop): stop it now, freeing the blocks.
+            await self.loop.abort(request_id)
+            await stream.aborted()
+            return
         if stream is not None and not await self._admit(stream):
             return  # cancelled or handed back while it waited; its abort freed the blocks
         await self.loop.call(self.engine.commit_import, request_id, kv_ok)
