@@ -224,8 +224,7 @@ class WorkerBase:
         if stream is not None and self.is_cancelled(request_id):
             # The cancel came while the hand-off was imported, before its stream existed to
             # be aborted (on_cancel found nothing to stop): stop it now, freeing the blocks.
-            await self.loop.abort(request_id)
-            await stream.aborted()
+            await self._abort(stream)
             return
         if stream is not None and not await self._admit(stream):
             return  # cancelled or handed back while it waited; its abort freed the blocks
@@ -323,8 +322,12 @@ class WorkerBase:
         stream = self.streams.get(rid)
         if stream is None:
             return
-        await self.loop.abort(rid)
+        await self._abort(stream)
         log.info("cancelled %s (%s)", rid, cancel.reason or "no reason")
+
+    async def _abort(self, stream: TokenStream) -> None:
+        """Stop a cancelled request in the engine and end its stream for the client."""
+        await self.loop.abort(stream.request_id)
         await stream.aborted()
 
     async def on_replay(self, replay: pb.Replay, _msg: Msg) -> None:

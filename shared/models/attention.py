@@ -22,6 +22,7 @@ them in the tests.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -126,15 +127,7 @@ def paged_attention(
         ).squeeze(2)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
-        if span.context_len == span.num_tokens:  # nothing before this chunk: no gather needed
-            keys, values = k[rows], v[rows]
-        else:
-            keys = kv_layer[:, 0][span.block_ids].view(-1, num_kv_heads, head_dim)[
-                : span.context_len
-            ]
-            values = kv_layer[:, 1][span.block_ids].view(-1, num_kv_heads, head_dim)[
-                : span.context_len
-            ]
+        keys, values = _span_keys_values(span, k, v, kv_layer)
         mask = _chunk_causal_mask(span.num_tokens, span.context_len, q.device)
         o = attend(
             q[rows].transpose(0, 1)[None],
@@ -147,6 +140,21 @@ def paged_attention(
     return out
 
 
+def _span_keys_values(
+    span: PrefillSpan, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk's context keys and values [context_len, H_kv, D]: its own rows when
+    nothing comes before it (no gather), else gathered from its blocks in the pool."""
+    if span.context_len == span.num_tokens:
+        rows = slice(span.start, span.start + span.num_tokens)
+        return k[rows], v[rows]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    keys = kv_layer[:, 0][span.block_ids].view(-1, num_kv_heads, head_dim)
+    values = kv_layer[:, 1][span.block_ids].view(-1, num_kv_heads, head_dim)
+    return keys[: span.context_len], values[: span.context_len]
+
+
+@functools.cache
 def sdpa_prefill(dtype: torch.dtype) -> bool:
     """Whether prefill chunks attend in torch's fused kernel (AMX tiles, a bf16 pool)."""
     from tokenyard.engine.config import cpu_has_amx
@@ -175,22 +183,16 @@ def _attend_fused(
         )
         tables, lens = meta.rows_of(rest)
         out[idx] = kernels.decode_attention(q[idx].contiguous(), kv_layer, tables, lens, scale)
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
     for span in fused:
         rows = slice(span.start, span.start + span.num_tokens)
-        fresh = span.context_len == span.num_tokens
-        if fresh:  # nothing before this chunk: its own keys, a plain causal mask
-            keys, values, mask = k[rows], v[rows], None
-        else:
-            keys = kv_layer[:, 0][span.block_ids].view(-1, num_kv_heads, head_dim)
-            values = kv_layer[:, 1][span.block_ids].view(-1, num_kv_heads, head_dim)
-            keys, values = keys[: span.context_len], values[: span.context_len]
-            mask = _chunk_causal_mask(span.num_tokens, span.context_len, q.device)[None, None]
+        keys, values = _span_keys_values(span, k, v, kv_layer)
+        fresh = span.context_len == span.num_tokens  # then a plain causal mask
+        mask = None if fresh else _chunk_causal_mask(span.num_tokens, span.context_len, q.device)
         o = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None],
             keys.transpose(0, 1)[None],
             values.transpose(0, 1)[None],
-            attn_mask=mask,
+            attn_mask=None if mask is None else mask[None, None],
             is_causal=fresh,
             scale=scale,
             enable_gqa=True,
