@@ -54,6 +54,8 @@ _FUNCTIONS = [
     "silu_and_mul",
     "int8_linear",
     "int4_linear",
+    "linear_i16",
+    "i16_available",
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 

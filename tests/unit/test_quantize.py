@@ -12,6 +12,14 @@ from tokenyard.models import quantize as q
 from tokenyard.models.quantize import QuantizedLinear, dequantized, quantize
 
 
+@pytest.fixture(autouse=True)
+def no_i16(request, monkeypatch):
+    """The tests below pin the paths of CPUs other than AVX2-only ones, where fp32 layers
+    would take the int16-activation kernel; the `i16` tests at the end turn it on."""
+    if not {"i16", "i16_policy"} & set(request.fixturenames):
+        monkeypatch.setattr(q, "i16_kernel", lambda: False)
+
+
 def _linear(out_features=48, in_features=64, bias=True, seed=0):
     torch.manual_seed(seed)
     return nn.Linear(in_features, out_features, bias=bias)
@@ -353,3 +361,115 @@ def test_our_int4_kernel_refuses_a_malformed_layout(own_int4):
         ops.int4_linear(torch.ones(3, 64), qweight, scales[:, :1].contiguous(), zeros)
     with pytest.raises(RuntimeError, match="qweight must be"):
         ops.int4_linear(torch.ones(3, 64), qweight.to(torch.int8), scales, zeros)
+
+
+needs_i16 = pytest.mark.skipif(
+    cpu_kernels.ops() is None or not cpu_kernels.ops().i16_available(),
+    reason="the int16-activation kernel needs our kernels built with AVX2",
+)
+
+
+@pytest.fixture
+def i16(monkeypatch):
+    monkeypatch.setattr(q, "i16_kernel", lambda: True)
+
+
+@pytest.fixture
+def i16_policy():
+    """The CPU's own choice of the int16-activation kernel, not pinned."""
+
+
+@needs_i16
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_int16_activation_kernel_computes_its_dequantized_weight(i16, bits):
+    """Every row count (one 4-row tile, its 1-3-row tails, a second 64-row panel) gives the
+    dequantized weight times x to int16 rounding of the activations, with no dense copy."""
+    linear = _linear(out_features=96, in_features=128, bias=True)
+    layer = QuantizedLinear(linear, bits)
+    assert layer.i16 and layer.dense is None and layer.qweight.shape == (6, 4, 16, 32)
+    w = dequantized(layer)
+    assert (w - linear.weight).abs().max() < (0.02 if bits == 8 else 0.15)  # its own grid
+    for rows in (1, 2, 3, 4, 5, 37, 70):
+        x = torch.randn(rows, 128) * 3
+        y = layer(x)
+        exact = x.double() @ w.double().T + linear.bias.double()
+        assert y.dtype == torch.float32 and y.shape == (rows, 96)
+        err = ((y - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)).max().item()
+        assert err < 2e-4, (rows, err)  # 15-bit activations: ~1e-5 per product
+    # the dense float layer agrees to quantization error only
+    x = torch.randn(8, 128)
+    assert (layer(x) - linear(x)).norm() / linear(x).norm() < (0.01 if bits == 8 else 0.1)
+
+
+@needs_i16
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_int16_activation_kernel_computes_each_row_on_its_own(i16, bits):
+    """Deterministic mode's premise, and prompt rows that come as a cold prefill or as the
+    tail after a prefix hit: a row's result does not depend on the other rows, bit for bit."""
+    layer = QuantizedLinear(_linear(out_features=48, in_features=64, bias=False), bits)
+    x = torch.randn(70, 64)
+    x[5] *= 100  # a loud row must not change its neighbours' scales
+    batch = layer(x)
+    for i in range(70):
+        assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1]), i
+    for lo, hi in ((0, 3), (3, 9), (60, 70)):
+        assert torch.equal(layer(x[lo:hi]), batch[lo:hi])
+    if bits == 8:  # the output projection's logits: the same fp32 values, not rounded
+        assert torch.equal(q.fp32_linear(layer, x), batch)
+
+
+@needs_i16
+def test_the_int16_layout_keeps_a_q4_1_weight_and_round_trips(i16):
+    torch.manual_seed(3)
+    levels = torch.randint(0, 16, (32, 64)).float()
+    levels[:, ::32], levels[:, 1::32] = 0, 15
+    scale, offset = torch.rand(32, 2, 1) * 0.01 + 0.001, -torch.rand(32, 2, 1) * 0.05
+    w = (levels.view(32, 2, 32) * scale + offset).view(32, 64)
+    linear = nn.Linear(64, 32, bias=False)
+    linear.weight.data = w
+    layer = QuantizedLinear(linear, 4)
+    assert (layer.int4_weight() - w).abs().max() < 1e-6
+    assert torch.equal(q.unpack_i16(layer.qweight).float(), levels)
+    # one byte per weight, fp32 scale and zero per group of 32: what a small step reads
+    assert layer.quantized_bytes() == 32 * 64 + 2 * 32 * 2 * 4
+    packed, scales, zeros = q.pack_i16(levels.to(torch.uint8), scale[..., 0], offset[..., 0])
+    assert torch.equal(packed, layer.qweight) and zeros is not None
+    assert torch.equal(q.unpack_i16_params(scales), scale[..., 0])
+
+
+@needs_i16
+def test_the_int16_activation_kernel_refuses_a_malformed_layout(i16):
+    ops = cpu_kernels.ops()
+    w4 = torch.zeros(2, 2, 16, 32, dtype=torch.uint8)  # N = 32, K = 64
+    scales, zeros = torch.ones(2, 2, 16), torch.zeros(2, 2, 16)
+    assert torch.equal(ops.linear_i16(torch.ones(3, 64), w4, scales, zeros), torch.zeros(3, 32))
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.linear_i16(torch.ones(3, 63), w4, scales, zeros)
+    with pytest.raises(RuntimeError, match="scale and zero"):
+        ops.linear_i16(torch.ones(3, 64), w4, scales[:, :1].contiguous(), zeros)
+    with pytest.raises(RuntimeError, match="take a zero"):
+        ops.linear_i16(torch.ones(3, 64), w4, scales, None)
+    with pytest.raises(RuntimeError, match="take a zero"):
+        ops.linear_i16(torch.ones(3, 64), w4.to(torch.int8), scales, zeros)
+    with pytest.raises(RuntimeError, match="qweight must be"):
+        ops.linear_i16(torch.ones(3, 64), w4.view(2, 2, 32, 16), scales, zeros)
+
+
+def test_the_int16_activation_kernel_is_chosen_on_avx2_only_cpus(i16_policy, monkeypatch):
+    import tokenyard.engine.config as config
+
+    if cpu_kernels.ops() is None or not cpu_kernels.ops().i16_available():
+        pytest.skip("the int16-activation kernel needs our kernels built with AVX2")
+    for avx512, bf16, chosen in [
+        (False, False, True),  # AVX2 only: fp32 activations
+        (True, False, False),  # AVX-512 without bf16: its own fp32 paths (unmeasured)
+        (True, True, False),
+    ]:
+        monkeypatch.setattr(config, "cpu_has_avx512", lambda a=avx512: a)
+        monkeypatch.setattr(config, "cpu_has_native_bf16", lambda b=bf16: b)
+        assert q.i16_kernel() is chosen, (avx512, bf16)
+    monkeypatch.setattr(config, "cpu_has_avx512", lambda: False)
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
+    assert QuantizedLinear(_linear(bias=False), 4).i16
+    assert not QuantizedLinear(_linear(bias=False).to(torch.bfloat16), 4).i16  # fp32 layers only
+    assert not QuantizedLinear(_linear(out_features=40, bias=False), 8).i16  # not 16 outputs a block
