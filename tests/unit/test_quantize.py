@@ -472,4 +472,6 @@ def test_the_int16_activation_kernel_is_chosen_on_avx2_only_cpus(i16_policy, mon
     monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
     assert QuantizedLinear(_linear(bias=False), 4).i16
     assert not QuantizedLinear(_linear(bias=False).to(torch.bfloat16), 4).i16  # fp32 layers only
-    assert not QuantizedLinear(_linear(out_features=40, bias=False), 8).i16  # not 16 outputs a block
+    assert not QuantizedLinear(
+        _linear(out_features=40, bias=False), 8
+    ).i16  # not 16 outputs a block
