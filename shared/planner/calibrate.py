@@ -145,11 +145,14 @@ def calibrate(
 
 def weight_only_rows(dtype: str) -> int:
     """The most rows an int4 layer of an engine computing in `dtype` runs through its
-    weight-only kernel."""
+    weight-only kernel; 0 where that kernel runs every row count and no dense copy is kept
+    (fp32 layers on AVX2-only CPUs: int16 activations)."""
     import torch
 
-    from tokenyard.models.quantize import dense_above_rows
+    from tokenyard.models.quantize import dense_above_rows, i16_kernel
 
+    if dtype == "float32" and i16_kernel():
+        return 0
     return dense_above_rows(4, getattr(torch, dtype))
 
 
@@ -184,13 +187,15 @@ def calibrate_and_check(engine, bw_gbs: float, tflops: float, lengths: Lengths =
     small_rows = weight_only_rows(engine.config.dtype)
     shapes = {
         "b1": (1, 128, lengths.b1_output),
-        "small": (small_rows, 128, lengths.b8_output),
+        # without a dense copy one kernel runs every row count: no second regime to calibrate
+        **({"small": (small_rows, 128, lengths.b8_output)} if small_rows else {}),
         "b32": (32, 128, lengths.b32_output),
         "b8": (8, 128, lengths.b8_output),
         "long": (1, 512, lengths.long_output),
     }
     best = best_of(engine, lengths.runs, shapes)
-    b1, small, b32, b8, long = (best[name] for name in shapes)
+    b1, b32, b8, long = (best[name] for name in ("b1", "b32", "b8", "long"))
+    small = best.get("small")
     model = default_model()
     dense = {"bfloat16": "bf16", "float32": "fp32"}.get(str(engine.config.dtype), "")
     values = calibrate(b1, b32, bw_gbs, tflops, model, small, small_rows, dense)
@@ -202,7 +207,9 @@ def calibrate_and_check(engine, bw_gbs: float, tflops: float, lengths: Lengths =
     measured = {"b8_decode_tok_s": 8 / b8.decode_step_s, "ttft_512_ms": 1e3 * long.ttft_s}
     return {
         "calibration": values,
-        "calibration_points": {"b1": b1.__dict__, "small": small.__dict__, "b32": b32.__dict__},
+        "calibration_points": {
+            "b1": b1.__dict__, "b32": b32.__dict__, **({"small": small.__dict__} if small else {})
+        },
         "checked": {
             k: {"predicted": predicted[k], "measured": measured[k],
                 "error": predicted[k] / measured[k] - 1}
