@@ -55,6 +55,7 @@ _FUNCTIONS = [
     "int8_linear",
     "int4_linear",
     "linear_i16",
+    "linear_i8",
     "i16_available",
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from collections.abc import Iterator
 
@@ -134,6 +135,7 @@ class QuantizedLinear(LeanModule):
         self.dense = linear.weight if keep_dense else None
         self.dense_above = dense_above_rows(bits, linear.weight.dtype)
         self.own_int4 = False  # int4 in our kernel's layout (own_int4_kernel)
+        self.act8 = False  # int4 against 8-bit activations (linear_i8, int4_activation_bits)
         # fp32 layers on CPUs without AVX-512 or native bf16 take the int16-activation kernel
         # at every row count, and need no dense copy (see i16_kernel).
         self.i16 = linear.weight.dtype == torch.float32 and i16_fits(linear) and i16_kernel()
@@ -165,8 +167,10 @@ class QuantizedLinear(LeanModule):
                 .to(torch.int32)
             )
             self.own_int4 = self.i16 or own_int4_kernel()
+            self.act8 = self.i16 and int4_activation_bits() == 8
             if self.i16:
-                packed4, scales4, zeros4 = pack_i16(q.to(torch.uint8).view_as(w), scale, lo)
+                pack = pack_i8 if self.act8 else pack_i16
+                packed4, scales4, zeros4 = pack(q.to(torch.uint8).view_as(w), scale, lo)
                 self.register_buffer("qweight", packed4)  # uint8 [out / 16, in / 32, 16, 32]
                 self.register_buffer("scales", scales4)  # fp32 [out / 16, in / 32, 16]
                 self.register_buffer("zeros", zeros4)
@@ -233,6 +237,8 @@ class QuantizedLinear(LeanModule):
 
     def _quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] -> [M, out] in x's dtype, through the weight-only kernel."""
+        if self.act8:
+            return cpu_kernels.ops().linear_i8(x, self.qweight, self.scales, self.zeros)
         if self.i16:
             zeros = self.zeros if self.bits == 4 else None
             return cpu_kernels.ops().linear_i16(x, self.qweight, self.scales, zeros)
@@ -258,7 +264,8 @@ class QuantizedLinear(LeanModule):
     def int4_weight(self) -> torch.Tensor:
         """The fp32 weight [out, in] our int4 layout stands for: q * scale + zero."""
         if self.i16:
-            q = unpack_i16(self.qweight).float().view(self.out_features, -1, GROUP_SIZE)
+            unpack = unpack_i8 if self.act8 else unpack_i16
+            q = unpack(self.qweight).float().view(self.out_features, -1, GROUP_SIZE)
             scale, zero = (unpack_i16_params(t) for t in (self.scales, self.zeros))
             return (q * scale[..., None] + zero[..., None]).view(self.out_features, -1)
         packed = self.qweight.view(self.out_features, -1, GROUP_SIZE // 2)
@@ -356,6 +363,22 @@ def i16_kernel() -> bool:
     )
 
 
+def int4_activation_bits() -> int:
+    """What int4 layers on the integer path (i16_kernel) quantize their activations to: 16
+    bits with one scale per row (linear_i16, the default), or 8 bits with one scale per group
+    of 32 inputs (linear_i8, as llama.cpp pairs Q4_1 weights with Q8_1 activations) where
+    TOKENYARD_INT4_ACTIVATIONS=int8. On a 2-core AVX2 EPYC, SmolLM2's 30 layers: 8 bits took
+    0.76x the time of 16 at 32 to 512 rows (29.5 against 37.8 ms at 32, 209 against 277 at
+    174), but against fp32 on the same weights perplexity rose 24.44 -> 25.30 (16 bits:
+    24.46), top-1 agreement fell to 92.8% (16 bits: 98.1%) and one chat answer in eight
+    stayed identical (16 bits: seven); docs/precision.md. So 8 bits is a choice, not the
+    default."""
+    choice = os.environ.get("TOKENYARD_INT4_ACTIVATIONS", "int16")
+    if choice not in ("int8", "int16"):
+        raise ValueError(f"TOKENYARD_INT4_ACTIVATIONS must be int8 or int16, got {choice!r}")
+    return 8 if choice == "int8" else 16
+
+
 def i16_fits(linear: nn.Linear) -> bool:
     """linear_i16 takes whole groups of 32 inputs and blocks of 16 outputs."""
     return linear.in_features % GROUP_SIZE == 0 and linear.out_features % 16 == 0
@@ -372,17 +395,39 @@ def pack_i16(
     groups = k // GROUP_SIZE
     blocks = q.view(n // 16, 2, 8, groups, 16, 2).permute(0, 3, 4, 1, 2, 5)
     packed = blocks.reshape(n // 16, groups, 16, 32).contiguous()
+    return packed, _per_block(scale), None if zero is None else _per_block(zero)
 
-    def per_block(t: torch.Tensor) -> torch.Tensor:
-        return t.float().reshape(n // 16, 16, groups).transpose(1, 2).contiguous()
 
-    return packed, per_block(scale), None if zero is None else per_block(zero)
+def _per_block(t: torch.Tensor) -> torch.Tensor:
+    """[N, G] scales or zeros -> [N / 16, G, 16]: one block's 16 outputs side by side."""
+    n, groups = t.shape
+    return t.float().reshape(n // 16, 16, groups).transpose(1, 2).contiguous()
 
 
 def unpack_i16(packed: torch.Tensor) -> torch.Tensor:
     """pack_i16's q back to [N, K]."""
     blocks, groups = packed.shape[:2]
     q = packed.view(blocks, groups, 16, 2, 8, 2).permute(0, 3, 4, 1, 2, 5)
+    return q.reshape(blocks * 16, groups * GROUP_SIZE)
+
+
+def pack_i8(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 q [N, K] (uint8 in [0, 16)), scale and zero [N, K / 32] -> linear_i8's layout:
+    q as [N / 16, K / 32, 8 quads of inputs, 64]: the quad's first 32 bytes hold outputs 0-7,
+    each output's four inputs side by side, the second 32 outputs 8-15; scale and zero as
+    pack_i16 lays them out."""
+    n, k = q.shape
+    groups = k // GROUP_SIZE
+    quads = q.view(n // 16, 2, 8, groups, 8, 4).permute(0, 3, 4, 1, 2, 5)
+    return quads.reshape(n // 16, groups, 8, 64).contiguous(), _per_block(scale), _per_block(zero)
+
+
+def unpack_i8(packed: torch.Tensor) -> torch.Tensor:
+    """pack_i8's q back to [N, K]."""
+    blocks, groups = packed.shape[:2]
+    q = packed.view(blocks, groups, 8, 2, 8, 4).permute(0, 3, 4, 1, 2, 5)
     return q.reshape(blocks * 16, groups * GROUP_SIZE)
 
 

@@ -475,3 +475,37 @@ def test_the_int16_activation_kernel_is_chosen_on_avx2_only_cpus(i16_policy, mon
     assert not QuantizedLinear(
         _linear(out_features=40, bias=False), 8
     ).i16  # not 16 outputs a block
+
+
+@needs_i16
+def test_int4_against_8_bit_activations_is_a_choice(i16, monkeypatch):
+    """TOKENYARD_INT4_ACTIVATIONS=int8: int4 layers round each group of 32 inputs to 8 bits
+    (linear_i8). The result is q * scale times those rounded inputs plus zero times the exact
+    inputs' sums (the zero term needs no rounding), and each row is computed on its own."""
+    linear = _linear(out_features=96, in_features=128, bias=False)
+    monkeypatch.setenv("TOKENYARD_INT4_ACTIVATIONS", "int16")
+    layer16 = QuantizedLinear(linear, 4)
+    monkeypatch.setenv("TOKENYARD_INT4_ACTIVATIONS", "int8")
+    layer = QuantizedLinear(linear, 4)
+    assert not layer16.act8 and layer.i16 and layer.act8 and layer.qweight.shape == (6, 4, 8, 64)
+    levels = q.unpack_i8(layer.qweight)
+    assert torch.equal(levels, q.unpack_i16(layer16.qweight))  # the same grid, re-laid
+    scale, zero = (q.unpack_i16_params(t) for t in (layer.scales, layer.zeros))
+    x = torch.randn(70, 128)
+    y = layer(x)
+    groups = x.view(70, 4, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    rounded = (torch.round(groups / step) * step).view(70, 128).double()
+    spread = lambda t: t.double().repeat_interleave(32, dim=1)  # noqa: E731  [N, G] -> [N, K]
+    expected = rounded @ (levels.double() * spread(scale)).T + x.double() @ spread(zero).T
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+    exact = x.double() @ dequantized(layer).double().T
+    rel = ((y - exact).norm(dim=1) / exact.norm(dim=1)).max().item()
+    assert 1e-4 < rel < 0.03, rel  # coarser than the int16 path's ~1e-5
+    for i in (0, 3, 4, 69):
+        assert torch.equal(layer(x[i : i + 1]), y[i : i + 1]), i
+    with pytest.raises(RuntimeError, match="qweight must be"):
+        cpu_kernels.ops().linear_i8(x, layer.qweight.view(6, 4, 16, 32), layer.scales, layer.zeros)
+    monkeypatch.setenv("TOKENYARD_INT4_ACTIVATIONS", "int12")
+    with pytest.raises(ValueError, match="int8 or int16"):
+        QuantizedLinear(linear, 4)
