@@ -145,8 +145,8 @@ class QuantizedLinear(LeanModule):
             scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
             q8 = torch.round(w / scale[:, None]).to(torch.int8)
             if self.i16:
-                groups = self.in_features // GROUP_SIZE
-                packed8, scales8, _ = pack_i16(q8, scale[:, None].expand(-1, groups), None)
+                per_group = scale[:, None].expand(-1, self.in_features // GROUP_SIZE)
+                packed8, scales8, _ = pack_i16(q8, per_group, None)
                 self.register_buffer("qweight", packed8)  # int8 [out / 16, in / 32, 16, 32]
                 self.register_buffer("scales", scales8)  # fp32 [out / 16, in / 32, 16]
             else:
