@@ -806,26 +806,55 @@ void int4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* q, const flo
 // with xsum the group's fp32 sum of x (int4: w = q * scale + zero, Q4_1's groups; int8: w = q
 // * scale, one scale per output repeated for every group, no zero). A row's result never
 // depends on the other rows. The weights are repacked (quantize.pack_i16) as [N / 16, G, 16
-// pairs of inputs, 32 bytes]: byte 2i + t of a pair's first 16 holds q[n0 + i, 2p + t], of
-// its second 16 q[n0 + 8 + i, 2p + t], so that each half widened to words is one vpmaddwd
-// operand; scale and zero as [N / 16, G, 16] fp32.
+// pairs of inputs, B]: word 2i + t of a pair's first operand is q[n0 + i, 2p + t], of its
+// second q[n0 + 8 + i, 2p + t]. int8 keeps a byte per weight (B = 32: the two operands' 16
+// bytes each, widened with sign); int4 a nibble (B = 16: byte j holds word j of the first
+// operand in its low nibble and of the second in its high one), half the bytes to read.
+// scale and zero as [N / 16, G, 16] fp32.
 constexpr int64_t kOutBlock = 16;  // outputs per block: two vectors of eight int32 lanes
 constexpr int64_t kRowTile = 4;    // rows whose accumulators live in registers together
 constexpr int64_t kRowPanel = 64;  // rows whose int16 activations stay in L2 while the blocks go by
 
-template <bool Signed>
-inline __m256i widen(const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return Signed ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
+// tile(rows, m0, b) for every tile of up to kRowTile rows from row m0 and every block b of
+// kOutBlock outputs: blocks split between threads, rows in panels of kRowPanel within each.
+template <typename Tile>
+void for_tiles(int64_t M, int64_t blocks, Tile&& tile) {
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = 0; p0 < M; p0 += kRowPanel) {
+      const int64_t p1 = std::min(M, p0 + kRowPanel);
+      for (int64_t b = begin; b < end; ++b)
+        for (int64_t m0 = p0; m0 < p1; m0 += kRowTile)
+          with_rows<kRowTile>(std::min(kRowTile, p1 - m0), [&](auto rows) { tile(rows, m0, b); });
+    }
+  });
 }
 
-// The four-row tile's inner loop over a group's 16 pairs of inputs. Written out because GCC
-// kept some of the intrinsics version's 8 accumulators on the stack (a chain through memory
-// every pair); here they stay in registers.
-#define TY_I16_GROUP(WIDEN)                                                                                        \
+// Bytes of one pair of inputs for 16 outputs: int4 nibbles (Signed false) or int8 bytes.
+template <bool Signed>
+constexpr int64_t pair_bytes() {
+  return Signed ? 32 : 16;
+}
+
+// The pair's two vpmaddwd operands (outputs 0-7, 8-15), widened to words.
+template <bool Signed>
+inline void pair_operands(const uint8_t* p, __m256i& lo, __m256i& hi) {
+  if constexpr (Signed) {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  } else {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_and_si256(b, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(b, 4);
+  }
+}
+
+// The four-row tile's inner loop over a group's 16 pairs of inputs (WIDEN: the asm that puts
+// the pair's operands in ymm8 and ymm9). Written out because GCC kept some of the intrinsics
+// version's 8 accumulators on the stack (a chain through memory every pair); here they stay
+// in registers.
+#define TY_I16_GROUP(WIDEN, STRIDE)                                                                                \
   for (int p = 0; p < 16; ++p) {                                                                                   \
-    asm(WIDEN " (%[w]), %%ymm8\n\t" WIDEN " 16(%[w]), %%ymm9\n\t"                                                   \
-              "vpbroadcastd (%[x0]), %%ymm10\n\t"                                                                  \
+    asm(WIDEN "vpbroadcastd (%[x0]), %%ymm10\n\t"                                                                   \
               "vpbroadcastd (%[x1]), %%ymm11\n\t"                                                                  \
               "vpbroadcastd (%[x2]), %%ymm12\n\t"                                                                  \
               "vpbroadcastd (%[x3]), %%ymm13\n\t"                                                                  \
@@ -847,30 +876,35 @@ inline __m256i widen(const uint8_t* p) {
               "vpaddd %%ymm15, %[a31], %[a31]"                                                                     \
         : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a10] "+x"(a[1][0]), [a11] "+x"(a[1][1]), [a20] "+x"(a[2][0]), \
           [a21] "+x"(a[2][1]), [a30] "+x"(a[3][0]), [a31] "+x"(a[3][1])                                            \
-        : [w] "r"(wg + p * 32), [x0] "r"(xg + 2 * p), [x1] "r"(xg + K + 2 * p), [x2] "r"(xg + 2 * K + 2 * p),     \
-          [x3] "r"(xg + 3 * K + 2 * p)                                                                             \
+        : [w] "r"(wg + p * (STRIDE)), [x0] "r"(xg + 2 * p), [x1] "r"(xg + K + 2 * p),                             \
+          [x2] "r"(xg + 2 * K + 2 * p), [x3] "r"(xg + 3 * K + 2 * p), [mask] "m"(low_nibbles)                     \
         : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory");                         \
   }
 
 template <int MR, bool Signed>
 void i16_tile(const int16_t* x, int64_t K, const float* xsum, const float* xs, const uint8_t* w, const float* scale,
               const float* zero, int64_t G, float* out, int64_t N) {
+  constexpr int64_t stride = pair_bytes<Signed>();
+  alignas(32) static const int16_t low_nibbles[16] = {15, 15, 15, 15, 15, 15, 15, 15,
+                                                      15, 15, 15, 15, 15, 15, 15, 15};
   __m256 f[MR][2];
   for (int m = 0; m < MR; ++m) f[m][0] = f[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m256i a[MR][2];
     for (int m = 0; m < MR; ++m) a[m][0] = a[m][1] = _mm256_setzero_si256();
-    const uint8_t* wg = w + g * 512;
+    const uint8_t* wg = w + g * 16 * stride;
     const int16_t* xg = x + g * kGroup;
     if constexpr (MR == 4) {
       if constexpr (Signed) {
-        TY_I16_GROUP("vpmovsxbw")
+        TY_I16_GROUP("vpmovsxbw (%[w]), %%ymm8\n\tvpmovsxbw 16(%[w]), %%ymm9\n\t", stride)
       } else {
-        TY_I16_GROUP("vpmovzxbw")
+        TY_I16_GROUP("vpmovzxbw (%[w]), %%ymm8\n\tvpsrlw $4, %%ymm8, %%ymm9\n\tvpand %[mask], %%ymm8, %%ymm8\n\t",
+                     stride)
       }
     } else {
       for (int p = 0; p < 16; ++p) {
-        const __m256i lo = widen<Signed>(wg + p * 32), hi = widen<Signed>(wg + p * 32 + 16);
+        __m256i lo, hi;
+        pair_operands<Signed>(wg + p * stride, lo, hi);
         for (int m = 0; m < MR; ++m) {
           int32_t pair;
           std::memcpy(&pair, xg + m * K + 2 * p, sizeof(pair));
@@ -928,20 +962,11 @@ void gemm_i16(const float* x, int64_t M, int64_t K, const uint8_t* w, const floa
   std::vector<int16_t> xi(M * K);
   std::vector<float> xs(M), xsum(M * G);
   quantize_rows_i16(x, M, K, xi.data(), xs.data(), xsum.data());
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p0 = 0; p0 < M; p0 += kRowPanel) {
-      const int64_t p1 = std::min(M, p0 + kRowPanel);
-      for (int64_t b = begin; b < end; ++b) {
-        const float* zb = zero == nullptr ? nullptr : zero + b * G * kOutBlock;
-        for (int64_t m0 = p0; m0 < p1; m0 += kRowTile) {
-          with_rows<kRowTile>(std::min(kRowTile, p1 - m0), [&](auto rows) {
-            i16_tile<decltype(rows)::value, Signed>(xi.data() + m0 * K, K, xsum.data() + m0 * G, xs.data() + m0,
-                                                    w + b * G * 512, scale + b * G * kOutBlock, zb, G,
-                                                    out + m0 * N + b * kOutBlock, N);
-          });
-        }
-      }
-    }
+  for_tiles(M, blocks, [&](auto rows, int64_t m0, int64_t b) {
+    const float* zb = zero == nullptr ? nullptr : zero + b * G * kOutBlock;
+    i16_tile<decltype(rows)::value, Signed>(xi.data() + m0 * K, K, xsum.data() + m0 * G, xs.data() + m0,
+                                            w + b * G * 16 * pair_bytes<Signed>(), scale + b * G * kOutBlock, zb, G,
+                                            out + m0 * N + b * kOutBlock, N);
   });
 }
 
@@ -1054,20 +1079,29 @@ void gemm_i8(const float* x, int64_t M, int64_t K, const uint8_t* w, const float
   std::vector<int8_t> xq(M * K);
   std::vector<float> xsc(M * G), xsum(M * G);
   quantize_rows_i8(x, M, K, xq.data(), xsc.data(), xsum.data());
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p0 = 0; p0 < M; p0 += kRowPanel) {
-      const int64_t p1 = std::min(M, p0 + kRowPanel);
-      for (int64_t b = begin; b < end; ++b) {
-        for (int64_t m0 = p0; m0 < p1; m0 += kRowTile) {
-          with_rows<kRowTile>(std::min(kRowTile, p1 - m0), [&](auto rows) {
-            i8_tile<decltype(rows)::value>(xq.data() + m0 * K, K, xsc.data() + m0 * G, xsum.data() + m0 * G,
-                                           w + b * G * 512, scale + b * G * kOutBlock, zero + b * G * kOutBlock, G,
-                                           out + m0 * N + b * kOutBlock, N);
-          });
-        }
-      }
-    }
+  for_tiles(M, blocks, [&](auto rows, int64_t m0, int64_t b) {
+    i8_tile<decltype(rows)::value>(xq.data() + m0 * K, K, xsc.data() + m0 * G, xsum.data() + m0 * G,
+                                   w + b * G * 512, scale + b * G * kOutBlock, zero + b * G * kOutBlock, G,
+                                   out + m0 * N + b * kOutBlock, N);
   });
+}
+#endif
+
+#if defined(__AVX2__)
+// The integer GEMMs' operands: scale (and zero, where given) fp32 [N / 16, K / 32, 16] as
+// qweight's first two dimensions say, x floating point [M, K].
+void check_blocked(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                   const c10::optional<at::Tensor>& zero) {
+  const int64_t G = qweight.size(1), K = G * kGroup;
+  std::vector<const at::Tensor*> params{&scale};
+  if (zero) params.push_back(&*zero);
+  for (const auto* t : params) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == qweight.size(0) && t->size(1) == G && t->size(2) == kOutBlock,
+                "scale and zero must be contiguous fp32 [N / 16, K / 32, 16]");
+  }
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point");
 }
 #endif
 
@@ -1124,28 +1158,20 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return out.to(x.scalar_type());
 }
 
-// Weight-only int4 (uint8 q in [0, 16), with zero) or int8 (int8 q, no zero) against int16
+// Weight-only int4 (uint8 nibbles, with zero) or int8 (int8 q, no zero) against int16
 // activations (see gemm_i16): x [M, K] -> [M, N] in x's dtype, any M; qweight [N / 16, K / 32,
-// 16, 32] as quantize.pack_i16 lays it out, scale and zero fp32 [N / 16, K / 32, 16]. Only
+// 16, 16 or 32] as quantize.pack_i16 lays it out, scale and zero fp32 [N / 16, K / 32, 16]. Only
 // where the kernels are built with AVX2 (i16_available).
 at::Tensor linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                       const c10::optional<at::Tensor>& zero) {
 #if defined(__AVX2__)
   const bool is_signed = qweight.scalar_type() == at::kChar;
   TORCH_CHECK((is_signed || qweight.scalar_type() == at::kByte) && qweight.dim() == 4 && qweight.is_contiguous() &&
-                  qweight.size(2) == 16 && qweight.size(3) == 32,
-              "qweight must be contiguous uint8 or int8 [N / 16, K / 32, 16, 32]");
+                  qweight.size(2) == 16 && qweight.size(3) == (is_signed ? 32 : 16),
+              "qweight must be contiguous int8 [N / 16, K / 32, 16, 32] or uint8 nibbles [N / 16, K / 32, 16, 16]");
   TORCH_CHECK(is_signed != zero.has_value(), "int4 (uint8) weights take a zero, int8 weights none");
   const int64_t N = qweight.size(0) * kOutBlock, G = qweight.size(1), K = G * kGroup;
-  std::vector<const at::Tensor*> params{&scale};
-  if (zero) params.push_back(&*zero);
-  for (const auto* t : params) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == qweight.size(0) && t->size(1) == G && t->size(2) == kOutBlock,
-                "scale and zero must be contiguous fp32 [N / 16, K / 32, 16]");
-  }
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point");
+  check_blocked(x, qweight, scale, zero);
   const int64_t M = x.size(0);
   const auto xf = x.to(at::kFloat).contiguous();
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -1170,13 +1196,7 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::T
                   qweight.size(2) == 8 && qweight.size(3) == 64,
               "qweight must be contiguous uint8 [N / 16, K / 32, 8, 64]");
   const int64_t N = qweight.size(0) * kOutBlock, G = qweight.size(1), K = G * kGroup;
-  for (const auto* t : {&scale, &zero}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == qweight.size(0) && t->size(1) == G && t->size(2) == kOutBlock,
-                "scale and zero must be contiguous fp32 [N / 16, K / 32, 16]");
-  }
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point");
+  check_blocked(x, qweight, scale, zero);
   const int64_t M = x.size(0);
   const auto xf = x.to(at::kFloat).contiguous();
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));

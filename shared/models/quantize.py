@@ -171,7 +171,7 @@ class QuantizedLinear(LeanModule):
             if self.i16:
                 pack = pack_i8 if self.act8 else pack_i16
                 packed4, scales4, zeros4 = pack(q.to(torch.uint8).view_as(w), scale, lo)
-                self.register_buffer("qweight", packed4)  # uint8 [out / 16, in / 32, 16, 32]
+                self.register_buffer("qweight", packed4)  # uint8, see pack_i16 and pack_i8
                 self.register_buffer("scales", scales4)  # fp32 [out / 16, in / 32, 16]
                 self.register_buffer("zeros", zeros4)
             elif self.own_int4:
@@ -347,10 +347,12 @@ def i16_kernel() -> bool:
     CPUs with AVX2 but neither AVX-512 nor native bf16, where our kernels are built. There
     each row is scaled into int16 (15 bits, finer than bf16) and vpmaddwd does 16
     multiply-adds an instruction against an fp32 FMA's 8. On a 2-core AVX2 EPYC (Zen 3),
-    SmolLM2's 30 layers, weights cold in cache: 1 row 2.2 ms against 8.4 in the fp32 int4
-    kernel and 21 in the packed fp32 matmul; 32 rows 34 against 61 and 62; 128 rows 145
-    against 215 (fp32); 512 rows 636 against 720. So such layers keep no dense copy: one
-    kernel for every row count, half the bytes of a float copy of the weights. Elsewhere
+    SmolLM2's four projection shapes as 120 distinct int4 layers (30 layers' worth, cold in
+    cache), against the path before it (our fp32 int4 kernel up to 32 rows, the packed fp32
+    matmul above): 1 row 6.2 against 11.1 ms, 32 rows 40.8 against 70.2, 64 rows 83 against
+    119, 174 rows 232 against 282, 512 rows 715 against 773. So such layers keep no dense
+    copy: one kernel for every row count, a nibble per int4 weight (a byte per int8 one)
+    where the fp32 copy took four bytes. Elsewhere
     unmeasured, so off: AVX-512 CPUs have their own paths."""
     from tokenyard.engine.config import cpu_has_avx512, cpu_has_native_bf16
 
@@ -367,9 +369,10 @@ def int4_activation_bits() -> int:
     """What int4 layers on the integer path (i16_kernel) quantize their activations to: 16
     bits with one scale per row (linear_i16, the default), or 8 bits with one scale per group
     of 32 inputs (linear_i8, as llama.cpp pairs Q4_1 weights with Q8_1 activations) where
-    TOKENYARD_INT4_ACTIVATIONS=int8. On a 2-core AVX2 EPYC, SmolLM2's 30 layers: 8 bits took
-    0.76x the time of 16 at 32 to 512 rows (29.5 against 37.8 ms at 32, 209 against 277 at
-    174), but against fp32 on the same weights perplexity rose 24.44 -> 25.30 (16 bits:
+    TOKENYARD_INT4_ACTIVATIONS=int8. On a 2-core AVX2 EPYC, SmolLM2's 30 layers (distinct,
+    cold in cache): 8 bits took 0.78-0.83x the time of 16 at 32 to 512 rows (39.4 against
+    49.4 ms at 32, 228 against 292 at 174) and 1.24x at 1 row (a byte per weight against a
+    nibble), but against fp32 on the same weights perplexity rose 24.44 -> 25.30 (16 bits:
     24.46), top-1 agreement fell to 92.8% (16 bits: 98.1%) and one chat answer in eight
     stayed identical (16 bits: seven); docs/precision.md. So 8 bits is a choice, not the
     default."""
@@ -387,28 +390,36 @@ def i16_fits(linear: nn.Linear) -> bool:
 def pack_i16(
     q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """q [N, K] (uint8 in [0, 16) or int8), scale and zero [N, K / 32] -> linear_i16's layout:
-    q as [N / 16, K / 32, 16 pairs of inputs, 32]: the pair's first 16 bytes hold outputs 0-7,
-    each output's two inputs side by side, the second 16 outputs 8-15; scale and zero as
-    [N / 16, K / 32, 16]."""
+    """q [N, K] (int4: uint8 in [0, 16); int8), scale and zero [N, K / 32] -> linear_i16's
+    layout: per block of 16 outputs, group of 32 inputs and pair of inputs, two operands of
+    16 words (outputs 0-7, then 8-15, each output's two inputs side by side). int8 keeps a
+    byte per weight, [N / 16, K / 32, 16, 32] (the first operand's 16 bytes, then the
+    second's); int4 a nibble, [N / 16, K / 32, 16, 16] (byte j: word j of the first operand
+    in its low nibble, of the second in its high one). scale and zero as [N / 16, K / 32, 16]."""
     n, k = q.shape
     groups = k // GROUP_SIZE
-    blocks = q.view(n // 16, 2, 8, groups, 16, 2).permute(0, 3, 4, 1, 2, 5)
-    packed = blocks.reshape(n // 16, groups, 16, 32).contiguous()
+    pairs = q.view(n // 16, 2, 8, groups, 16, 2).permute(0, 3, 4, 1, 2, 5)  # [.., p, half, i, t]
+    if q.dtype == torch.int8:
+        packed = pairs.reshape(n // 16, groups, 16, 32).contiguous()
+    else:
+        halves = pairs.reshape(n // 16, groups, 16, 2, 16)
+        packed = (halves[..., 0, :] | (halves[..., 1, :] << 4)).contiguous()
     return packed, _per_block(scale), None if zero is None else _per_block(zero)
+
+
+def unpack_i16(packed: torch.Tensor) -> torch.Tensor:
+    """pack_i16's q back to [N, K]."""
+    blocks, groups = packed.shape[:2]
+    if packed.dtype != torch.int8:  # nibbles: the two operands from one byte
+        packed = torch.stack([packed & 15, packed >> 4], dim=3)
+    q = packed.reshape(blocks, groups, 16, 2, 8, 2).permute(0, 3, 4, 1, 2, 5)
+    return q.reshape(blocks * 16, groups * GROUP_SIZE)
 
 
 def _per_block(t: torch.Tensor) -> torch.Tensor:
     """[N, G] scales or zeros -> [N / 16, G, 16]: one block's 16 outputs side by side."""
     n, groups = t.shape
     return t.float().reshape(n // 16, 16, groups).transpose(1, 2).contiguous()
-
-
-def unpack_i16(packed: torch.Tensor) -> torch.Tensor:
-    """pack_i16's q back to [N, K]."""
-    blocks, groups = packed.shape[:2]
-    q = packed.view(blocks, groups, 16, 2, 8, 2).permute(0, 3, 4, 1, 2, 5)
-    return q.reshape(blocks * 16, groups * GROUP_SIZE)
 
 
 def pack_i8(

@@ -386,7 +386,9 @@ def test_the_int16_activation_kernel_computes_its_dequantized_weight(i16, bits):
     dequantized weight times x to int16 rounding of the activations, with no dense copy."""
     linear = _linear(out_features=96, in_features=128, bias=True)
     layer = QuantizedLinear(linear, bits)
-    assert layer.i16 and layer.dense is None and layer.qweight.shape == (6, 4, 16, 32)
+    # int4 a nibble per weight, int8 a byte: [blocks of 16 outputs, groups, pairs, bytes]
+    assert layer.i16 and layer.dense is None
+    assert layer.qweight.shape == (6, 4, 16, 16 if bits == 4 else 32)
     w = dequantized(layer)
     assert (w - linear.weight).abs().max() < (0.02 if bits == 8 else 0.15)  # its own grid
     for rows in (1, 2, 3, 4, 5, 37, 70):
@@ -430,8 +432,8 @@ def test_the_int16_layout_keeps_a_q4_1_weight_and_round_trips(i16):
     layer = QuantizedLinear(linear, 4)
     assert (layer.int4_weight() - w).abs().max() < 1e-6
     assert torch.equal(q.unpack_i16(layer.qweight).float(), levels)
-    # one byte per weight, fp32 scale and zero per group of 32: what a small step reads
-    assert layer.quantized_bytes() == 32 * 64 + 2 * 32 * 2 * 4
+    # a nibble per weight, fp32 scale and zero per group of 32: what a small step reads
+    assert layer.quantized_bytes() == 32 * 64 // 2 + 2 * 32 * 2 * 4
     packed, scales, zeros = q.pack_i16(levels.to(torch.uint8), scale[..., 0], offset[..., 0])
     assert torch.equal(packed, layer.qweight) and zeros is not None
     assert torch.equal(q.unpack_i16_params(scales), scale[..., 0])
@@ -440,7 +442,7 @@ def test_the_int16_layout_keeps_a_q4_1_weight_and_round_trips(i16):
 @needs_i16
 def test_the_int16_activation_kernel_refuses_a_malformed_layout(i16):
     ops = cpu_kernels.ops()
-    w4 = torch.zeros(2, 2, 16, 32, dtype=torch.uint8)  # N = 32, K = 64
+    w4 = torch.zeros(2, 2, 16, 16, dtype=torch.uint8)  # N = 32, K = 64, int4 nibbles
     scales, zeros = torch.ones(2, 2, 16), torch.zeros(2, 2, 16)
     assert torch.equal(ops.linear_i16(torch.ones(3, 64), w4, scales, zeros), torch.zeros(3, 32))
     with pytest.raises(RuntimeError, match="x must be"):
@@ -449,10 +451,14 @@ def test_the_int16_activation_kernel_refuses_a_malformed_layout(i16):
         ops.linear_i16(torch.ones(3, 64), w4, scales[:, :1].contiguous(), zeros)
     with pytest.raises(RuntimeError, match="take a zero"):
         ops.linear_i16(torch.ones(3, 64), w4, scales, None)
+    w8 = torch.zeros(2, 2, 16, 32, dtype=torch.int8)  # int8: a byte per weight
+    assert torch.equal(ops.linear_i16(torch.ones(3, 64), w8, scales, None), torch.zeros(3, 32))
     with pytest.raises(RuntimeError, match="take a zero"):
-        ops.linear_i16(torch.ones(3, 64), w4.to(torch.int8), scales, zeros)
+        ops.linear_i16(torch.ones(3, 64), w8, scales, zeros)
     with pytest.raises(RuntimeError, match="qweight must be"):
-        ops.linear_i16(torch.ones(3, 64), w4.view(2, 2, 32, 16), scales, zeros)
+        ops.linear_i16(torch.ones(3, 64), w4.view(2, 2, 8, 32), scales, zeros)
+    with pytest.raises(RuntimeError, match="qweight must be"):  # int8 takes a byte a weight
+        ops.linear_i16(torch.ones(3, 64), w4.to(torch.int8), scales, None)
 
 
 def test_the_int16_activation_kernel_is_chosen_on_avx2_only_cpus(i16_policy, monkeypatch):
