@@ -9,6 +9,9 @@
 //   int4 runs here on x86 CPUs with AVX2 or AVX-512: in fp32 without native bf16 (where
 //   torch's int4 kernel converts its activations to bf16 in software), with bf16 dot
 //   products on AVX512-BF16.
+// - linear_i16, linear_i8: int4 and int8 GEMMs in integer arithmetic against int16 (or, for
+//   int4, 8-bit) activations, at every row count, on AVX2 CPUs without native bf16 (twin:
+//   the dequantized weight times the rounded activations, in the tests).
 // - add_rms_norm, rotary, silu_and_mul: twins in tokenyard.models.fused. Each replaces five
 //   to eight small torch ops per layer; at batch 1 those ops' dispatch cost more than the
 //   arithmetic, a third of a decode step on a 30-layer model.

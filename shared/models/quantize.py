@@ -20,6 +20,8 @@ more than a handful of rows. A quantized layer therefore keeps its dense weight 
 (`keep_dense`, the default) and uses it for steps of more rows than `DENSE_ABOVE_ROWS`:
 decode of a few sequences gets the bandwidth, prefill and big batches get the FLOPs. That
 costs memory: the report counts both copies, and the tied lm_head reuses the embeddings.
+CPUs with AVX2 but neither AVX-512 nor native bf16 are the exception (`i16_kernel`): there
+int4 and int8 layers run an integer kernel at every row count and keep no dense copy.
 """
 
 from __future__ import annotations
@@ -119,8 +121,10 @@ def prompt_step(active: bool) -> Iterator[None]:
 class QuantizedLinear(LeanModule):
     """A Linear whose weight is kept int8 (per channel) or int4 (per group of 32).
 
-    int8 runs our C++ GEMV (tokenyard.kernels.cpu) for up to 16 rows a call; int4 runs our
-    C++ kernel on x86 CPUs (`own_int4_kernel`, Q4_1's layout: fp32 activations without
+    fp32 layers on AVX2-only CPUs (`i16_kernel`) run `linear_i16` (int16 activations; int4
+    with `TOKENYARD_INT4_ACTIVATIONS=int8`: `linear_i8`) at every row count, with no dense
+    copy. Elsewhere int8 runs our C++ GEMV (tokenyard.kernels.cpu) for up to 16 rows a
+    call; int4 runs our C++ kernel on x86 CPUs (`own_int4_kernel`, Q4_1's layout: fp32 activations without
     native bf16, bf16 dot products with AVX512-BF16). Elsewhere (int4 on Arm with bf16,
     either without our kernels) torch's CPU weight-only kernels run, which are fast only
     with bf16 activations: rows are cast to bf16 and the result back to the input's dtype.
@@ -138,7 +142,7 @@ class QuantizedLinear(LeanModule):
         self.act8 = False  # int4 against 8-bit activations (linear_i8, int4_activation_bits)
         # fp32 layers on CPUs without AVX-512 or native bf16 take the int16-activation kernel
         # at every row count, and need no dense copy (see i16_kernel).
-        self.i16 = linear.weight.dtype == torch.float32 and i16_fits(linear) and i16_kernel()
+        self.i16 = linear.weight.dtype == torch.float32 and int4_fits(linear) and i16_kernel()
         if self.i16:
             self.dense = None
         if bits == 8:
@@ -382,11 +386,6 @@ def int4_activation_bits() -> int:
     return 8 if choice == "int8" else 16
 
 
-def i16_fits(linear: nn.Linear) -> bool:
-    """linear_i16 takes whole groups of 32 inputs and blocks of 16 outputs."""
-    return linear.in_features % GROUP_SIZE == 0 and linear.out_features % 16 == 0
-
-
 def pack_i16(
     q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -448,7 +447,8 @@ def unpack_i16_params(t: torch.Tensor) -> torch.Tensor:
 
 
 def int4_fits(linear: nn.Linear) -> bool:
-    """torch's int4 packing wants whole groups along in_features and 16-row tiles along out."""
+    """torch's int4 packing, and our integer kernels' layout (i16_kernel), want whole groups
+    of 32 along in_features and blocks of 16 along out_features."""
     return linear.in_features % GROUP_SIZE == 0 and linear.out_features % 16 == 0
 
 
