@@ -980,8 +980,8 @@ void gemm_i16(const float* x, int64_t M, int64_t K, const uint8_t* w, const floa
 // 8 such sums stay below 2^15); one vpmaddwd by ones per group widens them to int32. About
 // half the instructions of the int16 path per multiply-add, at 8 bits of activation.
 //   y[m, n] = sum_g (scale[n, g] * xs[m, g] * sum_j q[n, g, j] * xq[m, g, j] + zero[n, g] * xsum[m, g])
-// Weights as [N / 16, G, 8 quads of inputs, 32]: byte 4i + t of a quad's first 16 holds
-// q[n0 + i, 4p + t]... see quantize.pack_i8.
+// Weights as [N / 16, G, 8 quads of inputs, 64] (quantize.pack_i8): byte 4i + t of quad p's
+// first 32 holds q[n0 + i, 4p + t], of its second 32 q[n0 + 8 + i, 4p + t]; a byte per weight.
 #define TY_I8_QUAD                                                                                               \
   asm("vmovdqu (%[w]), %%ymm8\n\t"                                                                               \
       "vmovdqu 32(%[w]), %%ymm9\n\t"                                                                             \
