@@ -142,7 +142,7 @@ class QuantizedLinear(LeanModule):
         self.act8 = False  # int4 against 8-bit activations (linear_i8, int4_activation_bits)
         # fp32 layers on CPUs without AVX-512 or native bf16 take the int16-activation kernel
         # at every row count, and need no dense copy (see i16_kernel).
-        self.i16 = int4_fits(linear) and integer_path(linear.weight.dtype)
+        self.i16 = linear.weight.dtype == torch.float32 and int4_fits(linear) and i16_kernel()
         if self.i16:
             self.dense = None
         if bits == 8:
@@ -286,7 +286,7 @@ class QuantizedLinear(LeanModule):
         kernels = cpu_kernels.ops_for(x)
         if (
             self.bits != 8
-            or kernels is None
+            or (kernels is None and not self.i16)
             or (self.dense is not None and x.shape[0] > self.dense_above)
         ):
             return self(x).float()
@@ -367,12 +367,6 @@ def i16_kernel() -> bool:
         and not cpu_has_native_bf16()
         and bool(kernels.i16_available())
     )
-
-
-def integer_path(dtype: torch.dtype) -> bool:
-    """Whether quantized layers of this dtype run the integer kernels at every row count and
-    keep no dense copy: fp32 layers where i16_kernel holds."""
-    return dtype == torch.float32 and i16_kernel()
 
 
 def int4_activation_bits() -> int:
