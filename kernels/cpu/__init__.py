@@ -57,6 +57,7 @@ _FUNCTIONS = [
     "linear_i16",
     "linear_i8",
     "i16_available",
+    "i16_vnni",
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 

@@ -65,6 +65,10 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 #   512; int4 3.5 ms at 1 row, 5.8 at 4, 10.3 at 5-8 on two threads; on one thread 5.8 at 1
 #   row, 16.6 at 6, 19.7 at 8 against 19-20 dense. The output projection's int8 GEMV: 0.7 ms
 #   at 1 row, 1.1 at 3, 1.4-1.8 at 4 against 1.2 dense; on one thread tied at 4 (2.4 ms);
+# - bf16 dense against linear_i16's AVX512-VNNI tile (i16_kernel for bf16, a 2-core Zen 4
+#   EPYC): int4 18.7 against 19.3 ms at 24 rows and tied at 32 (24.0 against 23.6); the output
+#   projection's int8 2.9 against 3.2 ms at 16 rows, 5.7 against 5.4 at 32. On one thread int4
+#   19.2 against 22.0 at 12 rows, tied at 16 (25.1 against 25.0); int8 tied at 16 (5.8 / 5.9);
 # - bf16 dense emulated (no native bf16): slower than int4 at every decode batch measured
 #   (9.2 ms against 3.3 ms at 32 rows), so only prefill-sized steps use it.
 DENSE_ABOVE_ROWS = {
@@ -72,6 +76,8 @@ DENSE_ABOVE_ROWS = {
     "bf16_native_one_thread": {8: 8, 4: 6},
     "bf16_own_int4": {8: 8, 4: 12},
     "bf16_own_int4_one_thread": {8: 8, 4: 8},
+    "bf16_i16": {8: 16, 4: 24},
+    "bf16_i16_one_thread": {8: 12, 4: 14},
     "bf16_amx": {8: 3, 4: 4},
     "bf16_amx_one_thread": {8: 3, 4: 7},
     "fp32": {8: 8, 4: 14},
@@ -91,6 +97,8 @@ def dense_above_rows(bits: int, dense_dtype: torch.dtype = torch.bfloat16) -> in
         return DENSE_ABOVE_ROWS["bf16_emulated"][bits]
     if cpu_has_amx():
         kernel = "bf16_amx"
+    elif i16_kernel(torch.bfloat16):
+        kernel = "bf16_i16"
     else:
         kernel = "bf16_own_int4" if own_int4_kernel() else "bf16_native"
     return DENSE_ABOVE_ROWS[kernel + ("_one_thread" if torch.get_num_threads() == 1 else "")][bits]
@@ -142,9 +150,9 @@ class QuantizedLinear(LeanModule):
         self.act8 = False  # int4 against 8-bit activations (linear_i8, int4_activation_bits)
         # fp32 layers on CPUs without AVX-512 or native bf16 take the int16-activation kernel
         # at every row count, and need no dense copy (see i16_kernel).
-        self.i16 = linear.weight.dtype == torch.float32 and int4_fits(linear) and i16_kernel()
-        if self.i16:
-            self.dense = None
+        self.i16 = int4_fits(linear) and i16_kernel(linear.weight.dtype)
+        if self.i16 and linear.weight.dtype == torch.float32:
+            self.dense = None  # bf16 layers keep it: oneDNN's bf16 matmul wins above a few rows
         if bits == 8:
             scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
             q8 = torch.round(w / scale[:, None]).to(torch.int8)
@@ -346,9 +354,23 @@ def own_int4_kernel() -> bool:
     return fits and cpu_kernels.ops() is not None
 
 
-def i16_kernel() -> bool:
-    """Whether fp32 quantized layers run the int16-activation kernel (`linear_i16`): on x86
-    CPUs with AVX2 but neither AVX-512 nor native bf16, where our kernels are built. There
+def i16_kernel(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether quantized layers of this dtype run the int16-activation kernel (`linear_i16`).
+
+    bf16 layers: on AVX512-BF16 CPUs without AMX whose kernels are built with AVX512-VNNI
+    (`i16_vnni`: a Zen 4 EPYC), for steps of up to `DENSE_ABOVE_ROWS["bf16_i16"]` rows; the
+    dense bf16 copy stays for prefill and bigger batches, where oneDNN's matmul wins (512
+    rows: 250-270 ms against 340-420). vpdpwssd does 32 int16 multiply-adds an instruction,
+    as many as vdpbf16ps, but needs no bf16 rounding of the weights, so the int4 weights
+    feed it at the cost of widening nibbles. SmolLM2's four projection shapes as 120
+    distinct int4 layers (cold), 2 threads, against our kernel's bf16 path (int4) and the
+    dense copy: 1 row 3.1-3.6 against 3.8-4.0 ms, 8 rows 6.8-8.2 against 9.1, 16 rows
+    11.8-13.1 against 14.7-15.5 (dense), 32 rows 21.5-24 against 22.4-23.6 (dense); the output
+    projection (int8, 576 x 49,152) at 8 rows 1.7 ms against 3.0 in the int8 GEMV and 2.6
+    dense.
+
+    fp32 layers: on x86 CPUs with AVX2 but neither AVX-512 nor native bf16, where our
+    kernels are built. There
     each row is scaled into int16 (15 bits, finer than bf16) and vpmaddwd does 16
     multiply-adds an instruction against an fp32 FMA's 8. On a 2-core AVX2 EPYC (Zen 3),
     SmolLM2's four projection shapes as 120 distinct int4 layers (30 layers' worth, cold in
@@ -360,9 +382,17 @@ def i16_kernel() -> bool:
     unmeasured, so off: AVX-512 CPUs have their own paths."""
     from tokenyard.engine.config import cpu_has_avx512, cpu_has_native_bf16
 
+    from tokenyard.engine.config import cpu_flags, cpu_has_amx
+
     kernels = cpu_kernels.ops()
+    if kernels is None:
+        return False
+    if dtype == torch.bfloat16:
+        return (
+            "avx512_bf16" in cpu_flags() and not cpu_has_amx() and bool(kernels.i16_vnni())
+        )
     return (
-        kernels is not None
+        dtype == torch.float32
         and not cpu_has_avx512()
         and not cpu_has_native_bf16()
         and bool(kernels.i16_available())

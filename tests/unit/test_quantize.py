@@ -17,7 +17,7 @@ def no_i16(request, monkeypatch):
     """The tests below pin the paths of CPUs other than AVX2-only ones, where fp32 layers
     would take the int16-activation kernel; the `i16` tests at the end turn it on."""
     if not {"i16", "i16_policy"} & set(request.fixturenames):
-        monkeypatch.setattr(q, "i16_kernel", lambda: False)
+        monkeypatch.setattr(q, "i16_kernel", lambda dtype=torch.float32: False)
 
 
 def _linear(out_features=48, in_features=64, bias=True, seed=0):
@@ -371,7 +371,7 @@ needs_i16 = pytest.mark.skipif(
 
 @pytest.fixture
 def i16(monkeypatch):
-    monkeypatch.setattr(q, "i16_kernel", lambda: True)
+    monkeypatch.setattr(q, "i16_kernel", lambda dtype=torch.float32: dtype == torch.float32)
 
 
 @pytest.fixture
@@ -391,7 +391,7 @@ def test_the_int16_activation_kernel_computes_its_dequantized_weight(i16, bits):
     assert layer.qweight.shape == (6, 4, 16, 16 if bits == 4 else 32)
     w = dequantized(layer)
     assert (w - linear.weight).abs().max() < (0.02 if bits == 8 else 0.15)  # its own grid
-    for rows in (1, 2, 3, 4, 5, 37, 70):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 37, 70):  # the AVX2 tile's 4 rows, AVX512-VNNI's 8
         x = torch.randn(rows, 128) * 3
         y = layer(x)
         exact = x.double() @ w.double().T + linear.bias.double()
@@ -474,13 +474,62 @@ def test_the_int16_activation_kernel_is_chosen_on_avx2_only_cpus(i16_policy, mon
         monkeypatch.setattr(config, "cpu_has_avx512", lambda a=avx512: a)
         monkeypatch.setattr(config, "cpu_has_native_bf16", lambda b=bf16: b)
         assert q.i16_kernel() is chosen, (avx512, bf16)
+    vnni = bool(cpu_kernels.ops().i16_vnni())
+    for flags, chosen in [
+        ({"avx512f", "avx512_bf16"}, vnni),  # bf16 layers: where the VNNI tile is built
+        ({"avx512f", "avx512_bf16", "amx_bf16"}, False),  # AMX: oneDNN's tiles and torch's int4
+        ({"avx512f"}, False),  # no native bf16: bf16 layers are emulated, fp32 runs
+    ]:
+        monkeypatch.setattr(config, "cpu_flags", lambda f=flags: frozenset(f))
+        assert q.i16_kernel(torch.bfloat16) is chosen, flags
     monkeypatch.setattr(config, "cpu_has_avx512", lambda: False)
     monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
     assert QuantizedLinear(_linear(bias=False), 4).i16
-    assert not QuantizedLinear(_linear(bias=False).to(torch.bfloat16), 4).i16  # fp32 layers only
+    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert not QuantizedLinear(_linear(bias=False).to(torch.bfloat16), 4).i16  # no native bf16
     assert not QuantizedLinear(
         _linear(out_features=40, bias=False), 8
     ).i16  # not 16 outputs a block
+
+
+needs_vnni = pytest.mark.skipif(
+    cpu_kernels.ops() is None or not cpu_kernels.ops().i16_vnni(),
+    reason="bf16 layers take the int16-activation kernel where it is built with AVX512-VNNI",
+)
+
+
+@pytest.fixture
+def i16_bf16(monkeypatch):
+    monkeypatch.setattr(q, "i16_kernel", lambda dtype=torch.float32: dtype == torch.bfloat16)
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bf16_layers_take_the_int16_kernel_for_small_steps_only(i16_bf16, bits):
+    """On AVX512-VNNI a bf16 layer runs linear_i16 up to its threshold and keeps its dense
+    copy for bigger steps and every prompt step; each row's result is its own, bit for bit."""
+    linear = _linear(out_features=96, in_features=128, bias=False).to(torch.bfloat16)
+    layer = QuantizedLinear(linear, bits)
+    assert layer.i16 and layer.dense is not None
+    assert layer.dense_above == q.DENSE_ABOVE_ROWS["bf16_i16"][bits]
+    w = dequantized(layer)
+    x = (torch.randn(layer.dense_above + 1, 128) * 3).to(torch.bfloat16)
+    small = x[: layer.dense_above]
+    y = layer(small)
+    exact = small.double() @ w.double().T
+    assert y.dtype == torch.bfloat16
+    err = ((y.double() - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)).max().item()
+    assert err < 1e-2, err  # bf16 output rounding; the products are int16-exact
+    for i in range(small.shape[0]):
+        assert torch.equal(layer(small[i : i + 1]), y[i : i + 1]), i
+    dense = F.linear(x, layer.dense if not layer.dense.is_mkldnn else linear.weight)
+    assert torch.equal(layer(x), dense)  # above the threshold: the dense copy
+    with q.prompt_step(True):
+        assert torch.equal(layer(small[:3]), dense[:3])  # prompt rows: the dense copy
+    if bits == 8:  # the output projection's logits come from the kernel's fp32 sums
+        logits = q.fp32_linear(layer, small)
+        assert logits.dtype == torch.float32
+        assert torch.allclose(logits.double(), exact, rtol=1e-4, atol=1e-3 * exact.abs().max())
 
 
 @needs_i16
