@@ -285,9 +285,20 @@ void softmax_rows(float* scores, int64_t rows, int64_t ctx) {
   for (int64_t i = 0; i < rows; ++i) {
     float* si = scores + i * ctx;
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, si[t]);
-    float sum = 0.f;
     int64_t t = 0;
+#if defined(TY_VEC)
+    // The maximum in vectors: a scalar max is a chain of dependent instructions (the
+    // compiler may not reorder it). 32 sequences of 240 tokens, 30 layers in cache (2-core
+    // Zen 4): 9.2 -> 4.4 ms.
+    vf vmx_acc = vset(mx);
+    for (; t + kW <= ctx; t += kW) vmx_acc = vmax(vmx_acc, vload(si + t));
+    alignas(64) float lanes[kW];
+    vstore(lanes, vmx_acc);
+    mx = *std::max_element(lanes, lanes + kW);
+#endif
+    for (; t < ctx; ++t) mx = std::max(mx, si[t]);
+    float sum = 0.f;
+    t = 0;
 #if defined(TY_VEC)
     vf acc = vzero();
     const vf vmx = vset(mx);
@@ -341,11 +352,15 @@ constexpr int64_t kMaxGroup = 8;  // query heads per KV head that the vector pat
 
 // Asks for the next block's rows of this KV head while the current block is being read: the
 // rows are strided (the other KV heads lie between them), which hardware prefetchers miss.
+// Into L2 (T1), not L1: a block's rows are more lines than L1 can have in flight, and
+// with T0 a core read the pool no faster than with no prefetch at all. 32 sequences of 240
+// tokens, 30 layers cold (2-core Zen 4): 13 -> 8.4 ms; 8 of 600: 8.3 -> 5.7 ms. Prefetching
+// whole token rows (every KV head's part) or two to eight blocks ahead was slower.
 template <typename scalar_t>
 inline void prefetch_rows(const scalar_t* rows, int64_t n, int64_t stride, int64_t row_bytes) {
   for (int64_t r = 0; r < n; ++r) {
     const char* p = reinterpret_cast<const char*>(rows + r * stride);
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
   }
 }
 
