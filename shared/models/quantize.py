@@ -365,32 +365,28 @@ def i16_kernel(dtype: torch.dtype = torch.float32) -> bool:
     feed it at the cost of widening nibbles. SmolLM2's four projection shapes as 120
     distinct int4 layers (cold), 2 threads, against our kernel's bf16 path (int4) and the
     dense copy: 1 row 3.1-3.6 against 3.8-4.0 ms, 8 rows 6.8-8.2 against 9.1, 16 rows
-    11.8-13.1 against 14.7-15.5 (dense), 32 rows 21.5-24 against 22.4-23.6 (dense); the output
-    projection (int8, 576 x 49,152) at 8 rows 1.7 ms against 3.0 in the int8 GEMV and 2.6
-    dense.
+    11.6-13.1 against 14.7-15.5 (dense), 32 rows 21.5-24 against 22.4-23.6 (dense; in the
+    engine the dense copy wins 32-row steps); the output projection (int8, 576 x 49,152) at
+    8 rows 1.7 ms against 3.0 in the int8 GEMV and 2.6 dense. Where AMX multiplies bf16
+    tiles, oneDNN's matmul and torch's int4 kernel stay (unmeasured against this one).
 
     fp32 layers: on x86 CPUs with AVX2 but neither AVX-512 nor native bf16, where our
-    kernels are built. There
-    each row is scaled into int16 (15 bits, finer than bf16) and vpmaddwd does 16
-    multiply-adds an instruction against an fp32 FMA's 8. On a 2-core AVX2 EPYC (Zen 3),
+    kernels are built. There each row is scaled into int16 (15 bits, finer than bf16) and
+    vpmaddwd does 16 multiply-adds an instruction against an fp32 FMA's 8. On a 2-core AVX2 EPYC (Zen 3),
     SmolLM2's four projection shapes as 120 distinct int4 layers (30 layers' worth, cold in
     cache), against the path before it (our fp32 int4 kernel up to 32 rows, the packed fp32
     matmul above): 1 row 6.2 against 11.1 ms, 32 rows 40.8 against 70.2, 64 rows 83 against
     119, 174 rows 232 against 282, 512 rows 715 against 773. So such layers keep no dense
     copy: one kernel for every row count, a nibble per int4 weight (a byte per int8 one)
-    where the fp32 copy took four bytes. Elsewhere
-    unmeasured, so off: AVX-512 CPUs have their own paths."""
-    from tokenyard.engine.config import cpu_has_avx512, cpu_has_native_bf16
-
-    from tokenyard.engine.config import cpu_flags, cpu_has_amx
+    where the fp32 copy took four bytes. fp32 layers on AVX-512 CPUs (without native bf16)
+    keep their own paths: unmeasured against this kernel."""
+    from tokenyard.engine.config import cpu_flags, cpu_has_amx, cpu_has_avx512, cpu_has_native_bf16
 
     kernels = cpu_kernels.ops()
     if kernels is None:
         return False
     if dtype == torch.bfloat16:
-        return (
-            "avx512_bf16" in cpu_flags() and not cpu_has_amx() and bool(kernels.i16_vnni())
-        )
+        return "avx512_bf16" in cpu_flags() and not cpu_has_amx() and bool(kernels.i16_vnni())
     return (
         dtype == torch.float32
         and not cpu_has_avx512()

@@ -363,15 +363,23 @@ def test_our_int4_kernel_refuses_a_malformed_layout(own_int4):
         ops.int4_linear(torch.ones(3, 64), qweight.to(torch.int8), scales, zeros)
 
 
-needs_i16 = pytest.mark.skipif(
-    cpu_kernels.ops() is None or not cpu_kernels.ops().i16_available(),
-    reason="the int16-activation kernel needs our kernels built with AVX2",
-)
+def _built(kernel: str, reason: str) -> pytest.MarkDecorator:
+    """Skip unless our kernels are built here and `kernel()` (an availability flag) says so."""
+    ops = cpu_kernels.ops()
+    return pytest.mark.skipif(ops is None or not getattr(ops, kernel)(), reason=reason)
+
+
+def _i16_for(monkeypatch, dtype: torch.dtype) -> None:
+    """Layers of `dtype`, and only those, take the int16-activation kernel."""
+    monkeypatch.setattr(q, "i16_kernel", lambda d=torch.float32: d == dtype)
+
+
+needs_i16 = _built("i16_available", "the int16-activation kernel needs our kernels built with AVX2")
 
 
 @pytest.fixture
 def i16(monkeypatch):
-    monkeypatch.setattr(q, "i16_kernel", lambda dtype=torch.float32: dtype == torch.float32)
+    _i16_for(monkeypatch, torch.float32)
 
 
 @pytest.fixture
@@ -492,15 +500,14 @@ def test_the_int16_activation_kernel_is_chosen_on_avx2_only_cpus(i16_policy, mon
     ).i16  # not 16 outputs a block
 
 
-needs_vnni = pytest.mark.skipif(
-    cpu_kernels.ops() is None or not cpu_kernels.ops().i16_vnni(),
-    reason="bf16 layers take the int16-activation kernel where it is built with AVX512-VNNI",
+needs_vnni = _built(
+    "i16_vnni", "bf16 layers take the int16-activation kernel where it is built with AVX512-VNNI"
 )
 
 
 @pytest.fixture
 def i16_bf16(monkeypatch):
-    monkeypatch.setattr(q, "i16_kernel", lambda dtype=torch.float32: dtype == torch.bfloat16)
+    _i16_for(monkeypatch, torch.bfloat16)
 
 
 @needs_vnni
