@@ -518,7 +518,8 @@ def test_bf16_layers_take_the_int16_kernel_for_small_steps_only(i16_bf16, bits):
     linear = _linear(out_features=96, in_features=128, bias=False).to(torch.bfloat16)
     layer = QuantizedLinear(linear, bits)
     assert layer.i16 and layer.dense is not None
-    assert layer.dense_above == q.DENSE_ABOVE_ROWS["bf16_i16"][bits]
+    table = "bf16_i16" + ("_one_thread" if torch.get_num_threads() == 1 else "")
+    assert layer.dense_above == q.DENSE_ABOVE_ROWS[table][bits]  # earlier tests may pin 1
     w = dequantized(layer)
     x = (torch.randn(layer.dense_above + 1, 128) * 3).to(torch.bfloat16)
     small = x[: layer.dense_above]
