@@ -21,7 +21,9 @@ more than a handful of rows. A quantized layer therefore keeps its dense weight 
 decode of a few sequences gets the bandwidth, prefill and big batches get the FLOPs. That
 costs memory: the report counts both copies, and the tied lm_head reuses the embeddings.
 CPUs with AVX2 but neither AVX-512 nor native bf16 are the exception (`i16_kernel`): there
-int4 and int8 layers run an integer kernel at every row count and keep no dense copy.
+int4 and int8 layers run an integer kernel at every row count and keep no dense copy. On
+AVX512-VNNI CPUs without AMX, bf16 layers run that kernel for small steps instead of the
+weight-only kernels, and keep their dense copy.
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ class QuantizedLinear(LeanModule):
 
     fp32 layers on AVX2-only CPUs (`i16_kernel`) run `linear_i16` (int16 activations; int4
     with `TOKENYARD_INT4_ACTIVATIONS=int8`: `linear_i8`) at every row count, with no dense
-    copy. Elsewhere int8 runs our C++ GEMV (tokenyard.kernels.cpu) for up to 16 rows a
+    copy; bf16 layers on AVX512-VNNI CPUs without AMX run it up to the dense threshold.
+    Elsewhere int8 runs our C++ GEMV (tokenyard.kernels.cpu) for up to 16 rows a
     call; int4 runs our C++ kernel on x86 CPUs (`own_int4_kernel`, Q4_1's layout: fp32 activations without
     native bf16, bf16 dot products with AVX512-BF16). Elsewhere (int4 on Arm with bf16,
     either without our kernels) torch's CPU weight-only kernels run, which are fast only
@@ -148,8 +151,9 @@ class QuantizedLinear(LeanModule):
         self.dense_above = dense_above_rows(bits, linear.weight.dtype)
         self.own_int4 = False  # int4 in our kernel's layout (own_int4_kernel)
         self.act8 = False  # int4 against 8-bit activations (linear_i8, int4_activation_bits)
-        # fp32 layers on CPUs without AVX-512 or native bf16 take the int16-activation kernel
-        # at every row count, and need no dense copy (see i16_kernel).
+        # The int16-activation kernel (see i16_kernel): fp32 layers on CPUs without AVX-512 or
+        # native bf16 take it at every row count and need no dense copy; bf16 layers on
+        # AVX512-VNNI take it up to the dense threshold.
         self.i16 = int4_fits(linear) and i16_kernel(linear.weight.dtype)
         if self.i16 and linear.weight.dtype == torch.float32:
             self.dense = None  # bf16 layers keep it: oneDNN's bf16 matmul wins above a few rows
