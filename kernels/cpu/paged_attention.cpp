@@ -65,6 +65,7 @@ inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
 inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
 inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
 // Lane t of the result = the sum of a[t]'s lanes, for kW vectors: four rounds of pairwise
@@ -126,6 +127,11 @@ inline float vsum(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float vhmax(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 // Lane t of the result = the sum of a[t]'s lanes, for kW vectors (see the AVX-512 version):
@@ -292,9 +298,7 @@ void softmax_rows(float* scores, int64_t rows, int64_t ctx) {
     // Zen 4): 9.2 -> 4.4 ms.
     vf vmx_acc = vset(mx);
     for (; t + kW <= ctx; t += kW) vmx_acc = vmax(vmx_acc, vload(si + t));
-    alignas(64) float lanes[kW];
-    vstore(lanes, vmx_acc);
-    mx = *std::max_element(lanes, lanes + kW);
+    mx = vhmax(vmx_acc);
 #endif
     for (; t < ctx; ++t) mx = std::max(mx, si[t]);
     float sum = 0.f;
@@ -1045,9 +1049,7 @@ void quantize_rows_i16(const float* x, int64_t M, int64_t K, int16_t* xi, float*
       const float* row = x + m * K;
       vf vmx = vzero();
       for (int64_t k = 0; k < K; k += kW) vmx = vmax(vmx, vmax(vload(row + k), vsub(vzero(), vload(row + k))));
-      alignas(64) float lanes[kW];
-      vstore(lanes, vmx);
-      const float amax = *std::max_element(lanes, lanes + kW);
+      const float amax = vhmax(vmx);
       const float s = amax > 0.f ? amax / 32767.f : 1.f;
       const float inv = 1.f / s;
       const vf vinv = vset(inv);

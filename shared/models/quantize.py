@@ -155,8 +155,8 @@ class QuantizedLinear(LeanModule):
         # native bf16 take it at every row count and need no dense copy; bf16 layers on
         # AVX512-VNNI take it up to the dense threshold.
         self.i16 = int4_fits(linear) and i16_kernel(linear.weight.dtype)
-        if self.i16 and linear.weight.dtype == torch.float32:
-            self.dense = None  # bf16 layers keep it: oneDNN's bf16 matmul wins above a few rows
+        if self.i16 and integer_only(linear.weight.dtype):
+            self.dense = None
         if bits == 8:
             scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
             q8 = torch.round(w / scale[:, None]).to(torch.int8)
@@ -397,6 +397,13 @@ def i16_kernel(dtype: torch.dtype = torch.float32) -> bool:
         and not cpu_has_native_bf16()
         and bool(kernels.i16_available())
     )
+
+
+def integer_only(dtype: torch.dtype) -> bool:
+    """Whether quantized layers of this dtype run the int16-activation kernel at every row
+    count and keep no dense copy: fp32 where `i16_kernel` holds. bf16 layers that take the
+    kernel keep theirs (oneDNN's bf16 matmul wins above a few rows)."""
+    return dtype == torch.float32 and i16_kernel(dtype)
 
 
 def int4_activation_bits() -> int:

@@ -149,9 +149,9 @@ def weight_only_rows(dtype: str) -> int:
     (fp32 layers on AVX2-only CPUs: int16 activations)."""
     import torch
 
-    from tokenyard.models.quantize import dense_above_rows, i16_kernel
+    from tokenyard.models.quantize import dense_above_rows, integer_only
 
-    if dtype == "float32" and i16_kernel():
+    if integer_only(getattr(torch, dtype)):
         return 0
     return dense_above_rows(4, getattr(torch, dtype))
 
