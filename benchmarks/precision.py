@@ -26,13 +26,16 @@ from tokenyard.engine.llm_engine import LLMEngine
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.models.loader import LoadedModel, load_model
 
-# (name, dtype, quantization); the first is the reference
+# (name, dtype, quantization, KV pool dtype); the first is the reference. "auto" KV pools are
+# the compute dtype's, except fp16 beside fp32 (EngineConfig.kv_cache_dtype).
 PRECISIONS = [
-    ("fp32", "float32", None),
-    ("bf16", "bfloat16", None),
-    ("bf16 + int8", "bfloat16", "int8"),
-    ("bf16 + fp8", "bfloat16", "fp8"),
-    ("bf16 + int4 (shipped default)", "bfloat16", "int4"),
+    ("fp32", "float32", None, "float32"),
+    ("fp32, fp16 KV", "float32", None, "float16"),
+    ("fp32 + int4, fp16 KV (shipped on AVX2-only CPUs)", "float32", "int4", "auto"),
+    ("bf16", "bfloat16", None, "auto"),
+    ("bf16 + int8", "bfloat16", "int8", "auto"),
+    ("bf16 + fp8", "bfloat16", "fp8", "auto"),
+    ("bf16 + int4 (shipped on CPUs with native bf16)", "bfloat16", "int4", "auto"),
 ]
 
 TEXT = (
@@ -81,11 +84,16 @@ def run(engine: LLMEngine, prompts: list[Any], params: SamplingParams) -> list[G
     return [_result(s) for s in seqs]
 
 
-def measure(loaded: LoadedModel, dtype: str, quantization: str | None) -> dict[str, Any]:
-    engine = LLMEngine(
-        EngineConfig(dtype=dtype, quantization=quantization, kv_cache_bytes=64 * 1024**2),
-        loaded=loaded,
+def measure(
+    loaded: LoadedModel, dtype: str, quantization: str | None, kv_cache_dtype: str = "auto"
+) -> dict[str, Any]:
+    config = EngineConfig(
+        dtype=dtype,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_bytes=64 * 1024**2,
     )
+    engine = LLMEngine(config, loaded=loaded)
     ids = engine.tokenizer.encode(TEXT)
     [scored] = run(engine, [ids], SamplingParams(max_tokens=1, prompt_logprobs=1))
     assert scored.prompt_logprobs is not None
@@ -148,7 +156,7 @@ def main() -> None:
     parser.add_argument("--doc", help="also replace the table in this markdown file")
     args = parser.parse_args()
     loaded = load_model()
-    runs = {name: measure(loaded, dtype, q) for name, dtype, q in PRECISIONS}
+    runs = {name: measure(loaded, dtype, q, kv) for name, dtype, q, kv in PRECISIONS}
     ref = runs[PRECISIONS[0][0]]
     rows = [{"precision": name, **compare(r, ref)} for name, r in runs.items()]
     result = {

@@ -50,6 +50,20 @@ def make_engine(loaded_model) -> Callable:
 
 
 @pytest.fixture(scope="session")
+def kv_block_bytes(loaded_model) -> Callable:
+    """Bytes of one KV block of the default model for an engine made with these settings
+    (an fp32 engine's pool is fp16 unless it asks otherwise): kv_block_bytes(**kwargs)."""
+    from tokenyard.engine.config import EngineConfig
+    from tokenyard.engine.memory import kv_layout
+
+    def block(**kwargs) -> int:
+        kwargs.setdefault("device", os.environ.get("TOKENYARD_TEST_DEVICE", "cpu"))
+        return kv_layout(loaded_model, EngineConfig(**kwargs)).block_nbytes
+
+    return block
+
+
+@pytest.fixture(scope="session")
 def engine(make_engine):
     """A shared engine for tests that leave it empty (they must abort what they add)."""
     return make_engine()

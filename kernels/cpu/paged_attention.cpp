@@ -36,6 +36,12 @@
 
 namespace {
 
+// The activations' dtype against the pool's: the same, or float32 compute beside a float16
+// pool (half the bytes for decode attention to read, EngineConfig.kv_cache_dtype).
+bool pool_pairs_with(at::ScalarType act, at::ScalarType pool) {
+  return act == pool || (act == at::kFloat && pool == at::kHalf);
+}
+
 void check_pool(const at::Tensor& kv_layer) {
   TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(1) == 2,
               "kv_layer must be [num_blocks, 2, block_size, num_kv_heads, head_dim]");
@@ -256,20 +262,37 @@ inline void to_float(const scalar_t* src, float* dst, int64_t n) {
   for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
-template <typename scalar_t>
+// Rows of k and v (src_t) into the pool (kv_t): a copy, or a conversion where the pool keeps
+// keys and values narrower than the activations (an fp16 pool beside fp32 compute).
+template <typename src_t, typename kv_t>
+inline void copy_row(const src_t* src, kv_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<src_t, kv_t>) {
+    std::copy_n(src, n, dst);
+  } else {
+    int64_t d = 0;
+#if defined(TY_VEC)
+    if constexpr (kVectorType<src_t> && kVectorType<kv_t>) {
+      for (; d + kW <= n; d += kW) vstore(dst + d, vload(src + d));
+    }
+#endif
+    for (; d < n; ++d) dst[d] = static_cast<kv_t>(static_cast<float>(src[d]));
+  }
+}
+
+template <typename src_t, typename kv_t>
 void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_layer,
                    const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
   const int64_t rows = k.size(0), row_len = k.size(1) * k.size(2);
   const int64_t s_block = kv_layer.stride(0), s_kv = kv_layer.stride(1), s_tok = kv_layer.stride(2);
-  const scalar_t* kp = k.data_ptr<scalar_t>();
-  const scalar_t* vp = v.data_ptr<scalar_t>();
-  scalar_t* pool = kv_layer.data_ptr<scalar_t>();
+  const src_t* kp = k.data_ptr<src_t>();
+  const src_t* vp = v.data_ptr<src_t>();
+  kv_t* pool = kv_layer.data_ptr<kv_t>();
   const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
   const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
-    scalar_t* dst = pool + blocks[r] * s_block + offsets[r] * s_tok;
-    std::copy_n(kp + r * row_len, row_len, dst);
-    std::copy_n(vp + r * row_len, row_len, dst + s_kv);
+    kv_t* dst = pool + blocks[r] * s_block + offsets[r] * s_tok;
+    copy_row(kp + r * row_len, dst, row_len);
+    copy_row(vp + r * row_len, dst + s_kv, row_len);
   }
 }
 
@@ -282,7 +305,7 @@ struct DecodeItem {
   int64_t ctx, group, head_dim, block_size, s_block, s_kv, s_tok;
   float* scores;  // scratch [group, ctx]
   float* out;  // [group, head_dim]
-  const scalar_t* q_raw;  // the same rows as q, unscaled, in the pool's dtype (the bf16 dot path)
+  const scalar_t* q_raw;  // the same rows as q, unscaled, when q has the pool's dtype (the bf16 dot path)
   float scale;
 };
 
@@ -467,18 +490,19 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
 
 // q: [B, num_heads, head_dim]; one work item = one (sequence, KV head), whose `group` query
 // heads share every K/V row read. The pool is read in place through the block tables.
-template <typename scalar_t>
+// q_t: the queries' and output's dtype; scalar_t: the pool's (the same, or fp16 beside fp32).
+template <typename q_t, typename scalar_t>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_tables,
                            const at::Tensor& context_lens, double scale, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = kv_layer.size(2), num_kv_heads = kv_layer.size(3);
   TORCH_CHECK((block_size & (block_size - 1)) == 0, "block_size must be a power of two");
   const int64_t group = num_heads / num_kv_heads;  // query heads [h*group, (h+1)*group) read KV head h
-  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const q_t* qp = q.data_ptr<q_t>();
   const scalar_t* pool = kv_layer.data_ptr<scalar_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
+  q_t* op = out.data_ptr<q_t>();
   const float fscale = static_cast<float>(scale);
 #if defined(TY_VEC)
   const bool vector_path = group <= kMaxGroup && (head_dim == 64 || head_dim == 128);
@@ -504,13 +528,13 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, cons
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
       scores.resize(group * lens[b]);
       for (int64_t i = 0; i < group; ++i) {
-        const scalar_t* src = qp + (b * num_heads + h * group + i) * head_dim;
+        const q_t* src = qp + (b * num_heads + h * group + i) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) qf[i * head_dim + d] = static_cast<float>(src[d]) * fscale;
       }
-      const DecodeItem<scalar_t> it{qf.data(), pool + h * kv_layer.stride(3), tables + b * block_tables.stride(0),
+      DecodeItem<scalar_t> it{qf.data(), pool + h * kv_layer.stride(3), tables + b * block_tables.stride(0),
                                     lens[b], group, head_dim, block_size, kv_layer.stride(0), kv_layer.stride(1),
-                                    kv_layer.stride(2), scores.data(), acc.data(),
-                                    qp + (b * num_heads + h * group) * head_dim, fscale};
+                                    kv_layer.stride(2), scores.data(), acc.data(), nullptr, fscale};
+      if constexpr (std::is_same_v<q_t, scalar_t>) it.q_raw = qp + (b * num_heads + h * group) * head_dim;
 #if defined(TY_VEC)
       if constexpr (kVectorType<scalar_t>) {
         if (vector_path && head_dim == 64) {
@@ -527,8 +551,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, cons
       attend_item(it, row.data());
 #endif
       for (int64_t i = 0; i < group; ++i) {
-        scalar_t* dst = op + (b * num_heads + h * group + i) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[i * head_dim + d]);
+        q_t* dst = op + (b * num_heads + h * group + i) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<q_t>(acc[i * head_dim + d]);
       }
     }
   });
@@ -1399,8 +1423,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_layer, con
               const at::Tensor& slot_offsets) {
   check_pool(kv_layer);
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "k and v must be contiguous [T, num_kv_heads, head_dim]");
-  TORCH_CHECK(k.scalar_type() == kv_layer.scalar_type() && v.scalar_type() == kv_layer.scalar_type(),
-              "k, v and the pool must share a dtype");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && pool_pairs_with(k.scalar_type(), kv_layer.scalar_type()),
+              "k and v must share a dtype with the pool, or be float32 beside a float16 pool");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == kv_layer.size(3) && k.size(2) == kv_layer.size(4),
               "k and v must be [T, num_kv_heads, head_dim] matching the pool");
   TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
@@ -1413,8 +1437,12 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_layer, con
     TORCH_CHECK(blocks[r] >= 0 && blocks[r] < kv_layer.size(0) && offsets[r] >= 0 && offsets[r] < kv_layer.size(2),
                 "slot outside the pool");
   }
+  if (k.scalar_type() != kv_layer.scalar_type()) {
+    write_kv_impl<float, at::Half>(k, v, kv_layer, slot_blocks, slot_offsets);
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv",
-                                  [&] { write_kv_impl<scalar_t>(k, v, kv_layer, slot_blocks, slot_offsets); });
+                                  [&] { write_kv_impl<scalar_t, scalar_t>(k, v, kv_layer, slot_blocks, slot_offsets); });
 }
 
 // q: [B, num_heads, head_dim] (contiguous); block_tables: [B, max_blocks] int64;
@@ -1423,7 +1451,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, con
                             const at::Tensor& context_lens, double scale) {
   check_pool(kv_layer);
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [B, num_heads, head_dim]");
-  TORCH_CHECK(q.scalar_type() == kv_layer.scalar_type(), "q and the pool must share a dtype");
+  TORCH_CHECK(pool_pairs_with(q.scalar_type(), kv_layer.scalar_type()),
+              "q must share the pool's dtype, or be float32 beside a float16 pool");
   TORCH_CHECK(q.size(2) == kv_layer.size(4) && q.size(1) % kv_layer.size(3) == 0,
               "q's heads do not match the pool's KV heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.stride(1) == 1,
@@ -1442,8 +1471,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, con
     }
   }
   auto out = at::empty_like(q);
+  if (q.scalar_type() != kv_layer.scalar_type()) {
+    decode_attention_impl<float, at::Half>(q, kv_layer, block_tables, context_lens, scale, out);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(q, kv_layer, block_tables, context_lens, scale, out);
+    decode_attention_impl<scalar_t, scalar_t>(q, kv_layer, block_tables, context_lens, scale, out);
   });
   return out;
 }

@@ -54,6 +54,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
 
     optional: dict[str, Any] = {
         "dtype": settings.dtype,
+        "kv_cache_dtype": settings.kv_cache_dtype,
         "quantization": settings.quantization,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
         "kv_cache_bytes": settings.kv_cache_bytes,

@@ -39,6 +39,7 @@ class WorkerSettings(BaseSettings):
     engine: Literal["real", "fake"] = "real"  # fake: a tiny test double, no model (tests only)
     fake_step_s: float = 0.005  # the fake engine's time per step
     dtype: str | None = None
+    kv_cache_dtype: str | None = None  # None = EngineConfig's "auto"
     quantization: str | None = (
         None  # None | "int8" | "int4" | "fp8": weight-only (tokenyard.models.quantize)
     )

@@ -77,6 +77,11 @@ class EngineConfig:
     # and on a CPU that multiplies bf16 natively (AVX512-BF16, AMX, Arm BF16), float32 on
     # other CPUs, where oneDNN emulates bf16 GEMMs at a third of fp32's speed.
     dtype: str = "float32"
+    # The KV pool's dtype: float32 | bfloat16 | float16, or "auto": float16 beside float32
+    # compute on a CPU (decode attention reads half the bytes; the kernels convert with
+    # F16C, and fp16 keeps 3 more mantissa bits than the bf16 pools of bf16 engines), else
+    # the compute dtype. Other pairs are refused.
+    kv_cache_dtype: str = "auto"
     # None | "int8" | "int4" | "fp8" (weight-only; tokenyard.models.quantize)
     quantization: str | None = None
     block_size: int = 16
@@ -126,6 +131,7 @@ class EngineConfig:
             self.dtype = auto_dtype(self.device)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        self._resolve_kv_cache_dtype()
         if self.quantization not in (None, "int8", "int4", "fp8"):
             raise ValueError(
                 f"quantization must be None, 'int8', 'int4' or 'fp8', got {self.quantization!r}"
@@ -144,6 +150,20 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_tensor_parallel()
         self._check_device()
+
+    def _resolve_kv_cache_dtype(self) -> None:
+        cpu = self.device == "cpu"
+        if self.kv_cache_dtype == "auto":
+            fp16 = cpu and self.dtype == "float32"
+            self.kv_cache_dtype = "float16" if fp16 else self.dtype
+        if self.kv_cache_dtype == self.dtype:
+            return
+        if not (cpu and self.dtype == "float32" and self.kv_cache_dtype == "float16"):
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} with dtype {self.dtype!r} on "
+                f"{self.device!r}: the KV pool takes the compute dtype, or float16 beside "
+                "float32 on a CPU"
+            )
 
     def _check_device(self) -> None:
         kind, _, index = self.device.partition(":")

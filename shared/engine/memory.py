@@ -129,15 +129,16 @@ def build_model_and_pool(
         num_blocks = _agree(num_blocks, device)
     if num_blocks < 2:
         raise ValueError(f"a KV budget of {kv_bytes} bytes holds fewer than 2 KV blocks")
+    kv_dtype = layout.torch_dtype
     if config.kv_pool_factory is None:
         shape = layout.pool_shape(num_blocks)
         if device.type == "cpu":
-            kv_cache = zeroed_pool(shape, dtype)
+            kv_cache = zeroed_pool(shape, kv_dtype)
         else:
-            kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+            kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     else:
         kv_cache = config.kv_pool_factory(layout, num_blocks)
-        assert kv_cache.shape == layout.pool_shape(num_blocks) and kv_cache.dtype == dtype
+        assert kv_cache.shape == layout.pool_shape(num_blocks) and kv_cache.dtype == kv_dtype
         assert kv_cache.is_contiguous()
     report = MemoryReport(
         weights_bytes=weights_bytes,
@@ -263,12 +264,12 @@ def _buffers_bytes(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.d
 
 
 def kv_layout(loaded: LoadedModel, config: EngineConfig) -> KVLayout:
-    """The KV pool's layout for this model at the config's dtype and block size: one rank's
+    """The KV pool's layout for this model at the config's KV dtype and block size: one rank's
     pool, which holds num_kv_heads / tensor_parallel_size of the model's KV heads."""
     mc = loaded.config
     return KVLayout(
         model_id=loaded.model_id,
-        dtype=config.dtype,
+        dtype=config.kv_cache_dtype,
         block_size=config.block_size,
         num_layers=mc.num_hidden_layers,
         num_kv_heads=mc.num_key_value_heads // config.tensor_parallel_size,

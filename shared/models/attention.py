@@ -106,7 +106,8 @@ def paged_attention(
             tables, lens = meta.kernel_rows
             return kernels.decode_attention(q.contiguous(), kv_layer, tables, lens, scale)
         return _attend_fused(kernels, q, k, v, kv_layer, meta, fused, scale)
-    kv_layer[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
+    # [T, 2, H_kv, D]; a pool narrower than the activations (fp16 beside fp32) rounds them here
+    kv_layer[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1).to(kv_layer.dtype)
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     if meta.num_decode:
@@ -120,8 +121,8 @@ def paged_attention(
         values = kv_layer[:, 1][meta.decode_block_tables].view(b, -1, num_kv_heads, head_dim)
         out[:b] = attend(
             q[:b].unsqueeze(2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
+            keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype),
             meta.decode_mask,
             scale,
         ).squeeze(2)
@@ -131,8 +132,8 @@ def paged_attention(
         mask = _chunk_causal_mask(span.num_tokens, span.context_len, q.device)
         o = attend(
             q[rows].transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
+            keys.transpose(0, 1)[None].to(q.dtype),
+            values.transpose(0, 1)[None].to(q.dtype),
             mask[None, None],
             scale,
         )  # [1, H, n, D]
@@ -143,11 +144,11 @@ def paged_attention(
 def _span_keys_values(
     span: PrefillSpan, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefill chunk's context keys and values [context_len, H_kv, D]: its own rows when
-    nothing comes before it (no gather), else gathered from its blocks in the pool."""
+    """A prefill chunk's context keys and values [context_len, H_kv, D], in the pool's dtype:
+    its own rows when nothing comes before it (no gather), else gathered from its blocks."""
     if span.context_len == span.num_tokens:
         rows = slice(span.start, span.start + span.num_tokens)
-        return k[rows], v[rows]
+        return k[rows].to(kv_layer.dtype), v[rows].to(kv_layer.dtype)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     keys = kv_layer[:, 0][span.block_ids].view(-1, num_kv_heads, head_dim)
     values = kv_layer[:, 1][span.block_ids].view(-1, num_kv_heads, head_dim)

@@ -4,6 +4,7 @@ bad input, and a block pool that never leaks."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tokenyard import LLM
 from tokenyard.engine.block_manager import NoFreeBlocks
@@ -147,8 +148,9 @@ def test_prefill_only_handoff_equals_aggregated(make_engine):
     decode.block_manager.check_no_leaks()
 
 
-def test_import_refused_when_pool_full(make_engine):
-    e = make_engine(kv_cache_bytes=8 * 720 * 1024)
+def test_import_refused_when_pool_full(make_engine, kv_block_bytes):
+    e = make_engine(kv_cache_bytes=8 * kv_block_bytes())
+    assert e.block_manager.num_blocks == 8
     e.import_sequence("a", list(range(100, 160)), [5], SamplingParams())
     with pytest.raises(NoFreeBlocks):
         e.import_sequence("b", list(range(100, 200)), [5], SamplingParams())
@@ -190,7 +192,9 @@ def test_memory_report_names_three_tenants(engine):
     m = engine.memory
     assert m.weights_bytes > 100e6  # 135M parameters in fp32, embeddings counted once
     assert m.weights_bytes < 700e6
-    assert m.kv_cache_bytes == engine.kv_cache.numel() * 4
+    # an fp32 engine on a CPU keeps its pool in fp16 (EngineConfig.kv_cache_dtype)
+    assert engine.kv_cache.dtype == engine.layout.torch_dtype == torch.float16
+    assert m.kv_cache_bytes == engine.kv_cache.numel() * 2
     assert m.buffers_bytes > 0
     assert "weights" in m.describe() and "KV cache" in m.describe()
 

@@ -66,7 +66,7 @@ def assert_matches_hf(hf_model, result) -> None:
 
 def test_safetensors_batch_matches_hf(checkpoint):
     kind, hf_model, folder = checkpoint
-    engine = make_engine(folder)
+    engine = make_engine(folder, kv_cache_dtype="float32")  # fp32 through, as HF
     assert engine.model_config.architecture == kind
     for result in run(engine, prompts(4)):
         assert_matches_hf(hf_model, result)
@@ -78,7 +78,9 @@ def test_gguf_matches_hf(checkpoint, tmp_path):
     if KINDS[kind].get("mlp_only_layers"):  # llama.cpp's qwen2moe has no dense layers
         hf_model = hf_moe_model(kind)
         folder = save_hf_folder(hf_model, tmp_path / "all-sparse")
-    engine = make_engine(save_gguf(folder, tmp_path / f"tiny-{kind}-F32.gguf"))
+    engine = make_engine(
+        save_gguf(folder, tmp_path / f"tiny-{kind}-F32.gguf"), kv_cache_dtype="float32"
+    )
     assert engine.model_config.architecture == kind
     for result in run(engine, prompts(2)):
         assert_matches_hf(hf_model, result)

@@ -93,10 +93,10 @@ def test_draft_model_from_a_path_with_its_own_pool_and_a_handoff(make_engine, pl
     decode.block_manager.check_no_leaks()
 
 
-def test_preemption_under_a_small_pool_keeps_greedy_output(make_engine, plain):
-    block = 2 * 30 * 16 * 3 * 64 * 4  # fp32 KV block of the default model
+def test_preemption_under_a_small_pool_keeps_greedy_output(make_engine, plain, kv_block_bytes):
     # 6 blocks: the three chats share their system prompt's blocks, and still cannot all fit
-    engine = make_engine(speculative_config=NGRAM, kv_cache_bytes=6 * block)
+    engine = make_engine(speculative_config=NGRAM, kv_cache_bytes=6 * kv_block_bytes())
+    assert engine.block_manager.num_blocks == 6
     assert generate(engine, PROMPTS, GREEDY, "s") == plain
     assert engine.stats().num_preemptions > 0
     engine.block_manager.check_no_leaks()

@@ -87,8 +87,39 @@ def test_kernels_refuse_out_of_range_input(ops):
     with pytest.raises(RuntimeError, match="slot outside the pool"):
         k = torch.randn(1, H_KV, D)
         ops.write_kv(k, k, pool[:, 0], torch.tensor([0]), torch.tensor([BLOCK]))
-    with pytest.raises(RuntimeError, match="share a dtype"):
+    with pytest.raises(RuntimeError, match="share the pool's dtype"):
         ops.decode_attention(q.bfloat16(), pool[:, 0], torch.tensor([[1]]), torch.tensor([3]), 0.1)
+    with pytest.raises(RuntimeError, match="share the pool's dtype"):  # only fp32 beside fp16
+        half = _pool(torch.float16)
+        ops.decode_attention(q.bfloat16(), half[:, 0], torch.tensor([[1]]), torch.tensor([3]), 0.1)
+    with pytest.raises(RuntimeError, match="share a dtype with the pool"):
+        k = torch.randn(1, H_KV, D, dtype=torch.bfloat16)
+        ops.write_kv(k, k, pool[:, 0], torch.tensor([0]), torch.tensor([0]))
+
+
+def test_an_fp16_pool_beside_fp32_activations(ops):
+    """EngineConfig.kv_cache_dtype's CPU default for fp32 engines: the kernels write fp32 keys
+    and values into an fp16 pool rounded as torch rounds them, and attend over it in fp32."""
+    pool = _pool(torch.float16)
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(5, H_KV, D, generator=g) * 30, torch.randn(5, H_KV, D, generator=g)
+    blocks, offsets = torch.tensor([3, 3, 9, 10, 0]), torch.tensor([0, 1, 15, 2, 7])
+    expected = pool.clone()
+    expected[:, 2][blocks, :, offsets] = torch.stack((k, v), dim=1).half()
+    ops.write_kv(k, v, pool[:, 2], blocks, offsets)
+    assert torch.equal(pool, expected)
+
+    lens = torch.tensor([1, 17, 100, 160])
+    width = int(-(-lens.max() // BLOCK))
+    tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=g)[:width] for _ in lens])
+    q = torch.randn(len(lens), 9, D, generator=g)
+    out = ops.decode_attention(q, pool[:, 2], tables, lens, D**-0.5)
+    assert out.dtype == torch.float32
+    reference = _reference(q, pool[:, 2], tables, lens, D**-0.5)
+    assert (out - reference).abs().max().item() < 1e-5
+    # and the pool's rounding is all that separates it from an fp32 pool of the same values
+    exact = _reference(q, pool[:, 2].float(), tables, lens, D**-0.5)
+    assert torch.equal(reference, exact)
 
 
 def test_paged_attention_is_the_same_with_and_without_kernels(ops, monkeypatch):
@@ -107,15 +138,18 @@ def test_paged_attention_is_the_same_with_and_without_kernels(ops, monkeypatch):
         ],
         block_size=BLOCK,
     )
-    outs, pools = [], []
-    for use_kernels in (True, False):
-        pool = _pool(torch.float32, seed=4)
-        if not use_kernels:
-            monkeypatch.setattr(attention.cpu_kernels, "ops", lambda: None)
-        outs.append(paged_attention(q, k, v, pool[:, 0], AttnMetadata(**meta_args), D**-0.5))
-        pools.append(pool)
-    assert torch.equal(pools[0], pools[1])
-    assert (outs[0] - outs[1]).abs().max().item() < 1e-5
+    for pool_dtype in (torch.float32, torch.float16):  # fp16: the fp32 engine's default pool
+        outs, pools = [], []
+        for use_kernels in (True, False):
+            pool = _pool(pool_dtype, seed=4)
+            monkeypatch.setattr(
+                attention.cpu_kernels, "ops", (lambda: ops) if use_kernels else (lambda: None)
+            )
+            outs.append(paged_attention(q, k, v, pool[:, 0], AttnMetadata(**meta_args), D**-0.5))
+            pools.append(pool)
+        assert torch.equal(pools[0], pools[1])
+        assert outs[0].dtype == torch.float32
+        assert (outs[0] - outs[1]).abs().max().item() < 1e-5, pool_dtype
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])

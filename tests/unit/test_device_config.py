@@ -20,11 +20,21 @@ GIB = 1024**3
         ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be in"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be at least 1"),
+        ({"dtype": "bfloat16", "kv_cache_dtype": "float16"}, "kv_cache_dtype 'float16' with"),
+        ({"kv_cache_dtype": "int8"}, "the KV pool takes the compute dtype"),
     ],
 )
 def test_bad_device_settings_fail_at_once(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_the_kv_pool_dtype_follows_the_compute_dtype():
+    # fp32 compute on a CPU keeps its KV pool in fp16 unless told otherwise
+    assert EngineConfig().kv_cache_dtype == "float16"
+    assert EngineConfig(kv_cache_dtype="float32").kv_cache_dtype == "float32"
+    assert EngineConfig(dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    assert EngineConfig(dtype="float16").kv_cache_dtype == "float16"
 
 
 @pytest.mark.skipif(

@@ -171,9 +171,13 @@ def build_draft(
             f"target's ({target.config.vocab_size})"
         )
     num_blocks = target_kv_cache.shape[0]
-    probe = EngineConfig(dtype=target_config.dtype, block_size=target_config.block_size)
+    kv_dtype = target_config.kv_cache_dtype
+    probe = EngineConfig(
+        dtype=target_config.dtype, kv_cache_dtype=kv_dtype, block_size=target_config.block_size
+    )
     draft_config = EngineConfig(
         dtype=target_config.dtype,
+        kv_cache_dtype=kv_dtype,
         quantization=spec.quantization,
         block_size=target_config.block_size,
         max_num_batched_tokens=budget,
