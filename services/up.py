@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 from tokenyard.bus.auth import redact
-from tokenyard.engine.config import auto_dtype
+from tokenyard.engine.config import auto_dtype, kv_cache_dtype_for
 from tokenyard.engine.spec.config import SpeculativeConfig
 from tokenyard.services.keys import default_keys_url
 from tokenyard.services.launch.stack import LocalStack, StackConfig, StackError
@@ -110,10 +110,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "beside it, at a cost in speed (docs/precision.md; needs int4 or int8)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the workers' KV pool (default auto: float16 beside float32 compute on a CPU, "
+        "half the bytes for decode attention to read; else the compute dtype)",
+    )
+    parser.add_argument(
         "--kv-cache-mib",
         type=int,
-        help="KV pool per worker (default 256 MiB in bf16, 512 in fp32: 11,000 tokens of the "
-        "default model; pages become resident as blocks are first used)",
+        help="KV pool per worker (default 256 MiB with 2-byte KV, 512 with float32 KV: 11,000 "
+        "tokens of the default model; pages become resident as blocks are first used)",
     )
     parser.add_argument(
         "--nats-url", help="use this NATS (with JetStream) instead of an embedded one"
@@ -184,7 +191,11 @@ def config_from(args: argparse.Namespace) -> StackConfig:
     if args.tensor_parallel_size > 1 and args.speculative:
         raise SystemExit("--speculative runs on one rank only: drop it or --tensor-parallel-size")
     dtype = auto_dtype(args.device) if args.dtype == "auto" else args.dtype
-    kv_cache_mib = args.kv_cache_mib or (512 if dtype == "float32" else 256)
+    try:
+        kv_dtype = kv_cache_dtype_for(args.kv_cache_dtype, dtype, args.device)
+    except ValueError as exc:
+        raise SystemExit(f"--kv-cache-dtype: {exc}") from exc
+    kv_cache_mib = args.kv_cache_mib or (512 if kv_dtype == "float32" else 256)
     return StackConfig(
         port=args.port,
         host=args.host,
@@ -203,6 +214,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         keys_db_url=default_keys_url() if args.require_keys else None,
         worker_env={
             "TOKENYARD_WORKER_DTYPE": dtype,
+            "TOKENYARD_WORKER_KV_CACHE_DTYPE": kv_dtype,
             "TOKENYARD_WORKER_KV_CACHE_BYTES": str(kv_cache_mib * 1024**2),
             **_quantization_env(args),
             **speculative,

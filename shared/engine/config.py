@@ -24,6 +24,20 @@ def auto_dtype(device: str) -> str:
 
 
 @functools.cache
+def kv_cache_dtype_for(kv_cache_dtype: str, dtype: str, device: str) -> str:
+    """The KV pool's dtype: see ``EngineConfig.kv_cache_dtype``; refuses pairs not built."""
+    cpu = device == "cpu"
+    if kv_cache_dtype == "auto":
+        kv_cache_dtype = "float16" if cpu and dtype == "float32" else dtype
+    fp16_beside_fp32 = cpu and dtype == "float32" and kv_cache_dtype == "float16"
+    if kv_cache_dtype != dtype and not fp16_beside_fp32:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} with dtype {dtype!r} on {device!r}: the KV "
+            "pool takes the compute dtype, or float16 beside float32 on a CPU"
+        )
+    return kv_cache_dtype
+
+
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags, from /proc/cpuinfo read once per process (every quantized
     layer asks at construction); empty where it cannot be read."""
@@ -131,7 +145,7 @@ class EngineConfig:
             self.dtype = auto_dtype(self.device)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        self._resolve_kv_cache_dtype()
+        self.kv_cache_dtype = kv_cache_dtype_for(self.kv_cache_dtype, self.dtype, self.device)
         if self.quantization not in (None, "int8", "int4", "fp8"):
             raise ValueError(
                 f"quantization must be None, 'int8', 'int4' or 'fp8', got {self.quantization!r}"
@@ -150,20 +164,6 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_tensor_parallel()
         self._check_device()
-
-    def _resolve_kv_cache_dtype(self) -> None:
-        cpu = self.device == "cpu"
-        if self.kv_cache_dtype == "auto":
-            fp16 = cpu and self.dtype == "float32"
-            self.kv_cache_dtype = "float16" if fp16 else self.dtype
-        if self.kv_cache_dtype == self.dtype:
-            return
-        if not (cpu and self.dtype == "float32" and self.kv_cache_dtype == "float16"):
-            raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} with dtype {self.dtype!r} on "
-                f"{self.device!r}: the KV pool takes the compute dtype, or float16 beside "
-                "float32 on a CPU"
-            )
 
     def _check_device(self) -> None:
         kind, _, index = self.device.partition(":")

@@ -100,6 +100,21 @@ def test_up_picks_quantization_per_device():
         up_config("--device", "cuda", "--quantization", "int4")
 
 
+def test_up_sizes_the_kv_pool_by_its_dtype():
+    mib = 1024**2
+    fp32 = up_config("--dtype", "float32")  # an fp16 pool beside it by default
+    assert fp32.worker_env["TOKENYARD_WORKER_KV_CACHE_DTYPE"] == "float16"
+    assert fp32.worker_env["TOKENYARD_WORKER_KV_CACHE_BYTES"] == str(256 * mib)
+    full = up_config("--dtype", "float32", "--kv-cache-dtype", "float32")
+    assert full.worker_env["TOKENYARD_WORKER_KV_CACHE_DTYPE"] == "float32"
+    assert full.worker_env["TOKENYARD_WORKER_KV_CACHE_BYTES"] == str(512 * mib)
+    bf16 = up_config("--dtype", "bfloat16")
+    assert bf16.worker_env["TOKENYARD_WORKER_KV_CACHE_DTYPE"] == "bfloat16"
+    assert bf16.worker_env["TOKENYARD_WORKER_KV_CACHE_BYTES"] == str(256 * mib)
+    with pytest.raises(SystemExit, match="--kv-cache-dtype: kv_cache_dtype 'float16' with"):
+        up_config("--dtype", "bfloat16", "--kv-cache-dtype", "float16")
+
+
 def test_up_deterministic_reaches_the_workers():
     config = up_config("--deterministic")
     assert config.worker_env["TOKENYARD_WORKER_DETERMINISTIC"] == "1"
