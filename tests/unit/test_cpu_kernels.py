@@ -41,7 +41,8 @@ def _reference(q, kv_layer, tables, lens, scale):
 @pytest.mark.parametrize(
     "dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)]
 )
-@pytest.mark.parametrize("heads", [3, 9])  # no grouping, and 3 query heads per KV head
+# 1, 3, 5 and 8 query heads per KV head (8: the most the vector path holds, kMaxGroup)
+@pytest.mark.parametrize("heads", [3, 9, 15, 24])
 def test_decode_attention_matches_torch(ops, dtype, tol, heads):
     pool = _pool(dtype)
     kv_layer = pool[:, 1]  # a strided view, as the engine passes it
