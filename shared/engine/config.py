@@ -23,7 +23,6 @@ def auto_dtype(device: str) -> str:
     return "float32"
 
 
-@functools.cache
 def kv_cache_dtype_for(kv_cache_dtype: str, dtype: str, device: str) -> str:
     """The KV pool's dtype: see ``EngineConfig.kv_cache_dtype``; refuses pairs not built."""
     cpu = device == "cpu"
@@ -38,6 +37,7 @@ def kv_cache_dtype_for(kv_cache_dtype: str, dtype: str, device: str) -> str:
     return kv_cache_dtype
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags, from /proc/cpuinfo read once per process (every quantized
     layer asks at construction); empty where it cannot be read."""
