@@ -42,6 +42,16 @@ bool pool_pairs_with(at::ScalarType act, at::ScalarType pool) {
   return act == pool || (act == at::kFloat && pool == at::kHalf);
 }
 
+// Calls f(act_t{}, pool_t{}) with the C++ types of a pair that pool_pairs_with allows.
+template <typename F>
+void with_pool_types(at::ScalarType act, at::ScalarType pool, F&& f) {
+  if (act != pool) {
+    f(float{}, at::Half{});
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, act, "kv_pool", [&] { f(scalar_t{}, scalar_t{}); });
+}
+
 void check_pool(const at::Tensor& kv_layer) {
   TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(1) == 2,
               "kv_layer must be [num_blocks, 2, block_size, num_kv_heads, head_dim]");
@@ -1437,12 +1447,9 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_layer, con
     TORCH_CHECK(blocks[r] >= 0 && blocks[r] < kv_layer.size(0) && offsets[r] >= 0 && offsets[r] < kv_layer.size(2),
                 "slot outside the pool");
   }
-  if (k.scalar_type() != kv_layer.scalar_type()) {
-    write_kv_impl<float, at::Half>(k, v, kv_layer, slot_blocks, slot_offsets);
-    return;
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv",
-                                  [&] { write_kv_impl<scalar_t, scalar_t>(k, v, kv_layer, slot_blocks, slot_offsets); });
+  with_pool_types(k.scalar_type(), kv_layer.scalar_type(), [&](auto act, auto kv) {
+    write_kv_impl<decltype(act), decltype(kv)>(k, v, kv_layer, slot_blocks, slot_offsets);
+  });
 }
 
 // q: [B, num_heads, head_dim] (contiguous); block_tables: [B, max_blocks] int64;
@@ -1471,12 +1478,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, con
     }
   }
   auto out = at::empty_like(q);
-  if (q.scalar_type() != kv_layer.scalar_type()) {
-    decode_attention_impl<float, at::Half>(q, kv_layer, block_tables, context_lens, scale, out);
-    return out;
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t, scalar_t>(q, kv_layer, block_tables, context_lens, scale, out);
+  with_pool_types(q.scalar_type(), kv_layer.scalar_type(), [&](auto act, auto kv) {
+    decode_attention_impl<decltype(act), decltype(kv)>(q, kv_layer, block_tables, context_lens, scale, out);
   });
   return out;
 }
