@@ -58,6 +58,8 @@ _FUNCTIONS = [
     "linear_i8",
     "i16_available",
     "i16_vnni",
+    "linear_amx",
+    "amx_available",
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 

@@ -13,6 +13,8 @@
 //   int4, 8-bit) activations: at every row count on AVX2 CPUs without native bf16, for small
 //   steps of bf16 layers on AVX512-VNNI (twin: the dequantized weight times the rounded
 //   activations, in the tests).
+// - linear_amx: the same int4 and int8 weights widened to bf16 tiles for AMX, for bf16 layers
+//   on CPUs with AMX (twin: x times the widened weight, in the tests).
 // - add_rms_norm, rotary, silu_and_mul: twins in tokenyard.models.fused. Each replaces five
 //   to eight small torch ops per layer; at batch 1 those ops' dispatch cost more than the
 //   arithmetic, a third of a decode step on a 30-layer model.
@@ -25,6 +27,10 @@
 #include <ATen/Parallel.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -1242,6 +1248,172 @@ void gemm_i8(const float* x, int64_t M, int64_t K, const uint8_t* w, const float
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TY_AMX 1
+// The int4 and int8 GEMMs on AMX (Sapphire Rapids and later Xeons), where the engine computes
+// in bf16 and oneDNN's bf16 matmul runs on the same tiles: its decode steps read two bytes per
+// weight, these read half a byte (int4) or one (int8). Weights in linear_i16's layout
+// (quantize.pack_i16), since a pair of inputs for 16 outputs is exactly one row of an AMX B
+// tile: per block of 16 outputs and group of 32 inputs, each of the 16 pairs becomes 32 bf16
+// (int4: q * scale + zero in fp32, rounded once to bf16, as a dense bf16 copy of those
+// weights holds them; int8: q itself, exact in bf16, with the output's scale applied to the
+// fp32 sums), one 1 KiB tile. The activations are the A tiles as they lie in memory (16 rows
+// of 32 bf16), the fp32 sums the C tiles: y[m, n0:n0+16] for 16 rows at a time, two row
+// blocks a pass sharing each weight tile. A block's weights are widened during the first
+// pass and kept (K / 32 KiB) for the passes of later rows, so a prefill step widens each
+// weight once however many rows it has.
+constexpr int kAmxRows = 16;  // rows of a C tile
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux gives a process the tiles' 8 KiB of state only once it asks (arch_prctl, once per
+// process); oneDNN asks too when it first runs an AMX kernel.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// A pass takes up to 32 rows (two blocks of rows, r0 and r1 of them) against two blocks of 16
+// outputs: tiles 0 and 1 hold the sums of the first rows against each block of outputs, 2
+// and 3 of the second rows; 4 and 5 the two blocks of rows' activations; 6 and 7 the two
+// blocks' weights. Each activation tile is loaded once for both blocks of outputs and each
+// weight tile once for both blocks of rows.
+void amx_configure(int r0, int r1) {
+  TileConfig cfg;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(r0);
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = static_cast<uint8_t>(r1);
+  cfg.rows[6] = cfg.rows[7] = 16;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = cfg.rows[t] > 0 ? 64 : 0;
+  _tile_loadconfig(&cfg);
+}
+
+// One group of a block's weights as a B tile: 16 rows of 32 bf16.
+template <bool Signed>
+inline void widen_tile(const uint8_t* w, const float* scale, const float* zero, at::BFloat16* tile) {
+  if constexpr (Signed) {
+    for (int p = 0; p < 16; ++p) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+      _mm512_storeu_si512(tile + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  } else {
+    // lane 2i + t of the first half is output i's input t, of the second half output 8 + i's
+    const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    const __m512 s = _mm512_loadu_ps(scale), z = _mm512_loadu_ps(zero);
+    const __m512 s_lo = _mm512_permutexvar_ps(first, s), s_hi = _mm512_permutexvar_ps(second, s);
+    const __m512 z_lo = _mm512_permutexvar_ps(first, z), z_hi = _mm512_permutexvar_ps(second, z);
+    const __m512i mask = _mm512_set1_epi32(15);
+    for (int p = 0; p < 16; ++p) {
+      const __m512i nib = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + p * 16)));
+      const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(nib, mask)), s_lo, z_lo);
+      const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(nib, 4)), s_hi, z_hi);
+      _mm512_storeu_si512(tile + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// y[m0:m0+rows, n0:n0+16] from the C tile's sums (16 fp32 a row), times the outputs' scales
+// where given (int8).
+// y[0:rows, 0:16] = sums * scale (int8's per-output scales; none for int4).
+template <typename out_t>
+inline void store_sums(const float* sums, int rows, const float* scale, out_t* y, int64_t N) {
+  const __m512 s = scale != nullptr ? _mm512_loadu_ps(scale) : _mm512_set1_ps(1.0f);
+  for (int r = 0; r < rows; ++r) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sums + r * 16), s);
+    if constexpr (std::is_same_v<out_t, float>) {
+      _mm512_storeu_ps(y + r * N, v);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+template <bool Signed, typename out_t>
+void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const float* scale, const float* zero,
+              out_t* y, int64_t N) {
+  const int64_t G = K / kGroup, blocks = N / kOutBlock, tile_bytes = 16 * pair_bytes<Signed>();
+  const int64_t stride = K * static_cast<int64_t>(sizeof(at::BFloat16));
+  // Steps of up to 32 rows (decode) take one block of outputs at a time: widening is most of
+  // their time, and with two blocks it ran slower (SmolLM2's 30 layers at 8 rows: 8.3-8.8 ms
+  // against 6.5-6.9); bigger steps pair the blocks (512 rows: 54-58 ms against 60-74).
+  const bool paired = M > 2 * kAmxRows;
+  const int64_t units = paired ? (blocks + 1) / 2 : blocks;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    std::vector<at::BFloat16> widened((paired ? 2 : 1) * G * 16 * 32);
+    alignas(64) float sums[kAmxRows * 16];
+    int configured = -1;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b0 = paired ? 2 * unit : unit;
+      const bool two = paired && b0 + 1 < blocks;  // N / 16 odd: the last block goes alone
+      at::BFloat16* wide[2] = {widened.data(), widened.data() + (two ? G * 16 * 32 : 0)};
+      auto widen = [&](int64_t b, int64_t g) {
+        const float* zb = zero == nullptr ? nullptr : zero + (b * G + g) * kOutBlock;
+        widen_tile<Signed>(w + (b * G + g) * tile_bytes, scale + (b * G + g) * kOutBlock, zb,
+                           wide[b - b0] + g * 16 * 32);
+      };
+      for (int64_t m0 = 0; m0 < M; m0 += 2 * kAmxRows) {
+        const int r0 = static_cast<int>(std::min<int64_t>(kAmxRows, M - m0));
+        const int r1 = static_cast<int>(std::clamp<int64_t>(M - m0 - kAmxRows, 0, kAmxRows));
+        if (configured != r0 * 32 + r1) {
+          amx_configure(r0, r1);
+          configured = r0 * 32 + r1;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        if (r1 > 0) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        const at::BFloat16* x0 = x + m0 * K;
+        const at::BFloat16* x1 = x0 + kAmxRows * K;
+        // The first pass widens each group as it goes; later passes (steps of more than 32
+        // rows) reuse the widened tiles.
+        for (int64_t g = 0; g < G; ++g) {
+          if (m0 == 0) {
+            widen(b0, g);
+            if (two) widen(b0 + 1, g);
+          }
+          _tile_loadd(6, wide[0] + g * 16 * 32, 64);
+          _tile_loadd(4, x0 + g * kGroup, stride);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two) {
+            _tile_loadd(7, wide[1] + g * 16 * 32, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (r1 > 0) {
+            _tile_loadd(5, x1 + g * kGroup, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        for (int t = 0; t < (two ? 2 : 1); ++t) {
+          const float* s_out = Signed ? scale + (b0 + t) * G * kOutBlock : nullptr;
+          out_t* yb = y + m0 * N + (b0 + t) * kOutBlock;
+          if (t == 0) _tile_stored(0, sums, 64); else _tile_stored(1, sums, 64);
+          store_sums(sums, r0, s_out, yb, N);
+          if (r1 > 0) {
+            if (t == 0) _tile_stored(2, sums, 64); else _tile_stored(3, sums, 64);
+            store_sums(sums, r1, s_out, yb + kAmxRows * N, N);
+          }
+        }
+      }
+    }
+    if (configured >= 0) _tile_release();
+  });
+}
+#endif
+
 #if defined(__AVX2__)
 // The integer GEMMs' operands: scale (and zero, where given) fp32 [N / 16, K / 32, 16] as
 // qweight's first two dimensions say, x floating point [M, K].
@@ -1360,6 +1532,54 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::T
   return out.to(x.scalar_type());
 #else
   TORCH_CHECK(false, "linear_i8 needs a CPU with AVX2");
+#endif
+}
+
+// Weight-only int4 (uint8 nibbles, with zero) or int8 (int8 q, no zero) in linear_i16's layout,
+// on AMX tiles (see gemm_amx): x bf16 [M, K] -> [M, N] bf16, or fp32 (the sums as they are)
+// where fp32_out. Only where the kernels are built with AMX and the kernel lets the process use
+// the tiles (amx_available).
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                      const c10::optional<at::Tensor>& zero, bool fp32_out) {
+#if defined(TY_AMX)
+  TORCH_CHECK(amx_permitted(), "the kernel did not grant this process the AMX tiles");
+  const bool is_signed = qweight.scalar_type() == at::kChar;
+  TORCH_CHECK((is_signed || qweight.scalar_type() == at::kByte) && qweight.dim() == 4 && qweight.is_contiguous() &&
+                  qweight.size(2) == 16 && qweight.size(3) == (is_signed ? 32 : 16),
+              "qweight must be contiguous int8 [N / 16, K / 32, 16, 32] or uint8 nibbles [N / 16, K / 32, 16, 16]");
+  TORCH_CHECK(is_signed != zero.has_value(), "int4 (uint8) weights take a zero, int8 weights none");
+  check_blocked(x, qweight, scale, zero);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_amx takes bf16 activations");
+  const int64_t N = qweight.size(0) * kOutBlock, K = qweight.size(1) * kGroup, M = x.size(0);
+  const auto xc = x.contiguous();
+  auto out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  const auto* xp = xc.data_ptr<at::BFloat16>();
+  const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
+  const float* zp = zero ? zero->data_ptr<float>() : nullptr;
+  auto run = [&](auto* y) {
+    if (is_signed) {
+      gemm_amx<true>(xp, M, K, w, scale.data_ptr<float>(), zp, y, N);
+    } else {
+      gemm_amx<false>(xp, M, K, w, scale.data_ptr<float>(), zp, y, N);
+    }
+  };
+  if (fp32_out) {
+    run(out.data_ptr<float>());
+  } else {
+    run(out.data_ptr<at::BFloat16>());
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "linear_amx needs a CPU with AMX-BF16 (and kernels built there)");
+#endif
+}
+
+// Whether linear_amx runs here: built with AMX and granted the tiles by the kernel.
+bool amx_available() {
+#if defined(TY_AMX)
+  return amx_permitted();
+#else
+  return false;
 #endif
 }
 

@@ -159,7 +159,7 @@ def _prepare(
                 decode_lens.append(p)
         else:
             block_ids = torch.tensor(span.block_table[:n_blocks], dtype=torch.long)
-            prefills.append(PrefillSpan(row, n, end, block_ids))
+            prefills.append(PrefillSpan(row, n, end, block_ids, span.prompt))
     positions = torch.tensor(pos, dtype=torch.long)
     meta = AttnMetadata(
         slot_blocks=torch.tensor(slot_blocks, dtype=torch.long),
@@ -196,7 +196,7 @@ def _to_device(
         if meta.decode_context_lens is None
         else move(meta.decode_context_lens),
         prefills=[
-            PrefillSpan(p.start, p.num_tokens, p.context_len, move(p.block_ids))
+            PrefillSpan(p.start, p.num_tokens, p.context_len, move(p.block_ids), p.prompt)
             for p in meta.prefills
         ],
         block_size=meta.block_size,

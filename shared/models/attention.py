@@ -14,8 +14,8 @@ On a CPU the cache write and the attention run in C++ kernels (`tokenyard.kernel
 that walk the block tables in place. There a prefill chunk's rows attend as rows of their
 own, each over its context up to its own position (`AttnMetadata.kernel_rows`), in the same
 call as the decoding rows: no gathered keys, no mask, no [n, context] score matrix in
-memory. On CPUs with AMX, prefill chunks of `SDPA_MIN_ROWS` rows or more go to torch's
-fused attention instead (`F.scaled_dot_product_attention`), whose tiles run on AMX. The
+memory. On CPUs with AMX, prompt chunks and other prefill spans of `SDPA_MIN_ROWS` rows or
+more go to torch's fused attention instead (`F.scaled_dot_product_attention`), whose tiles run on AMX. The
 torch code here is the kernels' twin, used where they cannot be built and compared against
 them in the tests.
 """
@@ -35,7 +35,11 @@ from tokenyard.kernels import cpu as cpu_kernels
 # AMX and the pool is bf16 (`sdpa_prefill`). Measured on a 2-core Xeon with amx_bf16, the 30
 # layers of SmolLM2 (our kernel against torch's): a fresh 128-token chunk 7.3 against 3.7
 # ms, 512 tokens 95 against 29, 64 tokens after a 512-token prefix 24 against 8.3, 16 tokens
-# after 512 6.1 against 5.5. Shorter spans (a draft's few tokens) stay in our kernel.
+# after 512 6.1 against 5.5. Shorter spans of a draft's tokens to verify stay in our kernel;
+# prompt spans go there at any length, so that a prompt's tail after a prefix-cache hit
+# attends as its cold prefill did (with the AMX int4 kernel, whose rows never depend on each
+# other, the two then give the same logits to the bit; through our kernel the tail's
+# rounding flipped a near-tied greedy answer).
 SDPA_MIN_ROWS = 16
 
 
@@ -45,6 +49,7 @@ class PrefillSpan:
     num_tokens: int  # rows in this chunk
     context_len: int  # tokens attended to: computed before this chunk + the chunk itself
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] physical blocks, in order
+    prompt: bool = False  # prompt tokens (not a draft's tokens to verify)
 
 
 @dataclass
@@ -101,7 +106,7 @@ def paged_attention(
         )
         fused = []
         if sdpa_prefill(kv_layer.dtype):
-            fused = [s for s in meta.prefills if s.num_tokens >= SDPA_MIN_ROWS]
+            fused = [s for s in meta.prefills if s.prompt or s.num_tokens >= SDPA_MIN_ROWS]
         if not fused:
             tables, lens = meta.kernel_rows
             return kernels.decode_attention(q.contiguous(), kv_layer, tables, lens, scale)
@@ -176,7 +181,7 @@ def _attend_fused(
     """The CPU step with `fused` spans in torch's fused attention, the other rows (decode
     rows, short spans) in one call of our kernel. The pool is written already."""
     out = torch.empty_like(q)
-    rest = [s for s in meta.prefills if s.num_tokens < SDPA_MIN_ROWS]
+    rest = [s for s in meta.prefills if not (s.prompt or s.num_tokens >= SDPA_MIN_ROWS)]
     if meta.num_decode or rest:
         idx = torch.cat(
             [torch.arange(meta.num_decode)]

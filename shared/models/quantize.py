@@ -23,7 +23,9 @@ costs memory: the report counts both copies, and the tied lm_head reuses the emb
 CPUs with AVX2 but neither AVX-512 nor native bf16 are the exception (`i16_kernel`): there
 int4 and int8 layers run an integer kernel at every row count and keep no dense copy. On
 AVX512-VNNI CPUs without AMX, bf16 layers run that kernel for small steps instead of the
-weight-only kernels, and keep their dense copy.
+weight-only kernels, and keep their dense copy. On AMX CPUs bf16 layers keep no dense copy
+either (`amx_kernel`): steps of a few decode rows run the same int16 kernel, every other step
+`linear_amx`, which widens the int4 or int8 weights to bf16 tiles for AMX to multiply.
 """
 
 from __future__ import annotations
@@ -106,6 +108,17 @@ def dense_above_rows(bits: int, dense_dtype: torch.dtype = torch.bfloat16) -> in
     return DENSE_ABOVE_ROWS[kernel + ("_one_thread" if torch.get_num_threads() == 1 else "")][bits]
 
 
+# Rows per decode step up to which an AMX CPU's bf16 layers run linear_i16 (int16 activations,
+# AVX512-VNNI) rather than linear_amx, by bits. On a 2-core Xeon with AMX, SmolLM2's four
+# projection shapes as 120 distinct int4 layers: linear_i16 4.3 ms at 1 row, 5.9 at 4, 10.4 at
+# 8; linear_amx 6.8-7.1 ms at 1 to 16 rows (widening the weights is most of it), 8.1 at 32,
+# 11.0 at 64, 23 at 174 and 60 at 512, against 11.5-13.6 ms for oneDNN's AMX matmul of the
+# dense bf16 weights at 1 to 32 rows, 15.0 at 64, 22.6 at 174 and 55 at 512. The output
+# projection (int8, 576 x 49,152): linear_i16 1.7 ms at 1 row, 2.0 at 4, 2.5 at 8; linear_amx
+# 1.9-2.0 at 1 to 16 rows, 3.4 at 32, 3.9 at 64; dense 2.7 at 1 to 16, 3.3 at 32, 3.6 at 64.
+AMX_I16_ROWS = {8: 2, 4: 4}
+
+
 # The row count oneDNN picks a packed layout for: a mid-size decode batch (any count runs).
 PREPACK_ROWS = 32
 
@@ -155,6 +168,14 @@ class QuantizedLinear(LeanModule):
         # native bf16 take it at every row count and need no dense copy; bf16 layers on
         # AVX512-VNNI take it up to the dense threshold.
         self.i16 = int4_fits(linear) and i16_kernel(linear.weight.dtype)
+        # AMX CPUs (bf16 layers): the same layout, linear_i16 for a few decode rows and
+        # linear_amx for every other step. Without a dense copy (deterministic mode), every
+        # step takes linear_amx: a row's result then never depends on the step's size.
+        self.amx = int4_fits(linear) and amx_kernel(linear.weight.dtype)
+        self.i16_rows = (
+            AMX_I16_ROWS[bits] if self.amx and keep_dense and bits in AMX_I16_ROWS else 0
+        )
+        self.i16 = self.i16 or self.amx
         if self.i16 and integer_only(linear.weight.dtype):
             self.dense = None
         if bits == 8:
@@ -183,7 +204,7 @@ class QuantizedLinear(LeanModule):
                 .to(torch.int32)
             )
             self.own_int4 = self.i16 or own_int4_kernel()
-            self.act8 = self.i16 and int4_activation_bits() == 8
+            self.act8 = self.i16 and not self.amx and int4_activation_bits() == 8
             if self.i16:
                 pack = pack_i8 if self.act8 else pack_i16
                 packed4, scales4, zeros4 = pack(q.to(torch.uint8).view_as(w), scale, lo)
@@ -251,8 +272,15 @@ class QuantizedLinear(LeanModule):
         self.register_buffer("dense", packed)
         return True
 
-    def _quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] -> [M, out] in x's dtype, through the weight-only kernel."""
+    def _quantized_mm(self, x: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+        """x [M, in] -> [M, out] in x's dtype (fp32 where fp32_out, for AMX layers), through
+        the weight-only kernel."""
+        if self.amx and (x.shape[0] > self.i16_rows or getattr(_step, "prompt", False)):
+            zeros = self.zeros if self.bits == 4 else None
+            xb = x.to(torch.bfloat16).contiguous()
+            return cpu_kernels.ops().linear_amx(xb, self.qweight, self.scales, zeros, fp32_out)
+        if fp32_out:  # the other kernels return x's dtype
+            x = x.float()
         if self.act8:
             return cpu_kernels.ops().linear_i8(x, self.qweight, self.scales, self.zeros)
         if self.i16:
@@ -302,7 +330,7 @@ class QuantizedLinear(LeanModule):
             or (self.dense is not None and x.shape[0] > self.dense_above)
         ):
             return self(x).float()
-        y = self._quantized_mm(x.float())
+        y = self._quantized_mm(x, fp32_out=True)
         return y + self.bias if self.bias is not None else y
 
     def quantized_bytes(self) -> int:
@@ -399,10 +427,28 @@ def i16_kernel(dtype: torch.dtype = torch.float32) -> bool:
     )
 
 
+def amx_kernel(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether quantized layers of this dtype run `linear_amx` (AMX tiles of bf16 widened from
+    the int4 or int8 weights), with `linear_i16` for steps of a few decode rows: bf16 layers on
+    CPUs with AMX where our kernels are built with it and Linux lets the process use the tiles.
+    oneDNN's bf16 matmul runs on the same tiles but reads two bytes a weight: at the decode
+    steps of 8 to 32 rows that the stack runs under load it took 11.5-13.6 ms for SmolLM2's 30
+    layers against 6.5-8.1 (`AMX_I16_ROWS` has the figures), and at prompt sizes the two tie,
+    so such layers keep no dense copy."""
+    from tokenyard.engine.config import cpu_has_amx
+
+    if dtype != torch.bfloat16 or not cpu_has_amx():
+        return False
+    kernels = cpu_kernels.ops()
+    return kernels is not None and bool(kernels.amx_available()) and bool(kernels.i16_vnni())
+
+
 def integer_only(dtype: torch.dtype) -> bool:
-    """Whether quantized layers of this dtype run the int16-activation kernel at every row
-    count and keep no dense copy: fp32 where `i16_kernel` holds. bf16 layers that take the
-    kernel keep theirs (oneDNN's bf16 matmul wins above a few rows)."""
+    """Whether quantized layers of this dtype run our integer-weight kernels at every row count
+    and keep no dense copy: fp32 where `i16_kernel` holds, bf16 where `amx_kernel` does. Other
+    bf16 layers that take linear_i16 keep theirs (oneDNN's bf16 matmul wins above a few rows)."""
+    if dtype == torch.bfloat16:
+        return amx_kernel(dtype)
     return dtype == torch.float32 and i16_kernel(dtype)
 
 

@@ -117,10 +117,12 @@ def test_quantized_moe_stays_close_to_fp32(checkpoint, monkeypatch):
     long enough (147 tokens, about 74 rows per expert with 2 of 4 chosen) that every
     expert's share of the prefill is above the int4 kernel's row limit (32 on an AVX2-only
     CPU). Pinned to that dense-copy path: CPUs with AVX2 only keep no dense copy and run
-    the prefill on the int4 weights too (quantize.i16_kernel), where these flat random
-    models flip first tokens by quantization alone; that kernel is checked against its
-    dequantized weights in tests/unit/test_quantize.py."""
+    the prefill on the int4 weights too (quantize.i16_kernel), and so do bf16 layers on CPUs
+    with AMX (quantize.amx_kernel), where these flat random models flip first tokens by
+    quantization alone; those kernels are checked against their dequantized weights in
+    tests/unit/test_quantize.py."""
     monkeypatch.setattr(quantize, "i16_kernel", lambda dtype=torch.float32: False)
+    monkeypatch.setattr(quantize, "amx_kernel", lambda dtype=torch.bfloat16: False)
     _, hf_model, folder = checkpoint
     long = prompts(3, shortest=40)
     engine = make_engine(folder, dtype="auto", quantization="int4")

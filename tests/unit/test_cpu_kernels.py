@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tokenyard.kernels import cpu as cpu_kernels
 from tokenyard.models import attention
@@ -252,6 +253,43 @@ def test_long_prefill_chunks_in_torchs_fused_attention_match_our_kernel(
     assert err.max().item() < tol
     # the rows our kernel computed in both runs are the same computation
     assert torch.equal(outs[0][: 2 + short], outs[1][: 2 + short])
+
+
+def test_a_short_prompt_span_attends_in_torchs_fused_kernel_where_long_ones_do(ops, monkeypatch):
+    """The AMX path: a prompt's tail after a prefix-cache hit (4 rows) goes where its cold
+    prefill went, torch's fused attention; a draft's 4 rows to verify stay in our kernel."""
+    g = torch.Generator().manual_seed(14)
+    rows, prefix, heads = 4, 29, 9
+    t = 2 * rows
+    q, k, v = (torch.randn(t, h, D, generator=g).to(torch.bfloat16) for h in (heads, H_KV, H_KV))
+    tail_blocks, draft_blocks = torch.tensor([5, 17, 22]), torch.tensor([8, 26, 31])
+    positions = torch.cat([prefix + torch.arange(rows), 40 + torch.arange(rows)])
+    meta = AttnMetadata(
+        slot_blocks=torch.cat(
+            [tail_blocks[positions[:rows] // BLOCK], draft_blocks[positions[rows:] // BLOCK]]
+        ),
+        slot_offsets=positions % BLOCK,
+        prefills=[
+            PrefillSpan(0, rows, prefix + rows, tail_blocks, prompt=True),
+            PrefillSpan(rows, rows, 40 + rows, draft_blocks),
+        ],
+        block_size=BLOCK,
+    )
+    fused_rows: list[int] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counted(query, *args, **kwargs):
+        fused_rows.append(query.shape[2])
+        return sdpa(query, *args, **kwargs)
+
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(attention, "sdpa_prefill", lambda dtype, fused=fused: fused)
+        monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted)
+        outs.append(paged_attention(q, k, v, _pool(torch.bfloat16, seed=15)[:, 1], meta, D**-0.5))
+    assert fused_rows == [rows]  # the prompt span only, and only where the fused path is on
+    assert (outs[0].float() - outs[1].float()).abs().max().item() < 1e-2
+    assert torch.equal(outs[0][rows:], outs[1][rows:])  # the draft's rows: our kernel both times
 
 
 @pytest.mark.parametrize(

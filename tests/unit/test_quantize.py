@@ -15,9 +15,12 @@ from tokenyard.models.quantize import QuantizedLinear, dequantized, quantize
 @pytest.fixture(autouse=True)
 def no_i16(request, monkeypatch):
     """The tests below pin the paths of CPUs other than AVX2-only ones, where fp32 layers
-    would take the int16-activation kernel; the `i16` tests at the end turn it on."""
+    would take the int16-activation kernel, and other than AMX ones, where bf16 layers would
+    take linear_amx; the `i16` and `amx` tests at the end turn them on."""
     if not {"i16", "i16_policy"} & set(request.fixturenames):
         monkeypatch.setattr(q, "i16_kernel", lambda dtype=torch.float32: False)
+    if "amx" not in request.fixturenames:
+        monkeypatch.setattr(q, "amx_kernel", lambda dtype=torch.bfloat16: False)
 
 
 def _linear(out_features=48, in_features=64, bias=True, seed=0):
@@ -507,7 +510,11 @@ needs_vnni = _built(
 
 @pytest.fixture
 def i16_bf16(monkeypatch):
+    """A Zen 4's policy: bf16 layers take the int16 kernel for small steps (no AMX)."""
+    import tokenyard.engine.config as config
+
     _i16_for(monkeypatch, torch.bfloat16)
+    monkeypatch.setattr(config, "cpu_has_amx", lambda: False)
 
 
 @needs_vnni
@@ -572,3 +579,110 @@ def test_int4_against_8_bit_activations_is_a_choice(i16, monkeypatch):
     monkeypatch.setenv("TOKENYARD_INT4_ACTIVATIONS", "int12")
     with pytest.raises(ValueError, match="int8 or int16"):
         QuantizedLinear(linear, 4)
+
+
+needs_amx = _built(
+    "amx_available", "linear_amx needs our kernels built with AMX and the tiles granted"
+)
+
+
+@pytest.fixture
+def amx():
+    """The CPU's own choice of linear_amx (bf16 layers on AMX CPUs), not pinned."""
+
+
+def _amx_layer(bits: int, out_features: int = 48, keep_dense: bool = True) -> QuantizedLinear:
+    linear = _linear(out_features=out_features, in_features=128, bias=False).to(torch.bfloat16)
+    return QuantizedLinear(linear, bits, keep_dense=keep_dense)
+
+
+def _amx_weight(layer: QuantizedLinear) -> torch.Tensor:
+    """The weight AMX multiplies: int4 as q * scale + zero rounded to bf16 (the tile's
+    dtype), int8 as q itself (exact in bf16), its scale applied to the sums."""
+    w = dequantized(layer)
+    return w.bfloat16().double() if layer.bits == 4 else w.double()
+
+
+@needs_amx
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_layers_compute_their_widened_weight(amx, bits):
+    """Every row count (one 16-row tile and its tails, two tiles a pass, passes of 32 rows
+    over blocks of outputs paired, an odd block count: 48 outputs) gives x times the weight
+    AMX multiplies, with no dense copy; small decode steps take linear_i16."""
+    layer = _amx_layer(bits)
+    assert layer.amx and layer.i16 and layer.dense is None
+    assert layer.i16_rows == q.AMX_I16_ROWS[bits]
+    w = _amx_weight(layer)
+    for rows in (1, 3, 5, 15, 16, 17, 31, 32, 33, 48, 70):
+        x = (torch.randn(rows, 128) * 3).to(torch.bfloat16)
+        exact = x.double() @ w.T
+        y = layer(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, 48)
+        err = ((y.double() - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)).max().item()
+        assert err < 8e-3, (rows, err)  # bf16 output rounding
+        with q.prompt_step(True):  # prompt rows take AMX at any count: the same sums in fp32
+            sums = layer._quantized_mm(x, fp32_out=True)
+        err = ((sums.double() - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)).max().item()
+        assert sums.dtype == torch.float32 and err < 1e-5, (rows, err)
+        if rows > layer.i16_rows:
+            assert torch.equal(y, sums.bfloat16())
+
+
+@needs_amx
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_layers_compute_each_row_on_its_own(amx, bits):
+    """Deterministic mode (no dense copy asked for): every step takes linear_amx, and a row's
+    result does not depend on the other rows, bit for bit; prompt steps of a few rows take
+    it too, so a prompt's tail after a prefix hit rounds as a cold prefill does."""
+    layer = _amx_layer(bits, keep_dense=False)
+    assert layer.amx and layer.i16_rows == 0
+    x = (torch.randn(70, 128) * 3).to(torch.bfloat16)
+    x[5] *= 100
+    batch = layer(x)
+    for i in (0, 5, 15, 16, 31, 32, 33, 69):
+        assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1]), i
+    for lo, hi in ((0, 3), (3, 40), (60, 70)):
+        assert torch.equal(layer(x[lo:hi]), batch[lo:hi])
+    shipped = _amx_layer(bits)  # the same weights, linear_i16 for a few decode rows
+    with q.prompt_step(True):
+        assert torch.equal(shipped(x[:3]), batch[:3])
+    if bits == 8:  # the output projection's logits: the fp32 sums, not rounded to bf16
+        logits = q.fp32_linear(layer, x)
+        assert logits.dtype == torch.float32 and torch.equal(logits.bfloat16(), batch)
+        assert not torch.equal(logits, batch.float())
+        few = q.fp32_linear(shipped, x[:2])  # linear_i16's fp32 sums
+        assert few.dtype == torch.float32 and torch.allclose(few, logits[:2], rtol=1e-3, atol=1e-3)
+
+
+@needs_amx
+def test_amx_is_chosen_for_bf16_layers_on_amx_cpus(amx, monkeypatch):
+    import tokenyard.engine.config as config
+
+    assert q.amx_kernel(torch.bfloat16) and q.integer_only(torch.bfloat16)
+    assert not q.amx_kernel(torch.float32)
+    fp32 = QuantizedLinear(_linear(bias=False), 4)
+    assert not fp32.amx
+    assert not QuantizedLinear(
+        _linear(out_features=40, bias=False).to(torch.bfloat16), 8
+    ).amx  # not 16 outputs a block: the int8 GEMV, with a dense copy
+    monkeypatch.setattr(config, "cpu_has_amx", lambda: False)
+    assert not q.amx_kernel(torch.bfloat16)
+
+
+@needs_amx
+def test_linear_amx_refuses_a_malformed_call(amx):
+    ops = cpu_kernels.ops()
+    w4 = torch.zeros(2, 2, 16, 16, dtype=torch.uint8)  # N = 32, K = 64, int4 nibbles
+    scales, zeros = torch.ones(2, 2, 16), torch.zeros(2, 2, 16)
+    x = torch.ones(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(
+        ops.linear_amx(x, w4, scales, zeros, False), torch.zeros(3, 32, dtype=torch.bfloat16)
+    )
+    with pytest.raises(RuntimeError, match="bf16 activations"):
+        ops.linear_amx(x.float(), w4, scales, zeros, False)
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.linear_amx(torch.ones(3, 63, dtype=torch.bfloat16), w4, scales, zeros, False)
+    with pytest.raises(RuntimeError, match="take a zero"):
+        ops.linear_amx(x, w4, scales, None, False)
+    with pytest.raises(RuntimeError, match="qweight must be"):
+        ops.linear_amx(x, w4.view(2, 2, 8, 32), scales, zeros, False)
