@@ -1258,8 +1258,8 @@ void gemm_i8(const float* x, int64_t M, int64_t K, const uint8_t* w, const float
 // (int4: q * scale + zero in fp32, rounded once to bf16, as a dense bf16 copy of those
 // weights holds them; int8: q itself, exact in bf16, with the output's scale applied to the
 // fp32 sums), one 1 KiB tile. The activations are the A tiles as they lie in memory (16 rows
-// of 32 bf16), the fp32 sums the C tiles: y[m, n0:n0+16] for 16 rows at a time, two row
-// blocks a pass sharing each weight tile. A block's weights are widened during the first
+// of 32 bf16), the fp32 sums the C tiles: y[m, n0:n0+16] for 16 rows at a time, two blocks
+// of rows a pass sharing each weight tile. A block's weights are widened during the first
 // pass and kept (K / 32 KiB) for the passes of later rows, so a prefill step widens each
 // weight once however many rows it has.
 constexpr int kAmxRows = 16;  // rows of a C tile
@@ -1282,11 +1282,12 @@ bool amx_permitted() {
   return ok;
 }
 
-// A pass takes up to 32 rows (two blocks of rows, r0 and r1 of them) against two blocks of 16
-// outputs: tiles 0 and 1 hold the sums of the first rows against each block of outputs, 2
-// and 3 of the second rows; 4 and 5 the two blocks of rows' activations; 6 and 7 the two
-// blocks' weights. Each activation tile is loaded once for both blocks of outputs and each
-// weight tile once for both blocks of rows.
+// A pass takes up to 32 rows (two blocks of rows, r0 and r1 of them) against one block of 16
+// outputs, or two in steps of more than 32 rows (see gemm_amx): tiles 0 and 1 hold the sums
+// of the first rows against each block of outputs, 2 and 3 of the second rows; 4 and 5 the
+// two blocks of rows' activations; 6 and 7 the two blocks' weights. Each activation tile is
+// loaded once for the pass's blocks of outputs and each weight tile once for both blocks of
+// rows.
 void amx_configure(int r0, int r1) {
   TileConfig cfg;
   cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(r0);
