@@ -1324,9 +1324,8 @@ inline void widen_tile(const uint8_t* w, const float* scale, const float* zero, 
   }
 }
 
-// y[m0:m0+rows, n0:n0+16] from the C tile's sums (16 fp32 a row), times the outputs' scales
-// where given (int8).
-// y[0:rows, 0:16] = sums * scale (int8's per-output scales; none for int4).
+// y[0:rows, 0:16] = a C tile's sums (16 fp32 a row) * scale (int8's per-output scales; none
+// for int4).
 template <typename out_t>
 inline void store_sums(const float* sums, int rows, const float* scale, out_t* y, int64_t N) {
   const __m512 s = scale != nullptr ? _mm512_loadu_ps(scale) : _mm512_set1_ps(1.0f);
@@ -1351,7 +1350,12 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
   const bool paired = M > 2 * kAmxRows;
   const int64_t units = paired ? (blocks + 1) / 2 : blocks;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<at::BFloat16> widened((paired ? 2 : 1) * G * 16 * 32);
+    // Each thread's widened tiles live from call to call: a fresh vector per call zeroed up to
+    // 96 KiB, 120 calls a step.
+    thread_local std::vector<at::BFloat16> widened;
+    if (widened.size() < static_cast<size_t>((paired ? 2 : 1) * G * 16 * 32)) {
+      widened.resize((paired ? 2 : 1) * G * 16 * 32);
+    }
     alignas(64) float sums[kAmxRows * 16];
     int configured = -1;
     for (int64_t unit = begin; unit < end; ++unit) {
@@ -1431,6 +1435,17 @@ void check_blocked(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point");
 }
+
+// pack_i16's layout: int8 q a byte per weight (no zero) or uint8 nibbles (with a zero); scale
+// and zero as check_blocked says. Returns whether the weights are int8.
+bool check_i16_layout(const at::Tensor& qweight, const c10::optional<at::Tensor>& zero) {
+  const bool is_signed = qweight.scalar_type() == at::kChar;
+  TORCH_CHECK((is_signed || qweight.scalar_type() == at::kByte) && qweight.dim() == 4 && qweight.is_contiguous() &&
+                  qweight.size(2) == 16 && qweight.size(3) == (is_signed ? 32 : 16),
+              "qweight must be contiguous int8 [N / 16, K / 32, 16, 32] or uint8 nibbles [N / 16, K / 32, 16, 16]");
+  TORCH_CHECK(is_signed != zero.has_value(), "int4 (uint8) weights take a zero, int8 weights none");
+  return is_signed;
+}
 #endif
 
 void check_rows(const at::Tensor& x, int64_t K) {
@@ -1493,11 +1508,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor linear_i16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                       const c10::optional<at::Tensor>& zero) {
 #if defined(__AVX2__)
-  const bool is_signed = qweight.scalar_type() == at::kChar;
-  TORCH_CHECK((is_signed || qweight.scalar_type() == at::kByte) && qweight.dim() == 4 && qweight.is_contiguous() &&
-                  qweight.size(2) == 16 && qweight.size(3) == (is_signed ? 32 : 16),
-              "qweight must be contiguous int8 [N / 16, K / 32, 16, 32] or uint8 nibbles [N / 16, K / 32, 16, 16]");
-  TORCH_CHECK(is_signed != zero.has_value(), "int4 (uint8) weights take a zero, int8 weights none");
+  const bool is_signed = check_i16_layout(qweight, zero);
   const int64_t N = qweight.size(0) * kOutBlock, G = qweight.size(1), K = G * kGroup;
   check_blocked(x, qweight, scale, zero);
   const int64_t M = x.size(0);
@@ -1544,11 +1555,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qweight, const at::
                       const c10::optional<at::Tensor>& zero, bool fp32_out) {
 #if defined(TY_AMX)
   TORCH_CHECK(amx_permitted(), "the kernel did not grant this process the AMX tiles");
-  const bool is_signed = qweight.scalar_type() == at::kChar;
-  TORCH_CHECK((is_signed || qweight.scalar_type() == at::kByte) && qweight.dim() == 4 && qweight.is_contiguous() &&
-                  qweight.size(2) == 16 && qweight.size(3) == (is_signed ? 32 : 16),
-              "qweight must be contiguous int8 [N / 16, K / 32, 16, 32] or uint8 nibbles [N / 16, K / 32, 16, 16]");
-  TORCH_CHECK(is_signed != zero.has_value(), "int4 (uint8) weights take a zero, int8 weights none");
+  const bool is_signed = check_i16_layout(qweight, zero);
   check_blocked(x, qweight, scale, zero);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_amx takes bf16 activations");
   const int64_t N = qweight.size(0) * kOutBlock, K = qweight.size(1) * kGroup, M = x.size(0);
