@@ -81,7 +81,12 @@ inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+// 1 / d from the 14-bit estimate and one Newton step (about 1 ulp): a division of 16 lanes
+// issues once in 10-16 cycles, and held silu_and_mul to a third of its speed.
+inline vf vrcp(vf d) {
+  const vf r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+}
 inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
@@ -139,7 +144,10 @@ inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vrcp(vf d) {  // the 12-bit estimate and one Newton step (about 2 ulp)
+  const vf r = _mm256_rcp_ps(d);
+  return _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f)));
+}
 inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
@@ -669,7 +677,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       if constexpr (kVectorType<scalar_t>) {
         for (; d + kW <= width; d += kW) {
           const vf g = vload(gate + d);
-          const vf act = round_as<scalar_t>(vdiv(g, vadd(vset(1.f), vexp(vsub(vzero(), g)))));
+          const vf act = round_as<scalar_t>(vmul(g, vrcp(vadd(vset(1.f), vexp(vsub(vzero(), g))))));
           vstore(op + r * width + d, vmul(act, vload(up + d)));
         }
       }

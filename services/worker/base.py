@@ -186,9 +186,13 @@ class WorkerBase:
         *,
         prefill_only: bool = False,
         arrival_unix_ns: int = 0,
+        on_prompt_computed: Callable[[], None] | None = None,
     ) -> TokenStream:
-        """Run a request (or just its prefill) here; returns its stream once it has ended."""
+        """Run a request (or just its prefill) here; returns its stream once it has ended.
+
+        ``on_prompt_computed`` is called once, with the request's first output."""
         stream = self.new_stream(request_id, gateway_id, arrival_unix_ns=arrival_unix_ns)
+        stream.on_prompt_computed = on_prompt_computed
         attributes = {REQUEST_ID: request_id, WORKER_ID: self.worker_id}
         # The queue span starts at the request's arrival: the work queue plus admission here.
         with _tracer.start_as_current_span(

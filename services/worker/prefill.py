@@ -99,6 +99,17 @@ class PrefillHandler:
         with _tracer.start_as_current_span("kvcache.fetch", attributes={REQUEST_ID: rid}) as span:
             fetched = await self.cache.fetch(rid, prompt, job.params.cache_salt)
             span.set_attribute("tokenyard.fetched_tokens", fetched)
+
+        def offload() -> None:
+            # With the first token, while the sequence still holds its prompt's blocks, not
+            # when it ends: a closed-loop client's next request arrives as one ends, and the
+            # copy-out and upload then competed with its prefill (c=1 TTFT p50 66.6 against
+            # 59.4 ms with no KV-cache service, 2-core Xeon). In the background: the copy-out
+            # waits for a step boundary.
+            self.cache.offload_soon(
+                rid, prompt, skip_tokens=fetched, cache_salt=job.params.cache_salt
+            )
+
         stream = await self.w.generate(
             rid,
             job.gateway_id,
@@ -106,17 +117,11 @@ class PrefillHandler:
             job.params,
             prefill_only=not aggregated,
             arrival_unix_ns=job.arrival_unix_ns,
+            on_prompt_computed=offload,
         )
         reason = await stream.done
         if reason == HANDED_BACK:
             return False
-        if reason in ("prefilled", "stop", "length"):
-            # Its blocks are still in the prefix cache (held, or freed but not yet evicted).
-            # In the background: the copy-out waits for a step boundary, and the job's slot
-            # (one of max_num_seqs) would wait with it while the next request queued.
-            self.cache.offload_soon(
-                rid, prompt, skip_tokens=fetched, cache_salt=job.params.cache_salt
-            )
         if reason != "prefilled":
             return True
         await self._hand_off(job, stream.cached_tokens or 0)

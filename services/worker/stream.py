@@ -46,6 +46,8 @@ class TokenStream:
         self.sent: list[pb.TokenChunk] = []
         self.timer = timer
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        # Called once, with the first output: the prompt is computed and its blocks cached.
+        self.on_prompt_computed: Callable[[], None] | None = None
 
     async def on_output(self, out: RequestOutput) -> None:
         chunk = token_chunk(
@@ -57,6 +59,9 @@ class TokenStream:
         )
         if self.cached_tokens is None:
             self.cached_tokens = out.num_cached_tokens
+        if self.on_prompt_computed is not None:
+            hook, self.on_prompt_computed = self.on_prompt_computed, None
+            hook()
         self.next_index += len(out.new_token_ids)
         self.output_token_ids.extend(out.new_token_ids)
         if self.timer is not None:

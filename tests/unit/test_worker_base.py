@@ -64,6 +64,30 @@ async def test_generate_streams_one_chunk_per_step_with_indices(worker):
     assert worker.engine.stats().num_free_blocks == 64
 
 
+async def test_prompt_computed_hook_runs_once_with_the_first_output(worker):
+    """The prefill worker writes a prompt's blocks through to the KV-cache service from this
+    hook: it must run while the request still decodes (its blocks held), not when it ends."""
+    seen: list[int] = []  # chunks published when the hook ran
+    stream = await worker.generate(
+        "r1",
+        GW,
+        PROMPT,
+        pb.SamplingParams(max_tokens=4),
+        on_prompt_computed=lambda: seen.append(len(worker.bus.chunks("r1"))),
+    )
+    assert await stream.done == "length"
+    assert seen == [0] and len(worker.bus.chunks("r1")) == 4
+
+
+async def test_prompt_computed_hook_is_not_run_for_a_request_that_fails(worker):
+    seen: list[str] = []
+    stream = await worker.generate(
+        "r1", GW, [], pb.SamplingParams(max_tokens=4), on_prompt_computed=lambda: seen.append("x")
+    )
+    assert await stream.done == "error"
+    assert seen == []
+
+
 async def test_prefill_only_first_token_is_not_an_end(worker):
     stream = await worker.generate(
         "r1", GW, PROMPT, pb.SamplingParams(max_tokens=8), prefill_only=True
