@@ -629,6 +629,31 @@ def test_amx_layers_compute_their_widened_weight(amx, bits):
 
 
 @needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_prompt_steps_of_many_blocks_and_passes(amx, bits, threads):
+    """With 9 blocks of outputs (4 pairs and one alone in steps of more than 32 rows) and 8
+    groups, a thread runs several units and fetches the next one's weights ahead, at every
+    pass count, on one thread and two: the sums stay x times the weight."""
+    linear = _linear(out_features=144, in_features=256, bias=False).to(torch.bfloat16)
+    layer = QuantizedLinear(linear, bits, keep_dense=False)
+    assert layer.amx
+    w = _amx_weight(layer)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (8, 32, 33, 64, 65, 100, 174):
+            x = (torch.randn(rows, 256) * 3).to(torch.bfloat16)
+            exact = x.double() @ w.T
+            sums = layer._quantized_mm(x, fp32_out=True)
+            err = ((sums.double() - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)).max()
+            assert err.item() < 1e-5, (rows, err.item())
+            assert torch.equal(layer(x), sums.bfloat16())
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_amx
 @pytest.mark.parametrize("bits", [4, 8])
 def test_amx_layers_compute_each_row_on_its_own(amx, bits):
     """Deterministic mode (no dense copy asked for): every step takes linear_amx, and a row's
