@@ -9,7 +9,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from tokenyard.planner.catalog import MODELS, ModelSpec
+from tokenyard.planner.catalog import DTYPE_BYTES, MODELS, ModelSpec
 from tokenyard.planner.roofline import Deployment
 
 SHIPPED = {"dtype": "auto", "quantization": "int4"}  # what `tokenyard up` runs
@@ -110,10 +110,13 @@ def calibrate(
     small: EngineFigures | None = None,
     small_rows: int = 0,
     dense_dtype: str = "",
+    wide: EngineFigures | None = None,
 ) -> dict:
     """Efficiencies that make the roofline meet our engine at these measurements: `small`,
     a decode of at most `small_rows` sequences, runs the weight-only kernels that batches
-    up to `small_rows` take (b32 runs the dense matmul)."""
+    up to `small_rows` take (b32 runs the dense matmul, or with `wide` the widening kernel).
+    `wide`, a decode of a few more rows than `small_rows` through a kernel that widens the
+    weights every step (AMX), gives that kernel's floor as a rate over the weights."""
     from tokenyard.planner.catalog import Hardware
 
     probe = Hardware("probe", 1, bw_gbs, tflops, 0, 0, 1, 0, 1, 0, 1, "air", 1.0,
@@ -132,8 +135,13 @@ def calibrate(
                 ideal_small / max(small.decode_step_s - overhead, 1e-6), 4
             ),
         }
+    widen = {}
+    if wide is not None:
+        weights = model.params_touched(wide.batch) * DTYPE_BYTES["int4"]
+        widen = {"widen_gbs": round(weights / max(wide.decode_step_s - overhead, 1e-6) / 1e9, 3)}
     return {
         **small_eff,
+        **widen,
         **({"dense_dtype": dense_dtype} if dense_dtype and small_eff else {}),
         "step_overhead_ms": round(1e3 * max(overhead, 0.0), 3),
         "decode_flops_eff": round(ideal_32 / max(b32.decode_step_s - overhead, 1e-6), 4),
@@ -146,14 +154,26 @@ def calibrate(
 def weight_only_rows(dtype: str) -> int:
     """The most rows an int4 layer of an engine computing in `dtype` runs through its
     weight-only kernel; 0 where that kernel runs every row count and no dense copy is kept
-    (fp32 layers on AVX2-only CPUs: int16 activations)."""
+    (fp32 layers on AVX2-only CPUs: int16 activations). On AMX CPUs (bf16), the decode rows
+    that take linear_i16 rather than linear_amx, which widens the weights every step."""
     import torch
 
-    from tokenyard.models.quantize import dense_above_rows, integer_only
+    from tokenyard.models.quantize import AMX_I16_ROWS, amx_kernel, dense_above_rows, integer_only
 
+    if amx_kernel(getattr(torch, dtype)):
+        return AMX_I16_ROWS[4]
     if integer_only(getattr(torch, dtype)):
         return 0
     return dense_above_rows(4, getattr(torch, dtype))
+
+
+def widens_weights(dtype: str) -> bool:
+    """Whether steps above weight_only_rows widen the int4 weights every step (AMX)."""
+    import torch
+
+    from tokenyard.models.quantize import amx_kernel
+
+    return amx_kernel(getattr(torch, dtype))
 
 
 def default_model() -> ModelSpec:
@@ -185,20 +205,28 @@ def calibrate_and_check(engine, bw_gbs: float, tflops: float, lengths: Lengths =
     # rows): from a 4-sequence step, the 8-sequence prediction ran 25-58% fast on an AVX2
     # CPU, whose int4 kernel costs more per row past four rows.
     small_rows = weight_only_rows(engine.config.dtype)
+    widening = widens_weights(engine.config.dtype)
     shapes = {
         "b1": (1, 128, lengths.b1_output),
         # without a dense copy one kernel runs every row count: no second regime to calibrate
         **({"small": (small_rows, 128, lengths.b8_output)} if small_rows else {}),
+        # AMX: 16 rows pass over the weights as 8 do (widening them), not a quarter of 32
+        **({"wide": (16, 128, lengths.b8_output)} if widening else {}),
         "b32": (32, 128, lengths.b32_output),
         "b8": (8, 128, lengths.b8_output),
         "long": (1, 512, lengths.long_output),
     }
     best = best_of(engine, lengths.runs, shapes)
     b1, b32, b8, long = (best[name] for name in ("b1", "b32", "b8", "long"))
-    small = best.get("small")
+    small, wide = best.get("small"), best.get("wide")
     model = default_model()
-    dense = {"bfloat16": "bf16", "float32": "fp32"}.get(str(engine.config.dtype), "")
-    values = calibrate(b1, b32, bw_gbs, tflops, model, small, small_rows, dense)
+    # the dtype of the dense copy that steps above small_rows read (AMX keeps none)
+    dense = (
+        ""
+        if widening
+        else {"bfloat16": "bf16", "float32": "fp32"}.get(str(engine.config.dtype), "")
+    )
+    values = calibrate(b1, b32, bw_gbs, tflops, model, small, small_rows, dense, wide)
     dep = Deployment(model, cpu_hardware(values, remeasure=False), weights_dtype="int4")
     predicted = {
         "b8_decode_tok_s": 8 / dep.decode_step_s(8, b8.context),
@@ -208,7 +236,8 @@ def calibrate_and_check(engine, bw_gbs: float, tflops: float, lengths: Lengths =
     return {
         "calibration": values,
         "calibration_points": {
-            "b1": b1.__dict__, "b32": b32.__dict__, **({"small": small.__dict__} if small else {})
+            "b1": b1.__dict__, "b32": b32.__dict__, **({"small": small.__dict__} if small else {}),
+            **({"wide": wide.__dict__} if wide else {})
         },
         "checked": {
             k: {"predicted": predicted[k], "measured": measured[k],

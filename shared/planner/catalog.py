@@ -116,6 +116,11 @@ class Hardware:
     # the quantized weights; "" = the weights' own. On a CPU with AMX a 32-row step is bound
     # by that read, not by the matmul.
     dense_dtype: str = ""
+    # A CPU kernel that widens the quantized weights to the matmul's dtype on every step (int4
+    # to bf16 tiles for AMX) passes over them no faster than this, in GB of quantized weights
+    # a second, however few rows the step has: a floor for steps above small_batch_rows.
+    # 0: no such floor (GPU entries, CPUs whose larger steps read a dense copy).
+    widen_gbs: float = 0.0
     memory_utilization: float = 0.9  # the share the engine may take (gpu_memory_utilization)
     buffer_fraction: float = 0.05  # activations, graphs, allocator slack, of the whole memory
     allreduce_latency_us: float = 8.0

@@ -114,6 +114,7 @@ def cpu_hardware(calibration: dict | None = None, *, remeasure: bool = True) -> 
         small_batch_rows=cal.get("small_batch_rows", 0),
         small_batch_flops_eff=cal.get("small_batch_flops_eff", 0.0),
         dense_dtype=cal.get("dense_dtype", ""),
+        widen_gbs=cal.get("widen_gbs", 0.0),
         memory_utilization=0.5,  # the rest is the OS's and the other services'
         buffer_fraction=0.0,
     )

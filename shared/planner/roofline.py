@@ -79,6 +79,7 @@ class Deployment:
         read += batch * context * self.kv_bytes_per_token
         # pp stages run one after another for one token: the replica's whole read, in turn.
         mem_s = read / self.tp / (self.hw.bandwidth_gbs * 1e9 * self.hw.decode_bw_eff)
+        mem_s = max(mem_s, self._widen_s(batch, small))
         flops = (
             2.0 * m.active_params * batch + 4.0 * m.layers * context * m.heads * m.head_dim * batch
         )
@@ -86,6 +87,13 @@ class Deployment:
         peak = self.hw.flops(self.weights_dtype) * eff
         compute_s = flops / self.tp / peak
         return self.hw.step_overhead_ms * 1e-3 + max(mem_s, compute_s) + self._allreduce_s(batch)
+
+    def _widen_s(self, rows: int, small: bool) -> float:
+        """The floor a widening kernel puts under a step above the small-batch rows."""
+        if small or not self.hw.widen_gbs:
+            return 0.0
+        weights = self.model.params_touched(rows) * DTYPE_BYTES[self.weights_dtype]
+        return weights / self.tp / (self.hw.widen_gbs * 1e9)
 
     def _read_dtype(self, small: bool) -> str:
         """The weights a step reads: a CPU engine's larger steps read the dense copy."""
@@ -106,6 +114,7 @@ class Deployment:
         small = new_tokens <= self.hw.small_batch_rows
         read = m.params_touched(new_tokens) * DTYPE_BYTES[self._read_dtype(small)]
         mem_s = read / self.tp / (self.hw.bandwidth_gbs * 1e9 * self.hw.decode_bw_eff)
+        mem_s = max(mem_s, self._widen_s(new_tokens, small))
         return (
             self.hw.step_overhead_ms * 1e-3 + max(compute_s, mem_s) + self._allreduce_s(new_tokens)
         )

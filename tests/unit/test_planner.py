@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -192,3 +193,24 @@ def test_a_cpu_engines_larger_decode_steps_read_the_dense_copy():
     # an entry without a dense copy reads its own weights at every batch
     gpu = Deployment(model, catalog.HARDWARE["h100"], weights_dtype="int4")
     assert gpu.hw.dense_dtype == "" and gpu._read_dtype(small=False) == "int4"
+
+
+def test_a_widening_kernel_floors_steps_above_the_small_batch_rows():
+    """On AMX a decode step of more than small_batch_rows sequences widens every int4 weight
+    to bf16, so it takes no less than the weights over widen_gbs however few rows it has;
+    smaller steps (linear_i16) and entries without the floor are bound by their read."""
+    model = catalog.MODELS["smollm2-135m"]
+    fast = dict(decode_bw_eff=1.0, decode_flops_eff=1e6, step_overhead_ms=0.0)
+    cpu = catalog.Hardware(
+        "cpu", 16, 20.0, 2.0, 0, 0, 1, 0, 1, 0, 1, "air", 1.0,
+        small_batch_rows=4, small_batch_flops_eff=1e6, widen_gbs=5.0, **fast,
+    )  # fmt: skip
+    dep = Deployment(model, cpu, weights_dtype="int4")
+    weights = model.params_touched(8) * catalog.DTYPE_BYTES["int4"]
+    assert dep.decode_step_s(8, 100) == pytest.approx(weights / 5e9)
+    assert dep.decode_step_s(16, 100) == pytest.approx(weights / 5e9)  # rows do not move it
+    small = weights + 4 * 100 * dep.kv_bytes_per_token
+    assert dep.decode_step_s(4, 100) == pytest.approx(small / 20e9)
+    without = Deployment(model, replace(cpu, widen_gbs=0.0), weights_dtype="int4")
+    read = weights + 8 * 100 * dep.kv_bytes_per_token
+    assert without.decode_step_s(8, 100) == pytest.approx(read / 20e9)
