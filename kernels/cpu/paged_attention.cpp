@@ -1357,6 +1357,10 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
   // against 6.5-6.9); bigger steps pair the blocks (512 rows: 54-58 ms against 60-74).
   const bool paired = M > 2 * kAmxRows;
   const int64_t units = paired ? (blocks + 1) / 2 : blocks;
+  // A unit's passes of up to 32 rows, and the group iterations it spreads the next unit's
+  // prefetches over: those of its later passes, or of its one pass.
+  const int64_t passes = (M + 2 * kAmxRows - 1) / (2 * kAmxRows);
+  const int64_t later = (passes > 1 ? passes - 1 : 1) * G;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     // Each thread's widened tiles live from call to call: a fresh vector per call zeroed up to
     // 96 KiB, 120 calls a step.
@@ -1391,8 +1395,6 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
       const char* next_z = zero == nullptr ? nullptr : reinterpret_cast<const char*>(zero + nb0 * G * kOutBlock);
       const int64_t w_lines = ahead ? nblocks * G * tile_bytes / 64 : 0;
       const int64_t s_lines = ahead ? nblocks * G * kOutBlock * 4 / 64 : 0;
-      const int64_t passes = (M + 2 * kAmxRows - 1) / (2 * kAmxRows);
-      const int64_t later = (passes > 1 ? passes - 1 : 1) * G;  // iterations
       for (int64_t m0 = 0; m0 < M; m0 += 2 * kAmxRows) {
         const int r0 = static_cast<int>(std::min<int64_t>(kAmxRows, M - m0));
         const int r1 = static_cast<int>(std::clamp<int64_t>(M - m0 - kAmxRows, 0, kAmxRows));

@@ -158,9 +158,9 @@ def weight_only_rows(dtype: str) -> int:
     that take linear_i16 rather than linear_amx, which widens the weights every step."""
     import torch
 
-    from tokenyard.models.quantize import AMX_I16_ROWS, amx_kernel, dense_above_rows, integer_only
+    from tokenyard.models.quantize import AMX_I16_ROWS, dense_above_rows, integer_only
 
-    if amx_kernel(getattr(torch, dtype)):
+    if widens_weights(dtype):
         return AMX_I16_ROWS[4]
     if integer_only(getattr(torch, dtype)):
         return 0
