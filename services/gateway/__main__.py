@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import uvicorn
 
@@ -11,22 +12,27 @@ from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.tracing import setup_tracing
 
 
+def server_config(app: Any, settings: GatewaySettings) -> uvicorn.Config:
+    # NOTE: uvicorn handles SIGINT/SIGTERM: it stops accepting, gives open requests
+    # `shutdown_grace_s` (cut streams cancel their requests on the workers), then runs the
+    # lifespan shutdown, which drains the NATS connection.
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+        timeout_keep_alive=settings.keep_alive_s,
+    )
+
+
 def main() -> None:
     settings = GatewaySettings()
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     setup_tracing("gateway")
-    # NOTE: uvicorn handles SIGINT/SIGTERM: it stops accepting, gives open requests
-    # `shutdown_grace_s` (cut streams cancel their requests on the workers), then runs the
-    # lifespan shutdown, which drains the NATS connection.
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
-    )
+    uvicorn.Server(server_config(create_app(settings), settings)).run()
 
 
 if __name__ == "__main__":

@@ -72,6 +72,11 @@ class GatewaySettings(BaseSettings):
     # Larger bodies get 413 before they are read (the context is 8k tokens: ~50 kB of text).
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     shutdown_grace_s: float = Field(default=10.0, ge=0)  # open requests at SIGTERM
+    # How long an idle client connection stays open. Longer than clients' own pools keep
+    # one (httpx 5 s) and load balancers' idle timeouts (often 60 s): a server that closes
+    # first can close it just as a client sends on it, and the client sees a reset
+    # connection, not an answer (uvicorn's own default is 5 s).
+    keep_alive_s: int = Field(default=75, ge=1)
     log_level: str = "info"
 
     @field_validator("api_keys", mode="before")

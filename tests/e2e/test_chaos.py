@@ -32,6 +32,7 @@ STREAM_TIMEOUT_S = 180.0
 
 
 ERRORS: list[str] = []  # the error events' messages, for the report when the test fails
+BROKEN: list[str] = []  # what each broken stream saw last, for the report
 
 
 async def one_stream(client: httpx.AsyncClient, model: str, i: int) -> str:
@@ -44,6 +45,7 @@ async def one_stream(client: httpx.AsyncClient, model: str, i: int) -> str:
         "temperature": 0,
         "stream": True,
     }
+    last = ""
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -51,6 +53,7 @@ async def one_stream(client: httpx.AsyncClient, model: str, i: int) -> str:
                 return "refused" if error.get("message") else "broken"
             finish = None
             async for line in r.aiter_lines():
+                last = line or last
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])
@@ -59,8 +62,12 @@ async def one_stream(client: httpx.AsyncClient, model: str, i: int) -> str:
                     return "error"
                 for choice in event.get("choices", []):
                     finish = choice.get("finish_reason") or finish
-            return "full" if finish in ("stop", "length") else "broken"
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError):
+            if finish in ("stop", "length"):
+                return "full"
+            BROKEN.append(f"no finish; last line {last[:300]}")
+            return "broken"
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        BROKEN.append(f"{type(exc).__name__}: {exc}; last line {last[:300]}")
         return "broken"
 
 
@@ -126,6 +133,7 @@ async def test_sixteen_streams_survive_one_kill_at_a_time(stack: LocalStack):
     )
     report["total"] = dict(total)
     report["error_messages"] = sorted(set(ERRORS))
+    report["broken_streams"] = BROKEN
     print(json.dumps(report, indent=1))
     if path := os.environ.get("TOKENYARD_CHAOS_REPORT"):
         Path(path).write_text(json.dumps(report, indent=1))
