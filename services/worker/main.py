@@ -70,6 +70,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
     if one_cpu_rank and settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
         optional["kv_pool_factory"] = shared_pool
     optional["prefix_cache_grows_pool"] = settings.prefix_cache_grows_pool
+    optional["prefault_kv_pool"] = settings.prefault_kv_pool and settings.prefix_cache_grows_pool
     if settings.device == "cpu" and settings.shared_weights_dir:
         optional["shared_weights_dir"] = settings.shared_weights_dir
     config = EngineConfig(

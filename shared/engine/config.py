@@ -127,6 +127,11 @@ class EngineConfig:
     # layout.pool_shape(num_blocks). None = private memory; workers pass a shared-memory
     # allocator so a peer on the same host can read blocks without a copy through a socket.
     kv_pool_factory: Callable[[KVLayout, int], torch.Tensor] | None = None
+    # Make a CPU pool's pages resident when it is made (engine.memory.prefault) rather than
+    # as blocks are first written: first writes then cost no page faults (2.5-2.9 ms of a
+    # 158-token prefill on a 2-core Zen 4), and resident memory is the whole pool from the
+    # start. Workers turn it on where their prefix cache fills the pool anyway.
+    prefault_kv_pool: bool = False
     # A directory in shared memory (e.g. /dev/shm/tokenyard) where engines on one host share
     # their built weights as one read-only file (tokenyard.engine.shared_weights); CPU only.
     # None = private memory.

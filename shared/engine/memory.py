@@ -3,6 +3,9 @@ weights, KV cache, and buffers (RoPE tables and the step's activation workspace)
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 import math
 import mmap
 from dataclasses import dataclass
@@ -140,6 +143,8 @@ def build_model_and_pool(
         kv_cache = config.kv_pool_factory(layout, num_blocks)
         assert kv_cache.shape == layout.pool_shape(num_blocks) and kv_cache.dtype == kv_dtype
         assert kv_cache.is_contiguous()
+    if config.prefault_kv_pool and device.type == "cpu":
+        prefault(kv_cache)
     report = MemoryReport(
         weights_bytes=weights_bytes,
         kv_cache_bytes=kv_cache.numel() * kv_cache.element_size(),
@@ -188,6 +193,36 @@ def kv_cache_budget(
             f"weights, {buffers_bytes / gib:.2f} GiB of buffers, {free / gib:.1f} GiB free"
         )
     return budget
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python's mmap module may not name it
+
+log = logging.getLogger(__name__)
+
+
+def prefault(pool: torch.Tensor) -> None:
+    """Make every page of a freshly made, all-zero CPU pool resident now.
+
+    A lazily resident pool faults a page in on its first write: a prompt whose blocks were
+    never used before paid 2.5-2.9 ms in `write_kv` for a 158-token prompt on a 2-core Zen 4
+    (against under 0.4 ms on written pages), most of it page faults, and a pool whose prefix
+    cache may fill it becomes resident in full after a few dozen requests anyway. The
+    kernel populates the range itself (MADV_POPULATE_WRITE, no data written); where it
+    cannot, one zero byte is written per page, which is why the pool must still be zeros."""
+    if pool.device.type != "cpu" or pool.numel() == 0:
+        return
+    page = mmap.PAGESIZE
+    start = pool.data_ptr() // page * page
+    end = pool.data_ptr() + pool.numel() * pool.element_size()
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(ctypes.c_void_p(start), end - start, _MADV_POPULATE_WRITE) == 0:
+        return
+    log.debug("MADV_POPULATE_WRITE failed (errno %d); writing each page", ctypes.get_errno())
+    flat = pool.view(-1).view(torch.uint8)
+    first = (-pool.data_ptr()) % page  # the first byte of the pool on a page boundary
+    flat[first::page].zero_()
+    flat[:1].zero_()
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
