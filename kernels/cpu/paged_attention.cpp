@@ -308,6 +308,8 @@ void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_laye
                    const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
   const int64_t rows = k.size(0), row_len = k.size(1) * k.size(2);
   const int64_t s_block = kv_layer.stride(0), s_kv = kv_layer.stride(1), s_tok = kv_layer.stride(2);
+  // A row's heads lie side by side; rows may be apart (k and v as views of a fused q/k/v).
+  const int64_t k_row = k.stride(0), v_row = v.stride(0);
   const src_t* kp = k.data_ptr<src_t>();
   const src_t* vp = v.data_ptr<src_t>();
   kv_t* pool = kv_layer.data_ptr<kv_t>();
@@ -315,8 +317,8 @@ void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_laye
   const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
     kv_t* dst = pool + blocks[r] * s_block + offsets[r] * s_tok;
-    copy_row(kp + r * row_len, dst, row_len);
-    copy_row(vp + r * row_len, dst + s_kv, row_len);
+    copy_row(kp + r * k_row, dst, row_len);
+    copy_row(vp + r * v_row, dst + s_kv, row_len);
   }
 }
 
@@ -523,6 +525,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, cons
   TORCH_CHECK((block_size & (block_size - 1)) == 0, "block_size must be a power of two");
   const int64_t group = num_heads / num_kv_heads;  // query heads [h*group, (h+1)*group) read KV head h
   const q_t* qp = q.data_ptr<q_t>();
+  const int64_t q_row = q.stride(0);  // out is contiguous; q's rows may be apart
   const scalar_t* pool = kv_layer.data_ptr<scalar_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
@@ -552,13 +555,13 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, cons
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
       scores.resize(group * lens[b]);
       for (int64_t i = 0; i < group; ++i) {
-        const q_t* src = qp + (b * num_heads + h * group + i) * head_dim;
+        const q_t* src = qp + b * q_row + (h * group + i) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) qf[i * head_dim + d] = static_cast<float>(src[d]) * fscale;
       }
       DecodeItem<scalar_t> it{qf.data(), pool + h * kv_layer.stride(3), tables + b * block_tables.stride(0),
                                     lens[b], group, head_dim, block_size, kv_layer.stride(0), kv_layer.stride(1),
                                     kv_layer.stride(2), scores.data(), acc.data(), nullptr, fscale};
-      if constexpr (std::is_same_v<q_t, scalar_t>) it.q_raw = qp + (b * num_heads + h * group) * head_dim;
+      if constexpr (std::is_same_v<q_t, scalar_t>) it.q_raw = qp + b * q_row + h * group * head_dim;
 #if defined(TY_VEC)
       if constexpr (kVectorType<scalar_t>) {
         if (vector_path && head_dim == 64) {
@@ -1693,11 +1696,19 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// [T, heads, head_dim] whose rows each hold their heads side by side, the rows any distance
+// apart (a row stride of at least a row): a view of a fused projection's output qualifies.
+static bool rows_of_heads(const at::Tensor& t) {
+  return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) &&
+         (t.size(0) <= 1 || t.stride(0) >= t.size(1) * t.size(2));
+}
+
 // Writes each row's key and value into the pool at (slot_blocks[r], slot_offsets[r]).
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_layer, const at::Tensor& slot_blocks,
               const at::Tensor& slot_offsets) {
   check_pool(kv_layer);
-  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "k and v must be contiguous [T, num_kv_heads, head_dim]");
+  TORCH_CHECK(rows_of_heads(k) && rows_of_heads(v),
+              "k and v must be [T, num_kv_heads, head_dim] with each row's heads contiguous");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && pool_pairs_with(k.scalar_type(), kv_layer.scalar_type()),
               "k and v must share a dtype with the pool, or be float32 beside a float16 pool");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == kv_layer.size(3) && k.size(2) == kv_layer.size(4),
@@ -1717,12 +1728,13 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_layer, con
   });
 }
 
-// q: [B, num_heads, head_dim] (contiguous); block_tables: [B, max_blocks] int64;
-// context_lens: [B] int64 (>= 1). Returns [B, num_heads, head_dim] in q's dtype.
+// q: [B, num_heads, head_dim], each row's heads contiguous (rows may be apart: q as a view
+// of a fused q/k/v); block_tables: [B, max_blocks] int64; context_lens: [B] int64 (>= 1).
+// Returns a contiguous [B, num_heads, head_dim] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale) {
   check_pool(kv_layer);
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [B, num_heads, head_dim]");
+  TORCH_CHECK(q.dim() == 3 && rows_of_heads(q), "q must be [B, num_heads, head_dim] with each row's heads contiguous");
   TORCH_CHECK(pool_pairs_with(q.scalar_type(), kv_layer.scalar_type()),
               "q must share the pool's dtype, or be float32 beside a float16 pool");
   TORCH_CHECK(q.size(2) == kv_layer.size(4) && q.size(1) % kv_layer.size(3) == 0,
@@ -1742,7 +1754,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, con
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " outside the pool");
     }
   }
-  auto out = at::empty_like(q);
+  auto out = at::empty(q.sizes(), q.options());
   with_pool_types(q.scalar_type(), kv_layer.scalar_type(), [&](auto act, auto kv) {
     decode_attention_impl<decltype(act), decltype(kv)>(q, kv_layer, block_tables, context_lens, scale, out);
   });

@@ -89,6 +89,15 @@ class AttnMetadata:
         return tables, torch.cat(lens)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` [T, heads, head_dim] as the CPU kernels take it: each row's heads side by side,
+    the rows any stride apart. q, k and v split from the fused projection already are; a
+    copy of each cost 9 us a call, 90 calls a step (0.8 ms of a 32-sequence step)."""
+    if t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.stride(0) >= t.shape[1] * t.shape[2]:
+        return t
+    return t.contiguous()
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim], already rotated
     k: torch.Tensor,  # [T, num_kv_heads, head_dim], already rotated
@@ -101,15 +110,13 @@ def paged_attention(
         return _paged_attention_triton(q, k, v, kv_layer, meta, scale)
     kernels = cpu_kernels.ops_for(q)
     if kernels is not None:
-        kernels.write_kv(
-            k.contiguous(), v.contiguous(), kv_layer, meta.slot_blocks, meta.slot_offsets
-        )
+        kernels.write_kv(_rows(k), _rows(v), kv_layer, meta.slot_blocks, meta.slot_offsets)
         fused = []
         if sdpa_prefill(kv_layer.dtype):
             fused = [s for s in meta.prefills if s.prompt or s.num_tokens >= SDPA_MIN_ROWS]
         if not fused:
             tables, lens = meta.kernel_rows
-            return kernels.decode_attention(q.contiguous(), kv_layer, tables, lens, scale)
+            return kernels.decode_attention(_rows(q), kv_layer, tables, lens, scale)
         return _attend_fused(kernels, q, k, v, kv_layer, meta, fused, scale)
     # [T, 2, H_kv, D]; a pool narrower than the activations (fp16 beside fp32) rounds them here
     kv_layer[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1).to(kv_layer.dtype)

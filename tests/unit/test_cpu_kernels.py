@@ -79,6 +79,32 @@ def test_write_kv_matches_index_put(ops):
         assert torch.equal(pool, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_k_v_as_views_of_a_fused_projection_need_no_copy(ops, dtype):
+    """The engine passes q, k and v split from one q/k/v output, rows 15 heads apart: the
+    kernels read each row where it lies and answer as for contiguous copies."""
+    heads, rows = 9, 6
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(rows, (heads + 2 * H_KV) * D, generator=g).to(dtype)
+    q, k, v = qkv.split([heads * D, H_KV * D, H_KV * D], dim=-1)
+    q, k, v = q.view(rows, heads, D), k.view(rows, H_KV, D), v.view(rows, H_KV, D)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    blocks, offsets = torch.tensor([3, 3, 9, 10, 0, 0]), torch.tensor([0, 1, 15, 2, 7, 8])
+    pool, copies = _pool(dtype), _pool(dtype)
+    ops.write_kv(k, v, pool[:, 1], blocks, offsets)
+    ops.write_kv(k.contiguous(), v.contiguous(), copies[:, 1], blocks, offsets)
+    assert torch.equal(pool, copies)
+    tables = torch.tensor([[3, 9], [10, 0], [0, 3], [9, 10], [3, 0], [0, 9]])
+    lens = torch.tensor([2, 19, 9, 30, 17, 1])
+    out = ops.decode_attention(q, pool[:, 1], tables, lens, D**-0.5)
+    assert out.is_contiguous() and out.shape == q.shape
+    assert torch.equal(out, ops.decode_attention(q.contiguous(), pool[:, 1], tables, lens, D**-0.5))
+    # the model's path hands the views over as they are
+    assert attention._rows(q) is q and attention._rows(k) is k
+    transposed = torch.randn(H_KV, rows, D).transpose(0, 1)  # heads not side by side
+    assert attention._rows(transposed).is_contiguous()
+
+
 def test_kernels_refuse_out_of_range_input(ops):
     pool = _pool(torch.float32)
     q = torch.randn(1, 3, D)
@@ -97,6 +123,12 @@ def test_kernels_refuse_out_of_range_input(ops):
     with pytest.raises(RuntimeError, match="share a dtype with the pool"):
         k = torch.randn(1, H_KV, D, dtype=torch.bfloat16)
         ops.write_kv(k, k, pool[:, 0], torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="each row's heads contiguous"):
+        k = torch.randn(H_KV, 2, D).transpose(0, 1)
+        ops.write_kv(k, k, pool[:, 0], torch.tensor([0, 1]), torch.tensor([0, 0]))
+    with pytest.raises(RuntimeError, match="each row's heads contiguous"):
+        q2 = torch.randn(3, 2, D).transpose(0, 1)
+        ops.decode_attention(q2, pool[:, 0], torch.tensor([[1], [1]]), torch.tensor([3, 3]), 0.1)
 
 
 def test_an_fp16_pool_beside_fp32_activations(ops):
