@@ -22,6 +22,8 @@ from tokenyard.models.moe import SparseMoeBlock, moe_blocks
 from tokenyard.models.quantize import Fp8Linear, QuantizedLinear, prepack, quantize
 from tokenyard.models.tp import VocabParallelEmbedding, apply_tp, check_tp
 
+log = logging.getLogger(__name__)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 
@@ -196,8 +198,6 @@ def kv_cache_budget(
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python's mmap module may not name it
-
-log = logging.getLogger(__name__)
 
 
 def prefault(pool: torch.Tensor) -> None:
