@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
 from tokenyard.services.gateway.app import create_app
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.tracing import setup_tracing
 
 
-def server_config(app: Any, settings: GatewaySettings) -> uvicorn.Config:
+def server_config(app: FastAPI, settings: GatewaySettings) -> uvicorn.Config:
     # NOTE: uvicorn handles SIGINT/SIGTERM: it stops accepting, gives open requests
     # `shutdown_grace_s` (cut streams cancel their requests on the workers), then runs the
     # lifespan shutdown, which drains the NATS connection.
