@@ -36,6 +36,8 @@ PRECISIONS = [
     ("bf16 + int8", "bfloat16", "int8", "auto"),
     ("bf16 + fp8", "bfloat16", "fp8", "auto"),
     ("bf16 + int4 (shipped on CPUs with native bf16)", "bfloat16", "int4", "auto"),
+    ("bf16, fp8 KV", "bfloat16", None, "fp8"),
+    ("bf16 + int4, fp8 KV", "bfloat16", "int4", "fp8"),
 ]
 
 TEXT = (
@@ -154,9 +156,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/precision.json")
     parser.add_argument("--doc", help="also replace the table in this markdown file")
+    parser.add_argument(
+        "--only",
+        help="precision names to run besides the reference, separated by ';' (default: all)",
+    )
     args = parser.parse_args()
+    wanted = PRECISIONS
+    if args.only:
+        names = {n.strip() for n in args.only.split(";")}
+        unknown = names - {p[0] for p in PRECISIONS}
+        if unknown:
+            parser.error(f"unknown precisions {sorted(unknown)}; known: {[p[0] for p in PRECISIONS]}")
+        wanted = [PRECISIONS[0]] + [p for p in PRECISIONS[1:] if p[0] in names]
     loaded = load_model()
-    runs = {name: measure(loaded, dtype, q, kv) for name, dtype, q, kv in PRECISIONS}
+    runs = {name: measure(loaded, dtype, q, kv) for name, dtype, q, kv in wanted}
     ref = runs[PRECISIONS[0][0]]
     rows = [{"precision": name, **compare(r, ref)} for name, r in runs.items()]
     result = {

@@ -112,9 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=["auto", "float32", "bfloat16", "float16", "fp8"],
         help="the workers' KV pool (default auto: float16 beside float32 compute on a CPU, "
-        "half the bytes for decode attention to read; else the compute dtype)",
+        "half the bytes for decode attention to read; else the compute dtype; fp8: e4m3 "
+        "beside bfloat16 or float32 on a CPU, see docs/precision.md)",
     )
     parser.add_argument(
         "--kv-cache-mib",

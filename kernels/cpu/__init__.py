@@ -49,6 +49,7 @@ def ops() -> ModuleType | None:
 _FUNCTIONS = [
     "write_kv",
     "decode_attention",
+    "gather_kv",
     "add_rms_norm",
     "rotary",
     "silu_and_mul",

@@ -42,15 +42,25 @@
 
 namespace {
 
-// The activations' dtype against the pool's: the same, or float32 compute beside a float16
-// pool (half the bytes for decode attention to read, EngineConfig.kv_cache_dtype).
+// The activations' dtype against the pool's: the same, float32 compute beside a float16
+// pool, or bf16 or float32 compute beside a float8 (e4m3) pool: half or a quarter of the
+// bytes for decode attention to read (EngineConfig.kv_cache_dtype).
 bool pool_pairs_with(at::ScalarType act, at::ScalarType pool) {
-  return act == pool || (act == at::kFloat && pool == at::kHalf);
+  return act == pool || (act == at::kFloat && pool == at::kHalf) ||
+         ((act == at::kBFloat16 || act == at::kFloat) && pool == at::kFloat8_e4m3fn);
 }
 
 // Calls f(act_t{}, pool_t{}) with the C++ types of a pair that pool_pairs_with allows.
 template <typename F>
 void with_pool_types(at::ScalarType act, at::ScalarType pool, F&& f) {
+  if (pool == at::kFloat8_e4m3fn) {
+    if (act == at::kBFloat16) {
+      f(at::BFloat16{}, at::Float8_e4m3fn{});
+    } else {
+      f(float{}, at::Float8_e4m3fn{});
+    }
+    return;
+  }
   if (act != pool) {
     f(float{}, at::Half{});
     return;
@@ -132,6 +142,20 @@ template <>
 inline vf vload<at::Half>(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// 16 float8 e4m3 -> float, by way of fp16: the byte sign-extended and shifted left by 7
+// puts the sign in bit 15 and the seven magnitude bits in bits 7-13, an fp16 worth 2^-8
+// times the e4m3 number, subnormals included (one stray sign bit, 14, is cleared); F16C
+// widens that to fp32 exactly and one multiply scales it back. (Moving the bits into fp32
+// directly would need a multiply of fp32 denormals, which the FPU runs in microcode: 4x
+// slower on a Xeon.)
+inline vf fp8_to_float(__m128i bytes) {
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7), _mm256_set1_epi16(-16512));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
+template <>
+inline vf vload<at::Float8_e4m3fn>(const at::Float8_e4m3fn* p) {
+  return fp8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 #define TY_VEC_HALF 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #define TY_VEC 1
@@ -206,15 +230,24 @@ inline vf vload<at::Half>(const at::Half* p) {
 }
 #define TY_VEC_HALF 1
 #endif
+#if defined(__F16C__)
+// 8 float8 e4m3 -> float, as the AVX-512 version.
+template <>
+inline vf vload<at::Float8_e4m3fn>(const at::Float8_e4m3fn* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7), _mm_set1_epi16(-16512));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+#endif
 #endif
 
 #if defined(TY_VEC)
-// The element types the vector loops read and write: float and bf16 always, fp16 where the
-// CPU converts it (F16C), never double.
+// The element types the vector loops read and write: float and bf16 always, fp16 and
+// float8 e4m3 where the CPU converts fp16 (F16C), never double.
 template <typename scalar_t>
 constexpr bool kVectorType = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>
 #if defined(TY_VEC_HALF)
-                             || std::is_same_v<scalar_t, at::Half>
+                             || std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::Float8_e4m3fn>
 #endif
     ;
 
@@ -260,6 +293,52 @@ inline void vstore<at::Half>(at::Half* p, vf v) {
 }
 #endif
 
+// kW floats as float8 e4m3, rounded to nearest even and saturated at +-448 (c10's own
+// conversion makes NaN of anything past 448; the torch twin clamps first, see
+// tokenyard.models.attention). Normal results: fp32's bits rounded to three mantissa bits,
+// the exponent rebiased (127 -> 7). Subnormal ones (under 2^-6): added to 2^14, whose ulp
+// is e4m3's subnormal step 2^-9, so the FPU rounds and the low bits are the code (8 when
+// it rounds up to 2^-6, which is that number's code too).
+#if defined(__AVX512F__)
+template <>
+inline void vstore<at::Float8_e4m3fn>(at::Float8_e4m3fn* p, vf v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+  const vf a = _mm512_min_ps(_mm512_abs_ps(v), _mm512_set1_ps(448.f));
+  const __m512i ab = _mm512_castps_si512(a);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(ab, 20), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(ab, _mm512_add_epi32(_mm512_set1_epi32(0x7FFFF), odd));
+  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32(120 << 3));
+  const vf magic = _mm512_set1_ps(16384.f);
+  const __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(a, magic)), _mm512_castps_si512(magic));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ);
+  const __m512i code = _mm512_or_si512(_mm512_mask_blend_epi32(tiny, normal, sub), sign);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(code));
+}
+#elif defined(TY_VEC)
+template <>
+inline void vstore<at::Float8_e4m3fn>(at::Float8_e4m3fn* p, vf v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  const vf a = _mm256_min_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), v), _mm256_set1_ps(448.f));
+  const __m256i ab = _mm256_castps_si256(a);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(ab, 20), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(ab, _mm256_add_epi32(_mm256_set1_epi32(0x7FFFF), odd));
+  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(rounded, 20), _mm256_set1_epi32(120 << 3));
+  const vf magic = _mm256_set1_ps(16384.f);
+  const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(a, magic)), _mm256_castps_si256(magic));
+  const vf tiny = _mm256_cmp_ps(a, _mm256_set1_ps(0x1p-6f), _CMP_LT_OQ);
+  const __m256i code = _mm256_or_si256(
+      _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub), tiny)), sign);
+  // The low byte of each lane: bytes 0, 4, 8, 12 of each half, then the halves' first words.
+  const __m256i packed = _mm256_shuffle_epi8(
+      code, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1,
+                             -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m256i joined = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(joined));
+}
+#endif
+
 // v rounded to T's precision and back: where the torch twin would store an intermediate.
 template <typename T>
 inline vf round_as(vf v) {
@@ -299,7 +378,11 @@ inline void copy_row(const src_t* src, kv_t* dst, int64_t n) {
       for (; d + kW <= n; d += kW) vstore(dst + d, vload(src + d));
     }
 #endif
-    for (; d < n; ++d) dst[d] = static_cast<kv_t>(static_cast<float>(src[d]));
+    for (; d < n; ++d) {
+      float x = static_cast<float>(src[d]);
+      if constexpr (std::is_same_v<kv_t, at::Float8_e4m3fn>) x = std::clamp(x, -448.f, 448.f);  // as vstore
+      dst[d] = static_cast<kv_t>(x);
+    }
   }
 }
 
@@ -516,7 +599,7 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
 
 // q: [B, num_heads, head_dim]; one work item = one (sequence, KV head), whose `group` query
 // heads share every K/V row read. The pool is read in place through the block tables.
-// q_t: the queries' and output's dtype; scalar_t: the pool's (the same, or fp16 beside fp32).
+// q_t: the queries' and output's dtype; scalar_t: the pool's (see pool_pairs_with).
 template <typename q_t, typename scalar_t>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_tables,
                            const at::Tensor& context_lens, double scale, at::Tensor& out) {
@@ -1710,7 +1793,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_layer, con
   TORCH_CHECK(rows_of_heads(k) && rows_of_heads(v),
               "k and v must be [T, num_kv_heads, head_dim] with each row's heads contiguous");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && pool_pairs_with(k.scalar_type(), kv_layer.scalar_type()),
-              "k and v must share a dtype with the pool, or be float32 beside a float16 pool");
+              "k and v must share a dtype with the pool, or be float32 beside a float16 pool, or "
+              "bf16 or float32 beside a float8_e4m3fn pool");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == kv_layer.size(3) && k.size(2) == kv_layer.size(4),
               "k and v must be [T, num_kv_heads, head_dim] matching the pool");
   TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
@@ -1728,6 +1812,41 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_layer, con
   });
 }
 
+// A prefill span's first n keys and values from the pool, widened to `like`'s dtype: [2, n,
+// num_kv_heads, head_dim], for torch's fused attention beside a pool narrower than the
+// activations (fp8: torch's own float8 -> bf16 conversion cost 116 us for 128 rows of the
+// default model, 34 ms of a 512-token prefill step).
+at::Tensor gather_kv(const at::Tensor& kv_layer, const at::Tensor& block_ids, int64_t n, const at::Tensor& like) {
+  check_pool(kv_layer);
+  TORCH_CHECK(pool_pairs_with(like.scalar_type(), kv_layer.scalar_type()),
+              "the pool's dtype does not pair with ", like.scalar_type());
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.dim() == 1 && block_ids.is_contiguous(),
+              "block_ids must be contiguous int64 [num_blocks]");
+  const int64_t block_size = kv_layer.size(2), heads = kv_layer.size(3), head_dim = kv_layer.size(4);
+  TORCH_CHECK(n >= 0 && n <= block_ids.numel() * block_size, "n = ", n, " is more than the blocks hold");
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  for (int64_t j = 0; j < (n + block_size - 1) / block_size; ++j)
+    TORCH_CHECK(ids[j] >= 0 && ids[j] < kv_layer.size(0), "block id ", ids[j], " outside the pool");
+  TORCH_CHECK(kv_layer.stride(3) == head_dim, "kv_layer's heads must lie side by side");
+  auto out = at::empty({2, n, heads, head_dim}, like.options());
+  with_pool_types(like.scalar_type(), kv_layer.scalar_type(), [&](auto act, auto kv) {
+    using act_t = decltype(act);
+    using kv_t = decltype(kv);
+    const kv_t* pool = kv_layer.data_ptr<kv_t>();
+    act_t* dst = out.data_ptr<act_t>();
+    const int64_t row_len = heads * head_dim;
+    at::parallel_for(0, 2 * n, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t which = r / std::max<int64_t>(n, 1), t = r % std::max<int64_t>(n, 1);
+        const kv_t* src = pool + ids[t / block_size] * kv_layer.stride(0) + which * kv_layer.stride(1) +
+                          (t % block_size) * kv_layer.stride(2);
+        copy_row(src, dst + r * row_len, row_len);
+      }
+    });
+  });
+  return out;
+}
+
 // q: [B, num_heads, head_dim], each row's heads contiguous (rows may be apart: q as a view
 // of a fused q/k/v); block_tables: [B, max_blocks] int64; context_lens: [B] int64 (>= 1).
 // Returns a contiguous [B, num_heads, head_dim] in q's dtype.
@@ -1736,7 +1855,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, con
   check_pool(kv_layer);
   TORCH_CHECK(q.dim() == 3 && rows_of_heads(q), "q must be [B, num_heads, head_dim] with each row's heads contiguous");
   TORCH_CHECK(pool_pairs_with(q.scalar_type(), kv_layer.scalar_type()),
-              "q must share the pool's dtype, or be float32 beside a float16 pool");
+              "q must share the pool's dtype, or be float32 beside a float16 pool, or bf16 or "
+              "float32 beside a float8_e4m3fn pool");
   TORCH_CHECK(q.size(2) == kv_layer.size(4) && q.size(1) % kv_layer.size(3) == 0,
               "q's heads do not match the pool's KV heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.stride(1) == 1,

@@ -23,16 +23,26 @@ def auto_dtype(device: str) -> str:
     return "float32"
 
 
+# The names vLLM and SGLang take for an e4m3 pool, beside torch's own.
+_FP8_KV_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn")
+
+
 def kv_cache_dtype_for(kv_cache_dtype: str, dtype: str, device: str) -> str:
     """The KV pool's dtype: see ``EngineConfig.kv_cache_dtype``; refuses pairs not built."""
     cpu = device == "cpu"
     if kv_cache_dtype == "auto":
         kv_cache_dtype = "float16" if cpu and dtype == "float32" else dtype
-    fp16_beside_fp32 = cpu and dtype == "float32" and kv_cache_dtype == "float16"
-    if kv_cache_dtype != dtype and not fp16_beside_fp32:
+    if kv_cache_dtype in _FP8_KV_NAMES:
+        kv_cache_dtype = "float8_e4m3fn"
+    narrower = cpu and (
+        (dtype == "float32" and kv_cache_dtype == "float16")
+        or (dtype in ("float32", "bfloat16") and kv_cache_dtype == "float8_e4m3fn")
+    )
+    if kv_cache_dtype != dtype and not narrower:
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r} with dtype {dtype!r} on {device!r}: the KV "
-            "pool takes the compute dtype, or float16 beside float32 on a CPU"
+            "pool takes the compute dtype, or on a CPU float16 beside float32, or fp8 "
+            "(float8_e4m3fn) beside bfloat16 or float32"
         )
     return kv_cache_dtype
 
@@ -91,10 +101,12 @@ class EngineConfig:
     # and on a CPU that multiplies bf16 natively (AVX512-BF16, AMX, Arm BF16), float32 on
     # other CPUs, where oneDNN emulates bf16 GEMMs at a third of fp32's speed.
     dtype: str = "float32"
-    # The KV pool's dtype: float32 | bfloat16 | float16, or "auto": float16 beside float32
-    # compute on a CPU (decode attention reads half the bytes; the kernels convert with
-    # F16C, and fp16 keeps 3 more mantissa bits than the bf16 pools of bf16 engines), else
-    # the compute dtype. Other pairs are refused.
+    # The KV pool's dtype: float32 | bfloat16 | float16 | fp8 (float8_e4m3fn; also
+    # "fp8_e4m3"), or "auto": float16 beside float32 compute on a CPU (decode attention
+    # reads half the bytes; the kernels convert with F16C, and fp16 keeps 3 more mantissa
+    # bits than the bf16 pools of bf16 engines), else the compute dtype. fp8 beside bf16 or
+    # float32 on a CPU: keys and values rounded to e4m3 (saturated at +-448, no scales) as
+    # they are written, read back to fp32 for the products. Other pairs are refused.
     kv_cache_dtype: str = "auto"
     # None | "int8" | "int4" | "fp8" (weight-only; tokenyard.models.quantize)
     quantization: str | None = None

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 # NOTE: no torch at import: the KV-cache service handles layouts and bytes only, and
 # importing torch would cost it about 200 MiB of resident memory.
-_ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 KV_DTYPES = frozenset(_ITEMSIZES)
 
 
@@ -48,9 +48,12 @@ class KVLayout:
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
-            self.dtype
-        ]
+        return {
+            "float32": torch.float32,
+            "float16": torch.float16,
+            "bfloat16": torch.bfloat16,
+            "float8_e4m3fn": torch.float8_e4m3fn,
+        }[self.dtype]
 
     @property
     def block_shape(self) -> tuple[int, ...]:

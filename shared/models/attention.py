@@ -118,8 +118,8 @@ def paged_attention(
             tables, lens = meta.kernel_rows
             return kernels.decode_attention(_rows(q), kv_layer, tables, lens, scale)
         return _attend_fused(kernels, q, k, v, kv_layer, meta, fused, scale)
-    # [T, 2, H_kv, D]; a pool narrower than the activations (fp16 beside fp32) rounds them here
-    kv_layer[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1).to(kv_layer.dtype)
+    # [T, 2, H_kv, D]; a pool narrower than the activations (fp16 or fp8) rounds them here
+    kv_layer[meta.slot_blocks, :, meta.slot_offsets] = to_pool(torch.stack((k, v), dim=1), kv_layer.dtype)
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     if meta.num_decode:
@@ -160,19 +160,30 @@ def _span_keys_values(
     its own rows when nothing comes before it (no gather), else gathered from its blocks."""
     if span.context_len == span.num_tokens:
         rows = slice(span.start, span.start + span.num_tokens)
-        return k[rows].to(kv_layer.dtype), v[rows].to(kv_layer.dtype)
+        return to_pool(k[rows], kv_layer.dtype), to_pool(v[rows], kv_layer.dtype)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     keys = kv_layer[:, 0][span.block_ids].view(-1, num_kv_heads, head_dim)
     values = kv_layer[:, 1][span.block_ids].view(-1, num_kv_heads, head_dim)
     return keys[: span.context_len], values[: span.context_len]
 
 
+def to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values as the pool keeps them. An fp8 pool saturates at e4m3's largest
+    number, as the CPU kernel's write does: torch's own conversion makes NaN of anything
+    past it."""
+    if dtype == torch.float8_e4m3fn:
+        limit = torch.finfo(dtype).max
+        return x.clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
+
+
 @functools.cache
 def sdpa_prefill(dtype: torch.dtype) -> bool:
-    """Whether prefill chunks attend in torch's fused kernel (AMX tiles, a bf16 pool)."""
+    """Whether prefill chunks attend in torch's fused kernel: AMX tiles beside a bf16 pool,
+    or an fp8 one whose keys and values are widened to bf16 for it."""
     from tokenyard.engine.config import cpu_has_amx
 
-    return dtype == torch.bfloat16 and cpu_has_amx()
+    return dtype in (torch.bfloat16, torch.float8_e4m3fn) and cpu_has_amx()
 
 
 def _attend_fused(
@@ -198,7 +209,10 @@ def _attend_fused(
         out[idx] = kernels.decode_attention(q[idx].contiguous(), kv_layer, tables, lens, scale)
     for span in fused:
         rows = slice(span.start, span.start + span.num_tokens)
-        keys, values = _span_keys_values(span, k, v, kv_layer)
+        if kv_layer.dtype == q.dtype:
+            keys, values = _span_keys_values(span, k, v, kv_layer)
+        else:  # a narrower pool (fp8): the span's rows as written, widened in one pass
+            keys, values = kernels.gather_kv(kv_layer, span.block_ids, span.context_len, q)
         fresh = span.context_len == span.num_tokens  # then a plain causal mask
         mask = None if fresh else _chunk_causal_mask(span.num_tokens, span.context_len, q.device)
         o = F.scaled_dot_product_attention(

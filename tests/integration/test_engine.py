@@ -273,3 +273,33 @@ def test_a_reserved_prefix_lands_in_the_prefix_cache(engine):
     engine.add_request("use", prompt, SamplingParams(max_tokens=1))
     (out,) = finish_all(engine)["use"]
     assert out.num_cached_tokens == 2 * bs
+
+
+def test_an_fp8_kv_pool_serves_prefix_hits_as_it_served_the_miss(make_engine, kv_block_bytes):
+    """kv_cache_dtype="fp8": e4m3 blocks of a quarter of an fp32 block's bytes, and a prompt
+    served from the prefix cache decodes what it decoded when computed. Its logprobs differ
+    by a few hundredths: computing only the prompt's tail moves the keys by about 1e-6 (a
+    GEMM of fewer rows), and where that crosses an e4m3 rounding boundary the stored key
+    moves by a whole e4m3 step (2^-4 of it). An fp16 pool gives 4e-4 the same way, an fp32
+    one 6e-6. (That the fresh prefill attends over rounded keys, as the hit does, is
+    test_cpu_kernels' fp32-beside-fp8 case.)"""
+    engine = make_engine(kv_cache_dtype="fp8")
+    assert engine.kv_cache.dtype == engine.layout.torch_dtype == torch.float8_e4m3fn
+    assert kv_block_bytes(kv_cache_dtype="fp8") * 4 == kv_block_bytes(kv_cache_dtype="float32")
+    prompt = " ".join(PROMPTS) * 2  # several blocks
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)
+
+    def run(rid):
+        engine.add_request(rid, prompt, params)
+        outs = finish_all(engine)[rid]
+        return outs[-1].num_cached_tokens, [o for o in outs if o.new_token_ids]
+
+    cold_cached, cold = run("cold")
+    warm_cached, warm = run("warm")
+    assert cold_cached == 0 and warm_cached >= 3 * engine.block_size
+    assert [o.new_token_ids for o in warm] == [o.new_token_ids for o in cold]
+    for a, b in zip(cold, warm, strict=True):
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert [t for t, _ in la.top] == [t for t, _ in lb.top]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(la.top, lb.top)) < 0.1
+    engine.block_manager.check_no_leaks()

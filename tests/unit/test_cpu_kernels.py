@@ -156,6 +156,48 @@ def test_an_fp16_pool_beside_fp32_activations(ops):
     assert torch.equal(reference, exact)
 
 
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_an_fp8_pool_beside_bf16_or_fp32_activations(ops, act):
+    """kv_cache_dtype="fp8": the kernels round keys and values to e4m3 as torch does (to
+    nearest even, subnormals included), saturate past 448 where torch makes NaN, attend over
+    the pool in fp32, and widen a span's rows back exactly (gather_kv)."""
+    pool = _pool(FP8)
+    g = torch.Generator().manual_seed(6)
+    # magnitudes from e4m3's subnormals (under 2^-6) to past its largest number (448)
+    k = torch.randn(6, H_KV, D, generator=g) * torch.logspace(-4, 3, 6)[:, None, None]
+    k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 448.0, -464.0])
+    k, v = k.to(act), torch.randn(6, H_KV, D, generator=g).to(act)
+    blocks, offsets = torch.tensor([3, 3, 9, 10, 0, 1]), torch.tensor([0, 1, 15, 2, 7, 0])
+    expected = pool.clone()
+    rounded = torch.stack((k, v), dim=1).float().clamp(-448, 448).to(FP8)
+    expected[:, 2][blocks, :, offsets] = rounded
+    ops.write_kv(k, v, pool[:, 2], blocks, offsets)
+    assert torch.equal(pool.view(torch.uint8), expected.view(torch.uint8))
+    assert pool[3, 2, 0, 0, 0, :4].float().tolist() == [448.0, -448.0, 448.0, -448.0]
+    assert attention.to_pool(k, FP8).view(torch.uint8).equal(rounded[:, 0].view(torch.uint8))
+
+    lens = torch.tensor([1, 17, 100, 160])
+    width = int(-(-lens.max() // BLOCK))
+    tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=g)[:width] for _ in lens])
+    q = torch.randn(len(lens), 9, D, generator=g).to(act)
+    out = ops.decode_attention(q, pool[:, 2], tables, lens, D**-0.5)
+    assert out.dtype == act
+    tol = 1e-5 if act == torch.float32 else 2e-2
+    assert (out.float() - _reference(q, pool[:, 2], tables, lens, D**-0.5)).abs().max() < tol
+
+    gathered = ops.gather_kv(pool[:, 2], tables[3], 150, q)
+    assert gathered.dtype == act and gathered.shape == (2, 150, H_KV, D)
+    widened = pool[:, 2][tables[3]].transpose(0, 1).reshape(2, -1, H_KV, D)[:, :150].to(act)
+    assert torch.equal(gathered, widened)
+    with pytest.raises(RuntimeError, match="more than the blocks hold"):
+        ops.gather_kv(pool[:, 2], tables[3][:2], 40, q)
+    with pytest.raises(RuntimeError, match="does not pair with"):
+        ops.gather_kv(pool[:, 2], tables[3], 10, q.half())
+
+
 def test_paged_attention_is_the_same_with_and_without_kernels(ops, monkeypatch):
     """A mixed step (two decode rows and a prefill chunk over a cached prefix), both paths."""
     g = torch.Generator().manual_seed(3)
@@ -172,7 +214,8 @@ def test_paged_attention_is_the_same_with_and_without_kernels(ops, monkeypatch):
         ],
         block_size=BLOCK,
     )
-    for pool_dtype in (torch.float32, torch.float16):  # fp16: the fp32 engine's default pool
+    # fp16: the fp32 engine's default pool; fp8: kv_cache_dtype="fp8"
+    for pool_dtype in (torch.float32, torch.float16, FP8):
         outs, pools = [], []
         for use_kernels in (True, False):
             pool = _pool(pool_dtype, seed=4)
@@ -181,7 +224,7 @@ def test_paged_attention_is_the_same_with_and_without_kernels(ops, monkeypatch):
             )
             outs.append(paged_attention(q, k, v, pool[:, 0], AttnMetadata(**meta_args), D**-0.5))
             pools.append(pool)
-        assert torch.equal(pools[0], pools[1])
+        assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
         assert outs[0].dtype == torch.float32
         assert (outs[0] - outs[1]).abs().max().item() < 1e-5, pool_dtype
 
@@ -224,9 +267,19 @@ def test_prefill_chunks_attend_through_the_kernel_as_the_torch_path_does(
     assert (outs[0].float() - outs[1].float()).abs().max().item() < tol
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize(
+    "dtype, pool_dtype, tol",
+    [
+        (torch.float32, torch.float32, 1e-5),
+        (torch.bfloat16, torch.bfloat16, 3e-2),
+        # keys and values widened by gather_kv: in fp32, 1e-5 holds only if the fused path
+        # reads them rounded to e4m3 as our kernel does (unrounded, they differ by ~1e-2)
+        (torch.float32, torch.float8_e4m3fn, 1e-5),
+        (torch.bfloat16, torch.float8_e4m3fn, 3e-2),
+    ],
+)
 def test_long_prefill_chunks_in_torchs_fused_attention_match_our_kernel(
-    ops, dtype, tol, monkeypatch
+    ops, dtype, pool_dtype, tol, monkeypatch
 ):
     """The AMX path: a step of two decode rows, a short chunk (stays in our kernel), a fresh
     chunk and a chunk after a prefix (both in torch's fused attention), against the same step
@@ -276,10 +329,10 @@ def test_long_prefill_chunks_in_torchs_fused_attention_match_our_kernel(
     outs, pools = [], []
     for fused in (True, False):
         monkeypatch.setattr(attention, "sdpa_prefill", lambda dtype, fused=fused: fused)
-        pool = _pool(dtype, seed=13)
+        pool = _pool(pool_dtype, seed=13)
         outs.append(paged_attention(q, k, v, pool[:, 1], AttnMetadata(**meta_args), D**-0.5))
         pools.append(pool)
-    assert torch.equal(pools[0], pools[1])
+    assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
     assert outs[0].dtype == dtype
     err = (outs[0].float() - outs[1].float()).abs()
     assert err.max().item() < tol

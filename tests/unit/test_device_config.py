@@ -37,6 +37,14 @@ def test_the_kv_pool_dtype_follows_the_compute_dtype():
     assert EngineConfig(dtype="float16").kv_cache_dtype == "float16"
 
 
+@pytest.mark.parametrize("name", ["fp8", "fp8_e4m3", "float8_e4m3fn"])
+def test_an_fp8_pool_is_asked_for_by_vllms_names_or_torchs(name):
+    assert EngineConfig(dtype="bfloat16", kv_cache_dtype=name).kv_cache_dtype == "float8_e4m3fn"
+    assert EngineConfig(kv_cache_dtype=name).kv_cache_dtype == "float8_e4m3fn"  # beside fp32
+    with pytest.raises(ValueError, match="fp8 \\(float8_e4m3fn\\) beside bfloat16 or float32"):
+        EngineConfig(dtype="float16", kv_cache_dtype=name)
+
+
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="checks the message on a machine without CUDA"
 )
