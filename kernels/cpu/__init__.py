@@ -50,6 +50,7 @@ _FUNCTIONS = [
     "write_kv",
     "decode_attention",
     "gather_kv",
+    "argmax_rows",
     "add_rms_norm",
     "rotary",
     "silu_and_mul",

@@ -457,3 +457,20 @@ def test_int8_linear_with_a_ragged_inner_dimension(ops):
         assert torch.allclose(ops.int8_linear(x, weight, scale), want, rtol=1e-5, atol=1e-3)
     with pytest.raises(RuntimeError, match="at most 16 rows"):
         ops.int8_linear(torch.randn(17, 40), weight, scale)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 16, 17, 33, 49_152])  # tails of both vector widths
+def test_argmax_rows_is_torchs_max_index(ops, vocab):
+    """The greedy sampler's kernel: the first of equal maxima, a NaN where torch's max
+    propagates one (its first), rows of -inf alike."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g)
+    logits[1] = 2.0  # all equal: index 0
+    logits[2, vocab // 2 :] = logits[2].max() + 1  # equal maxima from the middle on
+    logits[3] = float("-inf")
+    logits[4, -1] = float("nan")
+    logits[4, vocab // 3] = float("nan")
+    logits[5, 0] = float("inf")
+    assert torch.equal(ops.argmax_rows(logits), logits.max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.argmax_rows(logits.to(torch.bfloat16))
