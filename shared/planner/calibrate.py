@@ -116,7 +116,10 @@ def calibrate(
     a decode of at most `small_rows` sequences, runs the weight-only kernels that batches
     up to `small_rows` take (b32 runs the dense matmul, or with `wide` the widening kernel).
     `wide`, a decode of a few more rows than `small_rows` through a kernel that widens the
-    weights every step (AMX), gives that kernel's floor as a rate over the weights."""
+    weights every step (AMX), gives that kernel's floor as a rate over the weights: what
+    is left of its step once the per-row work is taken out, that work's rate coming from
+    the difference between `b32` and `wide` (rows add time above the floor; the floor does
+    not move with them)."""
     from tokenyard.planner.catalog import Hardware
 
     probe = Hardware("probe", 1, bw_gbs, tflops, 0, 0, 1, 0, 1, 0, 1, "air", 1.0,
@@ -136,15 +139,24 @@ def calibrate(
             ),
         }
     widen = {}
+    decode_eff = ideal_32 / max(b32.decode_step_s - overhead, 1e-6)
     if wide is not None:
         weights = model.params_touched(wide.batch) * DTYPE_BYTES["int4"]
-        widen = {"widen_gbs": round(weights / max(wide.decode_step_s - overhead, 1e-6) / 1e9, 3)}
+        per_rows_s = b32.decode_step_s - wide.decode_step_s  # the rows 32 has beyond wide's
+        extra = dep.decode_compute_s(32, b32.context) - dep.decode_compute_s(
+            wide.batch, wide.context
+        )
+        floor_s = wide.decode_step_s - overhead
+        if per_rows_s > 0 and extra > 0:  # noise can invert the two: then no per-row split
+            decode_eff = extra / per_rows_s
+            floor_s -= dep.decode_compute_s(wide.batch, wide.context, decode_eff)
+        widen = {"widen_gbs": round(weights / max(floor_s, 1e-6) / 1e9, 3)}
     return {
         **small_eff,
         **widen,
         **({"dense_dtype": dense_dtype} if dense_dtype and small_eff else {}),
         "step_overhead_ms": round(1e3 * max(overhead, 0.0), 3),
-        "decode_flops_eff": round(ideal_32 / max(b32.decode_step_s - overhead, 1e-6), 4),
+        "decode_flops_eff": round(decode_eff, 4),
         "prefill_flops_eff": round(ideal_prefill / max(b1.ttft_s - overhead, 1e-6), 4),
         "memory_read_gbs": round(bw_gbs, 2),
         "matmul_tflops": round(tflops, 4),

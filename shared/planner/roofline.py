@@ -79,14 +79,22 @@ class Deployment:
         read += batch * context * self.kv_bytes_per_token
         # pp stages run one after another for one token: the replica's whole read, in turn.
         mem_s = read / self.tp / (self.hw.bandwidth_gbs * 1e9 * self.hw.decode_bw_eff)
-        mem_s = max(mem_s, self._widen_s(batch, small))
+        eff = self.hw.small_batch_flops_eff if small else self.hw.decode_flops_eff
+        compute_s = self.decode_compute_s(batch, context, eff)
+        # A widening kernel's floor and the rows' own work add up: widening every weight
+        # costs the same at any row count, and each row's products, attention and norms
+        # come on top of it (see _widen_s).
+        widen_s = self._widen_s(batch, small)
+        busy_s = widen_s + compute_s if widen_s else max(mem_s, compute_s)
+        return self.hw.step_overhead_ms * 1e-3 + max(mem_s, busy_s) + self._allreduce_s(batch)
+
+    def decode_compute_s(self, batch: int, context: float, eff: float = 1.0) -> float:
+        """A decode step's arithmetic at `eff` of the hardware's matmul rate."""
+        m = self.model
         flops = (
             2.0 * m.active_params * batch + 4.0 * m.layers * context * m.heads * m.head_dim * batch
         )
-        eff = self.hw.small_batch_flops_eff if small else self.hw.decode_flops_eff
-        peak = self.hw.flops(self.weights_dtype) * eff
-        compute_s = flops / self.tp / peak
-        return self.hw.step_overhead_ms * 1e-3 + max(mem_s, compute_s) + self._allreduce_s(batch)
+        return flops / self.tp / (self.hw.flops(self.weights_dtype) * eff)
 
     def _widen_s(self, rows: int, small: bool) -> float:
         """The floor a widening kernel puts under a step above the small-batch rows."""

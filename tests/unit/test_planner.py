@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from tokenyard.cli import main
-from tokenyard.planner import catalog
+from tokenyard.planner import calibrate, catalog
 from tokenyard.planner.plan import PlanError, PlanSettings, Workload, coolant_flow_lpm, make_plan
 from tokenyard.planner.roofline import Deployment
 
@@ -214,3 +214,34 @@ def test_a_widening_kernel_floors_steps_above_the_small_batch_rows():
     without = Deployment(model, replace(cpu, widen_gbs=0.0), weights_dtype="int4")
     read = weights + 8 * 100 * dep.kv_bytes_per_token
     assert without.decode_step_s(8, 100) == pytest.approx(read / 20e9)
+    # the rows' own arithmetic comes on top of the floor, not under it: 8 more rows add
+    # their compute whole, though the floor alone is far longer than either step's compute
+    slow = Deployment(model, replace(cpu, decode_flops_eff=1.0), weights_dtype="int4")
+    added = slow.decode_compute_s(16, 100) - slow.decode_compute_s(8, 100)
+    assert added > 0 and slow.decode_compute_s(16, 100) < weights / 5e9
+    assert slow.decode_step_s(16, 100) - slow.decode_step_s(8, 100) == pytest.approx(added)
+    assert slow.decode_step_s(8, 100) == pytest.approx(
+        weights / 5e9 + slow.decode_compute_s(8, 100)
+    )
+
+
+def test_calibration_splits_a_widening_step_into_its_floor_and_its_rows():
+    """From a 16-row and a 32-row step of a widening kernel: the rows' rate from their
+    difference, the floor from what is left of the 16-row step; the roofline then gives
+    back both steps it was calibrated on, and a step in between on the line through them."""
+    model = catalog.MODELS["smollm2-135m"]
+    figures = calibrate.EngineFigures
+    b1 = figures(prompt_len=128, output_len=24, batch=1, ttft_s=0.03, decode_step_s=0.009)
+    wide = figures(prompt_len=128, output_len=8, batch=16, ttft_s=0.2, decode_step_s=0.0168)
+    b32 = figures(prompt_len=128, output_len=8, batch=32, ttft_s=0.2, decode_step_s=0.0231)
+    cal = calibrate.calibrate(b1, b32, 24.0, 1.3, model, wide=wide)
+    hw = catalog.Hardware(
+        "cpu", 16, 24.0, 1.3, 0, 0, 1, 0, 1, 0, 1, "air", 1.0,
+        decode_bw_eff=1.0, prefill_flops_eff=cal["prefill_flops_eff"],
+        decode_flops_eff=cal["decode_flops_eff"], step_overhead_ms=cal["step_overhead_ms"],
+        widen_gbs=cal["widen_gbs"], small_batch_rows=4, small_batch_flops_eff=1.0,
+    )  # fmt: skip
+    dep = Deployment(model, hw, weights_dtype="int4")
+    assert dep.decode_step_s(16, wide.context) == pytest.approx(0.0168, rel=1e-3)
+    assert dep.decode_step_s(32, b32.context) == pytest.approx(0.0231, rel=1e-3)
+    assert dep.decode_step_s(24, b32.context) == pytest.approx((0.0168 + 0.0231) / 2, rel=2e-2)
