@@ -166,7 +166,9 @@ def main() -> None:
         names = {n.strip() for n in args.only.split(";")}
         unknown = names - {p[0] for p in PRECISIONS}
         if unknown:
-            parser.error(f"unknown precisions {sorted(unknown)}; known: {[p[0] for p in PRECISIONS]}")
+            parser.error(
+                f"unknown precisions {sorted(unknown)}; known: {[p[0] for p in PRECISIONS]}"
+            )
         wanted = [PRECISIONS[0]] + [p for p in PRECISIONS[1:] if p[0] in names]
     loaded = load_model()
     runs = {name: measure(loaded, dtype, q, kv) for name, dtype, q, kv in wanted}

@@ -119,7 +119,9 @@ def paged_attention(
             return kernels.decode_attention(_rows(q), kv_layer, tables, lens, scale)
         return _attend_fused(kernels, q, k, v, kv_layer, meta, fused, scale)
     # [T, 2, H_kv, D]; a pool narrower than the activations (fp16 or fp8) rounds them here
-    kv_layer[meta.slot_blocks, :, meta.slot_offsets] = to_pool(torch.stack((k, v), dim=1), kv_layer.dtype)
+    kv_layer[meta.slot_blocks, :, meta.slot_offsets] = to_pool(
+        torch.stack((k, v), dim=1), kv_layer.dtype
+    )
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     if meta.num_decode:

@@ -301,5 +301,5 @@ def test_an_fp8_kv_pool_serves_prefix_hits_as_it_served_the_miss(make_engine, kv
     for a, b in zip(cold, warm, strict=True):
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):
             assert [t for t, _ in la.top] == [t for t, _ in lb.top]
-            assert max(abs(x - y) for (_, x), (_, y) in zip(la.top, lb.top)) < 0.1
+            assert max(abs(x - y) for (_, x), (_, y) in zip(la.top, lb.top, strict=True)) < 0.1
     engine.block_manager.check_no_leaks()
