@@ -210,3 +210,26 @@ async def test_hold_ended_by_the_sender_mid_stream_fails_the_pull():
             with pytest.raises(KVTransferError, match="released or expired"):
                 await pull
     assert sender.released == ["r1"]  # once: the client's Abort found nothing left to free
+
+
+@pytest.mark.parametrize("transport", ["inproc", "grpc"])
+async def test_an_fp8_pool_moves_as_its_bytes(transport):
+    """kv_cache_dtype="fp8": one byte an element, blocks a quarter of fp32's, landing bit for
+    bit (e4m3 has no numpy dtype: the transports move the pool's bytes, never its numbers)."""
+    layout = KVLayout("tiny", "float8_e4m3fn", 4, 3, 2, 8)
+    assert layout.torch_dtype == torch.float8_e4m3fn
+    assert layout.block_nbytes * 4 == LAYOUT.block_nbytes
+    assert KVLayout.dtype_name(torch.float8_e4m3fn) == "float8_e4m3fn"
+    src_pool = (torch.randn(layout.pool_shape(NUM_BLOCKS)) * 100).to(torch.float8_e4m3fn)
+    dst_pool = torch.zeros(layout.pool_shape(NUM_BLOCKS), dtype=torch.float8_e4m3fn)
+    server = KVTransferServer(src_pool, layout, on_release=lambda rid: None, allowed=[transport])
+    endpoint = await server.start()
+    try:
+        server.offer("r1", SRC)
+        async with KVTransferClient(dst_pool, layout, allowed=[transport]) as client:
+            result = await client.pull(endpoint, "r1", SRC, DST)
+    finally:
+        await server.stop(0)
+    assert result.nbytes == len(SRC) * layout.block_nbytes
+    for s, d in zip(SRC, DST, strict=True):
+        assert torch.equal(dst_pool[d].view(torch.uint8), src_pool[s].view(torch.uint8))
