@@ -148,13 +148,16 @@ inline vf vload<at::Half>(const at::Half* p) {
 // widens that to fp32 exactly and one multiply scales it back. (Moving the bits into fp32
 // directly would need a multiply of fp32 denormals, which the FPU runs in microcode: 4x
 // slower on a Xeon.)
-inline vf fp8_to_float(__m128i bytes) {
-  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7), _mm256_set1_epi16(-16512));
-  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+// vload_fp8_scaled gives the fp16 step's value, 2^-8 times the number: decode attention
+// folds the 256 into its queries and outputs instead (one vector op of six a load).
+inline vf vload_fp8_scaled(const at::Float8_e4m3fn* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtph_ps(
+      _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7), _mm256_set1_epi16(-16512)));
 }
 template <>
 inline vf vload<at::Float8_e4m3fn>(const at::Float8_e4m3fn* p) {
-  return fp8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_mul_ps(vload_fp8_scaled(p), _mm512_set1_ps(256.f));
 }
 #define TY_VEC_HALF 1
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -232,11 +235,13 @@ inline vf vload<at::Half>(const at::Half* p) {
 #endif
 #if defined(__F16C__)
 // 8 float8 e4m3 -> float, as the AVX-512 version.
+inline vf vload_fp8_scaled(const at::Float8_e4m3fn* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7), _mm_set1_epi16(-16512)));
+}
 template <>
 inline vf vload<at::Float8_e4m3fn>(const at::Float8_e4m3fn* p) {
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7), _mm_set1_epi16(-16512));
-  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+  return _mm256_mul_ps(vload_fp8_scaled(p), _mm256_set1_ps(256.f));
 }
 #endif
 #endif
@@ -526,8 +531,19 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
 #else
   constexpr bool dot_bf16 = false;
 #endif
+  // An fp8 pool's rows are read at 2^-8 of their value (vload_fp8_scaled): the scores and
+  // the output take the 256 back (a power of two: exact).
+  constexpr bool fp8 = std::is_same_v<scalar_t, at::Float8_e4m3fn>;
+  constexpr float row_scale = fp8 ? 256.f : 1.f;
+  auto row = [](const scalar_t* p) -> vf {
+    if constexpr (fp8) {
+      return vload_fp8_scaled(p);
+    } else {
+      return vload(p);
+    }
+  };
   // The fp32 path's queries carry the scale already (times 1 is exact).
-  const float score_scale = dot_bf16 ? it.scale : 1.f;
+  const float score_scale = dot_bf16 ? it.scale : row_scale;
   const vf vscale = vset(score_scale);
   // q . (the key row at kr), for query head i: a vector whose lanes sum to the score.
   auto dot = [&](const scalar_t* kr, int64_t i, const vf* k) -> vf {
@@ -559,7 +575,7 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
         const scalar_t* kr = block + ((t + r) & (it.block_size - 1)) * it.s_tok;
         vf k[NV];
         if constexpr (!dot_bf16)
-          for (int v = 0; v < NV; ++v) k[v] = vload(kr + kW * v);
+          for (int v = 0; v < NV; ++v) k[v] = row(kr + kW * v);
         for (int64_t i = 0; i < it.group; ++i) part[i][r] = dot(kr, i, k);
       }
       for (int64_t i = 0; i < it.group; ++i) vstore(it.scores + i * it.ctx + t, vmul(vsum_lanes(part[i]), vscale));
@@ -569,7 +585,7 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
     const scalar_t* kr = block + (t & (it.block_size - 1)) * it.s_tok;
     vf k[NV];
     if constexpr (!dot_bf16)
-      for (int v = 0; v < NV; ++v) k[v] = vload(kr + kW * v);
+      for (int v = 0; v < NV; ++v) k[v] = row(kr + kW * v);
     for (int64_t i = 0; i < it.group; ++i)
       it.scores[i * it.ctx + t] = vsum(dot(kr, i, k)) * score_scale;
     ++t;
@@ -586,14 +602,14 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
     }
     const scalar_t* vr = block + (t & (it.block_size - 1)) * it.s_tok;
     vf vv[NV];
-    for (int v = 0; v < NV; ++v) vv[v] = vload(vr + kW * v);
+    for (int v = 0; v < NV; ++v) vv[v] = row(vr + kW * v);
     for (int64_t i = 0; i < it.group; ++i) {
       const vf p = vset(it.scores[i * it.ctx + t]);
       for (int v = 0; v < NV; ++v) acc[i][v] = vfma(p, vv[v], acc[i][v]);
     }
   }
   for (int64_t i = 0; i < it.group; ++i)
-    for (int v = 0; v < NV; ++v) vstore(it.out + (i * NV + v) * kW, acc[i][v]);
+    for (int v = 0; v < NV; ++v) vstore(it.out + (i * NV + v) * kW, vmul(acc[i][v], vset(row_scale)));
 }
 #endif
 
