@@ -608,8 +608,12 @@ void attend_item_vec(const DecodeItem<scalar_t>& it) {
       for (int v = 0; v < NV; ++v) acc[i][v] = vfma(p, vv[v], acc[i][v]);
     }
   }
-  for (int64_t i = 0; i < it.group; ++i)
-    for (int v = 0; v < NV; ++v) vstore(it.out + (i * NV + v) * kW, vmul(acc[i][v], vset(row_scale)));
+  for (int64_t i = 0; i < it.group; ++i) {
+    for (int v = 0; v < NV; ++v) {
+      if constexpr (fp8) acc[i][v] = vmul(acc[i][v], vset(row_scale));
+      vstore(it.out + (i * NV + v) * kW, acc[i][v]);
+    }
+  }
 }
 #endif
 
@@ -1899,14 +1903,14 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
       }
 #endif
       for (; i < V && !nan; ++i) {  // the tail (or all of a row without AVX2)
-        if (x[i] > top || (x[i] == top && i < best)) {
+        if (x[i] > top) {  // later equals never replace: the first of them stays
           top = x[i];
           best = i;
         } else if (std::isnan(x[i])) {
           nan = true;
         }
       }
-      if (nan || std::isnan(x[0])) {  // torch's max propagates the first NaN
+      if (nan) {  // torch's max propagates the first NaN
         for (int64_t j = 0; j < V; ++j) {
           if (std::isnan(x[j])) {
             best = j;
@@ -1945,7 +1949,7 @@ at::Tensor gather_kv(const at::Tensor& kv_layer, const at::Tensor& block_ids, in
     const int64_t row_len = heads * head_dim;
     at::parallel_for(0, 2 * n, 256, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        const int64_t which = r / std::max<int64_t>(n, 1), t = r % std::max<int64_t>(n, 1);
+        const int64_t which = r / n, t = r % n;  // keys, then values (n > 0 here)
         const kv_t* src = pool + ids[t / block_size] * kv_layer.stride(0) + which * kv_layer.stride(1) +
                           (t % block_size) * kv_layer.stride(2);
         copy_row(src, dst + r * row_len, row_len);

@@ -85,7 +85,7 @@ class Deployment:
         # costs the same at any row count, and each row's products, attention and norms
         # come on top of it (see _widen_s).
         widen_s = self._widen_s(batch, small)
-        busy_s = widen_s + compute_s if widen_s else max(mem_s, compute_s)
+        busy_s = widen_s + compute_s if widen_s else compute_s
         return self.hw.step_overhead_ms * 1e-3 + max(mem_s, busy_s) + self._allreduce_s(batch)
 
     def decode_compute_s(self, batch: int, context: float, eff: float = 1.0) -> float:
