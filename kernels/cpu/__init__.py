@@ -62,6 +62,8 @@ _FUNCTIONS = [
     "i16_vnni",
     "linear_amx",
     "amx_available",
+    "linear_bf16",
+    "pairs_available",
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 

@@ -73,6 +73,10 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 #   EPYC): int4 18.7 against 19.3 ms at 24 rows and tied at 32 (24.0 against 23.6); the output
 #   projection's int8 2.9 against 3.2 ms at 16 rows, 5.7 against 5.4 at 32. On one thread int4
 #   19.2 against 22.0 at 12 rows, tied at 16 (25.1 against 25.0); int8 tied at 16 (5.8 / 5.9);
+# - linear_bf16 (our kernel on the dense copy in pack_pairs' layout, pairs_kernel) against
+#   linear_i16's AVX512-VNNI tile, on a 2-core Zen 4 EPYC: int4 6.5 against 7.1 ms at 6 rows,
+#   7.9 against 7.2 at 8, 13.1 against 10.0 at 16, 23.8 against 17.4 at 32; on one thread 7.7
+#   against 9.6 at 4 rows, 9.9 against 8.8 at 6, 12.8 against 9.7 at 8;
 # - bf16 dense emulated (no native bf16): slower than int4 at every decode batch measured
 #   (9.2 ms against 3.3 ms at 32 rows), so only prefill-sized steps use it.
 DENSE_ABOVE_ROWS = {
@@ -82,6 +86,8 @@ DENSE_ABOVE_ROWS = {
     "bf16_own_int4_one_thread": {8: 8, 4: 8},
     "bf16_i16": {8: 16, 4: 24},
     "bf16_i16_one_thread": {8: 12, 4: 14},
+    "bf16_pairs": {8: 7, 4: 7},
+    "bf16_pairs_one_thread": {8: 5, 4: 5},
     "bf16_amx": {8: 3, 4: 4},
     "bf16_amx_one_thread": {8: 3, 4: 7},
     "fp32": {8: 8, 4: 14},
@@ -90,10 +96,16 @@ DENSE_ABOVE_ROWS = {
 }
 
 
-def dense_above_rows(bits: int, dense_dtype: torch.dtype = torch.bfloat16) -> int:
-    """The row count above which a layer uses its dense copy, for torch's thread count now."""
+def dense_above_rows(
+    bits: int, dense_dtype: torch.dtype = torch.bfloat16, pairs: bool = False
+) -> int:
+    """The row count above which a layer uses its dense copy, for torch's thread count now;
+    `pairs`: the copy is in pack_pairs' layout for linear_bf16 (see pairs_kernel)."""
     from tokenyard.engine.config import cpu_has_amx, cpu_has_avx512, cpu_has_native_bf16
 
+    if pairs:
+        one = "_one_thread" if torch.get_num_threads() == 1 else ""
+        return DENSE_ABOVE_ROWS["bf16_pairs" + one][bits]
     if dense_dtype == torch.float32:
         return DENSE_ABOVE_ROWS["fp32" if cpu_has_avx512() else "fp32_avx2"][bits]
 
@@ -154,14 +166,25 @@ class QuantizedLinear(LeanModule):
     with bf16 activations: rows are cast to bf16 and the result back to the input's dtype.
     """
 
-    def __init__(self, linear: nn.Linear, bits: int, keep_dense: bool = True) -> None:
+    def __init__(
+        self, linear: nn.Linear, bits: int, keep_dense: bool = True, pack_dense: bool = True
+    ) -> None:
         super().__init__()
         w = linear.weight.detach().float()
         self.bits = bits
         self.out_features, self.in_features = w.shape
         self.bias = linear.bias
         self.dense = linear.weight if keep_dense else None
-        self.dense_above = dense_above_rows(bits, linear.weight.dtype)
+        # bf16 layers where linear_bf16 runs (pairs_kernel): the dense copy in its layout,
+        # unless it must stay as it is (`pack_dense` False: the output projection, whose
+        # weight is the tied embeddings').
+        pairs = (
+            keep_dense and pack_dense and int4_fits(linear) and pairs_kernel(linear.weight.dtype)
+        )
+        self.register_buffer("pairs", pack_pairs(linear.weight.detach()) if pairs else None)
+        if pairs:
+            self.dense = None
+        self.dense_above = dense_above_rows(bits, linear.weight.dtype, self.pairs is not None)
         self.own_int4 = False  # int4 in our kernel's layout (own_int4_kernel)
         self.act8 = False  # int4 against 8-bit activations (linear_i8, int4_activation_bits)
         # The int16-activation kernel (see i16_kernel): fp32 layers on CPUs without AVX-512 or
@@ -232,12 +255,20 @@ class QuantizedLinear(LeanModule):
         else:
             raise ValueError(f"bits must be 8 or 4, got {bits}")
 
+    def _dense_step(self, rows: int) -> bool:
+        """Whether a step of `rows` rows takes the dense copy (either layout)."""
+        if self.dense is None and self.pairs is None:
+            return False
+        return rows > self.dense_above or getattr(_step, "prompt", False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
-        if self.dense is not None and (
-            rows.shape[0] > self.dense_above or getattr(_step, "prompt", False)
-        ):
+        if self.pairs is not None and self._dense_step(rows.shape[0]):
+            y = cpu_kernels.ops().linear_bf16(rows, self.pairs, False)
+            y = y.reshape(*shape[:-1], self.out_features)
+            return y + self.bias if self.bias is not None else y
+        if self.dense is not None and self._dense_step(rows.shape[0]):
             if self.dense.is_mkldnn:  # prepack(): the same oneDNN kernel, no reorder per call
                 return torch.ops.mkldnn._linear_pointwise(x, self.dense, None, "none", [], "")
             return F.linear(x, self.dense, self.bias)
@@ -330,6 +361,9 @@ class QuantizedLinear(LeanModule):
             or (self.dense is not None and x.shape[0] > self.dense_above)
         ):
             return self(x).float()
+        if self.pairs is not None and self._dense_step(x.shape[0]):
+            y = cpu_kernels.ops().linear_bf16(x, self.pairs, True)
+            return y + self.bias if self.bias is not None else y
         y = self._quantized_mm(x, fp32_out=True)
         return y + self.bias if self.bias is not None else y
 
@@ -425,6 +459,34 @@ def i16_kernel(dtype: torch.dtype = torch.float32) -> bool:
         and not cpu_has_native_bf16()
         and bool(kernels.i16_available())
     )
+
+
+def pairs_kernel(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether bf16 layers keep their dense copy in pack_pairs' layout and run it through
+    `linear_bf16` (vdpbf16ps over register tiles of 8 rows by 48 outputs) instead of oneDNN's
+    matmul: where `i16_kernel` runs bf16 layers (AVX512-BF16 and VNNI, no AMX: a Zen 4 EPYC)
+    and the kernel is built. SmolLM2's projection shapes as 210 distinct layers (cold), 2
+    threads, against oneDNN's packed bf16 matmul: 8 rows 6.9 against 13.6 ms, 32 rows 17.1
+    against 25.0, 150 rows (a chat prompt) 71.6 against 81.1, 512 rows 238 against 254. Steps
+    of a few rows keep linear_i16 (`DENSE_ABOVE_ROWS["bf16_pairs"]`): it reads a nibble a
+    weight where this reads two bytes."""
+    if dtype != torch.bfloat16 or not i16_kernel(dtype):
+        return False
+    kernels = cpu_kernels.ops()
+    return kernels is not None and bool(kernels.pairs_available())
+
+
+def pack_pairs(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] -> linear_bf16's layout [N / 16, K / 2, 16, 2]: per block of 16
+    outputs and pair of inputs, each output's two weights side by side."""
+    n, k = w.shape
+    return w.to(torch.bfloat16).view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """pack_pairs' weight back to [N, K]."""
+    blocks, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2)
 
 
 def amx_kernel(dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -570,7 +632,9 @@ def quantize(model: nn.Module, mode: str, keep_dense: bool = True) -> nn.Module:
 
 
 def _quantized(name: str, linear: nn.Linear, mode: str, bits: int, keep_dense: bool) -> nn.Module:
-    if name == "lm_head" or (bits == 4 and not int4_fits(linear)):
+    if name == "lm_head":
+        return QuantizedLinear(linear, 8, keep_dense, pack_dense=False)
+    if bits == 4 and not int4_fits(linear):
         return QuantizedLinear(linear, 8, keep_dense)
     if mode == "fp8":
         return Fp8Linear(linear)

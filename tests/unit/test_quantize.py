@@ -520,11 +520,12 @@ def i16_bf16(monkeypatch):
 @needs_vnni
 @pytest.mark.parametrize("bits", [4, 8])
 def test_bf16_layers_take_the_int16_kernel_for_small_steps_only(i16_bf16, bits):
-    """On AVX512-VNNI a bf16 layer runs linear_i16 up to its threshold and keeps its dense
-    copy for bigger steps and every prompt step; each row's result is its own, bit for bit."""
+    """On AVX512-VNNI a bf16 layer that keeps its dense copy as it is (the output projection,
+    `pack_dense=False`) runs linear_i16 up to its threshold and that copy for bigger steps and
+    every prompt step; each row's result is its own, bit for bit."""
     linear = _linear(out_features=96, in_features=128, bias=False).to(torch.bfloat16)
-    layer = QuantizedLinear(linear, bits)
-    assert layer.i16 and layer.dense is not None
+    layer = QuantizedLinear(linear, bits, pack_dense=False)
+    assert layer.i16 and layer.dense is not None and layer.pairs is None
     table = "bf16_i16" + ("_one_thread" if torch.get_num_threads() == 1 else "")
     assert layer.dense_above == q.DENSE_ABOVE_ROWS[table][bits]  # earlier tests may pin 1
     w = dequantized(layer)
@@ -545,6 +546,87 @@ def test_bf16_layers_take_the_int16_kernel_for_small_steps_only(i16_bf16, bits):
         logits = q.fp32_linear(layer, small)
         assert logits.dtype == torch.float32
         assert torch.allclose(logits.double(), exact, rtol=1e-4, atol=1e-3 * exact.abs().max())
+
+
+needs_pairs = _built("pairs_available", "linear_bf16 needs our kernels built with AVX512-BF16")
+
+
+@needs_pairs
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 7])
+def test_linear_bf16_sums_each_row_in_fp32(blocks):
+    """linear_bf16 against float64 on the same bf16 operands, for every remainder of blocks a
+    thread's run of three can leave and row counts across tiles and panels: fp32 sums (the
+    bf16 output is exactly their rounding), and a row's result never depends on its
+    neighbours."""
+    ops = cpu_kernels.ops()
+    torch.manual_seed(blocks)
+    n, k = 16 * blocks, 96
+    w = (torch.randn(n, k) * 0.2).to(torch.bfloat16)
+    packed = q.pack_pairs(w)
+    assert packed.shape == (blocks, k // 2, 16, 2) and torch.equal(q.unpack_pairs(packed), w)
+    assert torch.equal(packed[0, 3, 5], w[5, 6:8])  # lane 5 of pair 3: output 5's inputs 6, 7
+    x = (torch.randn(200, k) * 3).to(torch.bfloat16)  # 200: past a panel of 192 rows
+    full = ops.linear_bf16(x, packed, True)
+    exact = x.double() @ w.double().T
+    assert full.dtype == torch.float32
+    torch.testing.assert_close(
+        full.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item()
+    )
+    assert torch.equal(ops.linear_bf16(x, packed, False), full.to(torch.bfloat16))
+    for rows in (1, 5, 8, 9, 20, 37):
+        assert torch.equal(ops.linear_bf16(x[:rows], packed, True), full[:rows]), rows
+        assert torch.equal(ops.linear_bf16(x[-rows:], packed, True), full[-rows:]), rows
+
+
+@needs_pairs
+def test_linear_bf16_refuses_what_it_cannot_read():
+    ops = cpu_kernels.ops()
+    w = q.pack_pairs(torch.randn(32, 64).to(torch.bfloat16))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.linear_bf16(x, w.float(), False)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.linear_bf16(x, w.view(2, 32, 8, 4), False)
+    with pytest.raises(RuntimeError, match="bf16 activations"):
+        ops.linear_bf16(x.float(), w, False)
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.linear_bf16(x[:, :32], w, False)
+
+
+@needs_vnni
+@needs_pairs
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bf16_layers_run_linear_bf16_above_a_few_rows(i16_bf16, bits):
+    """A Zen 4's bf16 layer keeps its dense copy in pack_pairs' layout (no second copy) and
+    runs linear_bf16 on it above its threshold and for every prompt step, linear_i16 below;
+    the output projection keeps the copy it shares with the embeddings."""
+    linear = _linear(out_features=96, in_features=128, bias=False).to(torch.bfloat16)
+    layer = QuantizedLinear(linear, bits)
+    assert layer.i16 and layer.dense is None and layer.pairs is not None
+    assert torch.equal(q.unpack_pairs(layer.pairs), linear.weight)
+    table = "bf16_pairs" + ("_one_thread" if torch.get_num_threads() == 1 else "")
+    assert layer.dense_above == q.DENSE_ABOVE_ROWS[table][bits]
+    x = (torch.randn(layer.dense_above + 9, 128) * 3).to(torch.bfloat16)
+    big = layer(x)
+    ops = cpu_kernels.ops()
+    assert torch.equal(big, ops.linear_bf16(x, layer.pairs, False))  # above: linear_bf16
+    small = x[: layer.dense_above]
+    assert torch.equal(
+        layer(small),
+        ops.linear_i16(small, layer.qweight, layer.scales, layer.zeros if bits == 4 else None),
+    )  # below: linear_i16
+    with q.prompt_step(True):
+        assert torch.equal(layer(small[:2]), big[:2])  # prompt rows: the dense copy
+    if bits == 8:
+        assert torch.equal(q.fp32_linear(layer, x), ops.linear_bf16(x, layer.pairs, True))
+    head = q.quantize(_TiedHead(linear), "int4").lm_head
+    assert head.pairs is None and head.dense is linear.weight  # the tied weight, unpacked
+
+
+class _TiedHead(torch.nn.Module):
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.lm_head = linear
 
 
 @needs_i16
