@@ -23,7 +23,8 @@ costs memory: the report counts both copies, and the tied lm_head reuses the emb
 CPUs with AVX2 but neither AVX-512 nor native bf16 are the exception (`i16_kernel`): there
 int4 and int8 layers run an integer kernel at every row count and keep no dense copy. On
 AVX512-VNNI CPUs without AMX, bf16 layers run that kernel for small steps instead of the
-weight-only kernels, and keep their dense copy. On AMX CPUs bf16 layers keep no dense copy
+weight-only kernels, and keep their dense copy in the layout of our own bf16 GEMM
+(`linear_bf16`, `pairs_kernel`), which runs every bigger step. On AMX CPUs bf16 layers keep no dense copy
 either (`amx_kernel`): steps of a few decode rows run the same int16 kernel, every other step
 `linear_amx`, which widens the int4 or int8 weights to bf16 tiles for AMX to multiply.
 """
@@ -158,7 +159,8 @@ class QuantizedLinear(LeanModule):
 
     fp32 layers on AVX2-only CPUs (`i16_kernel`) run `linear_i16` (int16 activations; int4
     with `TOKENYARD_INT4_ACTIVATIONS=int8`: `linear_i8`) at every row count, with no dense
-    copy; bf16 layers on AVX512-VNNI CPUs without AMX run it up to the dense threshold.
+    copy; bf16 layers on AVX512-VNNI CPUs without AMX run it up to the dense threshold and
+    their dense copy, kept in pack_pairs' layout, through `linear_bf16` above it.
     Elsewhere int8 runs our C++ GEMV (tokenyard.kernels.cpu) for up to 16 rows a
     call; int4 runs our C++ kernel on x86 CPUs (`own_int4_kernel`, Q4_1's layout: fp32 activations without
     native bf16, bf16 dot products with AVX512-BF16). Elsewhere (int4 on Arm with bf16,
@@ -166,21 +168,18 @@ class QuantizedLinear(LeanModule):
     with bf16 activations: rows are cast to bf16 and the result back to the input's dtype.
     """
 
-    def __init__(
-        self, linear: nn.Linear, bits: int, keep_dense: bool = True, pack_dense: bool = True
-    ) -> None:
+    def __init__(self, linear: nn.Linear, bits: int, keep_dense: bool = True) -> None:
         super().__init__()
         w = linear.weight.detach().float()
         self.bits = bits
         self.out_features, self.in_features = w.shape
         self.bias = linear.bias
         self.dense = linear.weight if keep_dense else None
-        # bf16 layers where linear_bf16 runs (pairs_kernel): the dense copy in its layout,
-        # unless it must stay as it is (`pack_dense` False: the output projection, whose
-        # weight is the tied embeddings').
-        pairs = (
-            keep_dense and pack_dense and int4_fits(linear) and pairs_kernel(linear.weight.dtype)
-        )
+        # bf16 layers where linear_bf16 runs (pairs_kernel): the dense copy in its layout. The
+        # output projection's is a second copy of a tied embeddings' weight (as oneDNN's packed
+        # one was in a worker with private weights), for 1.0 ms of a 32-row step (4.4 against
+        # 5.4 ms in oneDNN's matmul).
+        pairs = keep_dense and int4_fits(linear) and pairs_kernel(linear.weight.dtype)
         self.register_buffer("pairs", pack_pairs(linear.weight.detach()) if pairs else None)
         if pairs:
             self.dense = None
@@ -632,9 +631,7 @@ def quantize(model: nn.Module, mode: str, keep_dense: bool = True) -> nn.Module:
 
 
 def _quantized(name: str, linear: nn.Linear, mode: str, bits: int, keep_dense: bool) -> nn.Module:
-    if name == "lm_head":
-        return QuantizedLinear(linear, 8, keep_dense, pack_dense=False)
-    if bits == 4 and not int4_fits(linear):
+    if name == "lm_head" or (bits == 4 and not int4_fits(linear)):
         return QuantizedLinear(linear, 8, keep_dense)
     if mode == "fp8":
         return Fp8Linear(linear)

@@ -170,13 +170,19 @@ def weight_only_rows(dtype: str) -> int:
     that take linear_i16 rather than linear_amx, which widens the weights every step."""
     import torch
 
-    from tokenyard.models.quantize import AMX_I16_ROWS, dense_above_rows, integer_only
+    from tokenyard.models.quantize import (
+        AMX_I16_ROWS,
+        dense_above_rows,
+        integer_only,
+        pairs_kernel,
+    )
 
     if widens_weights(dtype):
         return AMX_I16_ROWS[4]
-    if integer_only(getattr(torch, dtype)):
+    kind = getattr(torch, dtype)
+    if integer_only(kind):
         return 0
-    return dense_above_rows(4, getattr(torch, dtype))
+    return dense_above_rows(4, kind, pairs=pairs_kernel(kind))
 
 
 def widens_weights(dtype: str) -> bool:

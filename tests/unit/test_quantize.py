@@ -517,37 +517,6 @@ def i16_bf16(monkeypatch):
     monkeypatch.setattr(config, "cpu_has_amx", lambda: False)
 
 
-@needs_vnni
-@pytest.mark.parametrize("bits", [4, 8])
-def test_bf16_layers_take_the_int16_kernel_for_small_steps_only(i16_bf16, bits):
-    """On AVX512-VNNI a bf16 layer that keeps its dense copy as it is (the output projection,
-    `pack_dense=False`) runs linear_i16 up to its threshold and that copy for bigger steps and
-    every prompt step; each row's result is its own, bit for bit."""
-    linear = _linear(out_features=96, in_features=128, bias=False).to(torch.bfloat16)
-    layer = QuantizedLinear(linear, bits, pack_dense=False)
-    assert layer.i16 and layer.dense is not None and layer.pairs is None
-    table = "bf16_i16" + ("_one_thread" if torch.get_num_threads() == 1 else "")
-    assert layer.dense_above == q.DENSE_ABOVE_ROWS[table][bits]  # earlier tests may pin 1
-    w = dequantized(layer)
-    x = (torch.randn(layer.dense_above + 1, 128) * 3).to(torch.bfloat16)
-    small = x[: layer.dense_above]
-    y = layer(small)
-    exact = small.double() @ w.double().T
-    assert y.dtype == torch.bfloat16
-    err = ((y.double() - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)).max().item()
-    assert err < 1e-2, err  # bf16 output rounding; the products are int16-exact
-    for i in range(small.shape[0]):
-        assert torch.equal(layer(small[i : i + 1]), y[i : i + 1]), i
-    dense = F.linear(x, layer.dense if not layer.dense.is_mkldnn else linear.weight)
-    assert torch.equal(layer(x), dense)  # above the threshold: the dense copy
-    with q.prompt_step(True):
-        assert torch.equal(layer(small[:3]), dense[:3])  # prompt rows: the dense copy
-    if bits == 8:  # the output projection's logits come from the kernel's fp32 sums
-        logits = q.fp32_linear(layer, small)
-        assert logits.dtype == torch.float32
-        assert torch.allclose(logits.double(), exact, rtol=1e-4, atol=1e-3 * exact.abs().max())
-
-
 needs_pairs = _built("pairs_available", "linear_bf16 needs our kernels built with AVX512-BF16")
 
 
@@ -596,37 +565,36 @@ def test_linear_bf16_refuses_what_it_cannot_read():
 @needs_vnni
 @needs_pairs
 @pytest.mark.parametrize("bits", [4, 8])
-def test_bf16_layers_run_linear_bf16_above_a_few_rows(i16_bf16, bits):
-    """A Zen 4's bf16 layer keeps its dense copy in pack_pairs' layout (no second copy) and
-    runs linear_bf16 on it above its threshold and for every prompt step, linear_i16 below;
-    the output projection keeps the copy it shares with the embeddings."""
+def test_bf16_layers_run_linear_i16_for_small_steps_and_linear_bf16_above(i16_bf16, bits):
+    """A Zen 4's bf16 layer (the output projection's int8 too) keeps its dense copy in
+    pack_pairs' layout, no second copy, and runs linear_bf16 on it above its threshold and for
+    every prompt step, linear_i16 below; each row's result is its own, bit for bit."""
     linear = _linear(out_features=96, in_features=128, bias=False).to(torch.bfloat16)
     layer = QuantizedLinear(linear, bits)
     assert layer.i16 and layer.dense is None and layer.pairs is not None
     assert torch.equal(q.unpack_pairs(layer.pairs), linear.weight)
     table = "bf16_pairs" + ("_one_thread" if torch.get_num_threads() == 1 else "")
-    assert layer.dense_above == q.DENSE_ABOVE_ROWS[table][bits]
+    assert layer.dense_above == q.DENSE_ABOVE_ROWS[table][bits]  # earlier tests may pin 1
     x = (torch.randn(layer.dense_above + 9, 128) * 3).to(torch.bfloat16)
     big = layer(x)
     ops = cpu_kernels.ops()
     assert torch.equal(big, ops.linear_bf16(x, layer.pairs, False))  # above: linear_bf16
     small = x[: layer.dense_above]
-    assert torch.equal(
-        layer(small),
-        ops.linear_i16(small, layer.qweight, layer.scales, layer.zeros if bits == 4 else None),
-    )  # below: linear_i16
+    y = layer(small)
+    zeros = layer.zeros if bits == 4 else None
+    assert torch.equal(y, ops.linear_i16(small, layer.qweight, layer.scales, zeros))  # below
+    exact = small.double() @ dequantized(layer).double().T
+    err = ((y.double() - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)).max().item()
+    assert err < 1e-2, err  # bf16 output rounding; the products are int16-exact
+    for i in range(small.shape[0]):
+        assert torch.equal(layer(small[i : i + 1]), y[i : i + 1]), i
     with q.prompt_step(True):
         assert torch.equal(layer(small[:2]), big[:2])  # prompt rows: the dense copy
-    if bits == 8:
+    if bits == 8:  # the output projection's logits: the kernels' fp32 sums, either side
         assert torch.equal(q.fp32_linear(layer, x), ops.linear_bf16(x, layer.pairs, True))
-    head = q.quantize(_TiedHead(linear), "int4").lm_head
-    assert head.pairs is None and head.dense is linear.weight  # the tied weight, unpacked
-
-
-class _TiedHead(torch.nn.Module):
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        self.lm_head = linear
+        logits = q.fp32_linear(layer, small)
+        assert logits.dtype == torch.float32
+        assert torch.allclose(logits.double(), exact, rtol=1e-4, atol=1e-3 * exact.abs().max())
 
 
 @needs_i16
