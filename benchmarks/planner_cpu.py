@@ -1,7 +1,8 @@
 """Calibrate the planner's `cpu` entry against our engine, and check its predictions.
 
-    python benchmarks/planner_cpu.py            # writes shared/planner/cpu_calibration.yaml
-                                                # and benchmarks/results/planner_cpu.json
+    python benchmarks/planner_cpu.py    # writes this CPU kind's entry of
+                                        # shared/planner/cpu_calibration.yaml and
+                                        # benchmarks/results/planner_cpu_<kind>.json
 
 Calibration points: a batch-1 decode (the per-step overhead) and a 32-sequence decode and a
 128-token prefill (the share of the matmul rate each reaches). Checked points, not used to
@@ -25,20 +26,25 @@ def run(threads: int | None) -> dict:
         torch.set_num_threads(threads)
     bw, tflops = cpu.memory_read_gbs(), cpu.matmul_tflops()
     result = calibrate.calibrate_and_check(calibrate.make_engine(), bw, tflops)
-    machine = {"platform": platform.platform(), "threads": torch.get_num_threads()}
+    machine = {
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "kind": cpu.cpu_kind(),
+    }
     return {"machine": machine, **result}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/planner_cpu.json")
+    parser.add_argument("--out", help="default: benchmarks/results/planner_cpu_<kind>.json")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-save", action="store_true", help="do not rewrite the calibration")
     args = parser.parse_args()
     result = run(args.threads)
     if not args.no_save:
         cpu.save_calibration(result["calibration"])
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    out = args.out or f"benchmarks/results/planner_cpu_{cpu.cpu_kind()}.json"
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
     for name, c in result["checked"].items():
         print(
             f"{name}: predicted {c['predicted']:.1f}, measured {c['measured']:.1f} ({c['error']:+.0%})"

@@ -1,19 +1,25 @@
 """The `cpu` hardware entry: this machine's measured memory bandwidth and matmul rate, and
 the engine's efficiencies against them, calibrated by `benchmarks/planner_cpu.py`.
 
-The calibration (cpu_calibration.yaml, beside this file) holds what our own engine reached:
+The calibration (cpu_calibration.yaml, beside this file) holds, for each kind of CPU it was
+measured on (`cpu_kind`: which kernels our engine runs there), what our own engine reached:
 - step_overhead_ms: a batch-1 decode step minus the time to read its weights once;
 - decode_flops_eff: a 32-sequence decode step's FLOPs over its time, as a share of the
   measured matmul rate in the engine's compute dtype (bf16 where the CPU multiplies bf16
   natively, fp32 elsewhere: `tokenyard.engine.config.auto_dtype`);
 - prefill_flops_eff: the same for one 128-token prefill.
+and, where the kind has them, the small-batch regime (`small_batch_rows`,
+`small_batch_flops_eff`, `dense_dtype`) and AMX's widening rate (`widen_gbs`).
 Bandwidth and matmul rate are measured again whenever the entry is built, so a busier or
-faster machine shifts the prediction the way it shifts the engine.
+faster machine shifts the prediction the way it shifts the engine. A kind with no entry of
+its own takes the AVX2 machine's, with a warning: its efficiencies are shares of another
+kernel family's rates.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from pathlib import Path
@@ -22,7 +28,10 @@ import yaml
 
 from tokenyard.planner.catalog import Hardware
 
+log = logging.getLogger(__name__)
+
 CALIBRATION = Path(__file__).with_name("cpu_calibration.yaml")
+FALLBACK_KIND = "avx2"
 
 
 def memory_read_gbs(mib: int = 512, repeats: int = 5) -> float:
@@ -64,21 +73,59 @@ def matmul_tflops(n: int = 1024, repeats: int = 5, dtype: str | None = None) -> 
     return best
 
 
-def load_calibration(path: Path = CALIBRATION) -> dict:
+def cpu_kind() -> str:
+    """Which of our engine's kernel families runs on this CPU, the key its calibration is
+    kept under: "amx" (bf16, linear_amx), "avx512_bf16" (bf16, linear_bf16 and linear_i16's
+    VNNI tile: a Zen 4), "avx512" (fp32 on AVX-512), "avx2" (fp32, the int16 kernels), or
+    "other"."""
+    from tokenyard.engine.config import cpu_flags, cpu_has_amx
+
+    flags = cpu_flags()
+    if cpu_has_amx():
+        return "amx"
+    for kind in ("avx512_bf16", "avx512f", "avx2"):
+        if kind in flags:
+            return kind.removesuffix("f")
+    return "other"
+
+
+def _read(path: Path) -> dict[str, dict]:
     if not path.exists():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f) or {}
+
+
+def load_calibration(path: Path = CALIBRATION, kind: str | None = None) -> dict:
+    """The calibration of this CPU's kind (or `kind`'s); another kind's where it has none."""
+    entries = _read(path)
+    if not entries:
         raise FileNotFoundError(
             f"no CPU calibration at {path}: run benchmarks/planner_cpu.py to measure one"
         )
-    with open(path, encoding="utf-8") as f:
-        return yaml.safe_load(f)
+    kind = kind or cpu_kind()
+    if kind in entries:
+        return entries[kind]
+    other = FALLBACK_KIND if FALLBACK_KIND in entries else sorted(entries)[0]
+    log.warning(
+        "no planner calibration for this CPU's kind (%s): using the %s machine's; "
+        "run benchmarks/planner_cpu.py here to measure one",
+        kind,
+        other,
+    )
+    return entries[other]
 
 
-def save_calibration(values: dict, path: Path = CALIBRATION) -> None:
+def save_calibration(values: dict, path: Path = CALIBRATION, kind: str | None = None) -> None:
+    """Write `values` as the calibration of this CPU's kind (or `kind`'s), keeping the others."""
+    entries = _read(path)
+    entries[kind or cpu_kind()] = values
     with open(path, "w", encoding="utf-8") as f:
         f.write(
-            "# Written by benchmarks/planner_cpu.py: our engine against this machine's roofline.\n"
+            "# Written by benchmarks/planner_cpu.py: our engine against the roofline of a machine\n"
+            "# of each kind (tokenyard.planner.cpu.cpu_kind), one entry each.\n"
         )
-        yaml.safe_dump(values, f, sort_keys=True)
+        yaml.safe_dump(entries, f, sort_keys=True)
 
 
 def physical_memory_gb() -> float:

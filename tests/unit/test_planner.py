@@ -245,3 +245,48 @@ def test_calibration_splits_a_widening_step_into_its_floor_and_its_rows():
     assert dep.decode_step_s(16, wide.context) == pytest.approx(0.0168, rel=1e-3)
     assert dep.decode_step_s(32, b32.context) == pytest.approx(0.0231, rel=1e-3)
     assert dep.decode_step_s(24, b32.context) == pytest.approx((0.0168 + 0.0231) / 2, rel=2e-2)
+
+
+@pytest.mark.parametrize(
+    "flags, amx, kind",
+    [
+        ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, True, "amx"),
+        ({"avx2", "avx512f", "avx512_bf16"}, False, "avx512_bf16"),
+        ({"avx2", "avx512f"}, False, "avx512"),
+        ({"avx2"}, False, "avx2"),
+        ({"neon"}, False, "other"),
+    ],
+)
+def test_the_cpu_calibration_is_kept_per_kind_of_cpu(
+    monkeypatch, tmp_path, caplog, flags, amx, kind
+):
+    """Each kind of CPU (the kernels our engine runs there) reads its own entry and writes
+    its own, keeping the others; a kind with none reads the AVX2 one and says so."""
+    import tokenyard.engine.config as config
+    from tokenyard.planner import cpu
+
+    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(config, "cpu_has_amx", lambda: amx)
+    assert cpu.cpu_kind() == kind
+    path = tmp_path / "cal.yaml"
+    with pytest.raises(FileNotFoundError, match="planner_cpu.py"):
+        cpu.load_calibration(path)
+    cpu.save_calibration({"decode_flops_eff": 0.5}, path, kind="avx2")
+    assert cpu.load_calibration(path, kind="avx2") == {"decode_flops_eff": 0.5}
+    if kind != "avx2":
+        with caplog.at_level("WARNING", logger="tokenyard.planner.cpu"):
+            assert cpu.load_calibration(path) == {"decode_flops_eff": 0.5}
+        assert f"({kind})" in caplog.text
+        cpu.save_calibration({"decode_flops_eff": 0.9}, path)
+        assert cpu.load_calibration(path) == {"decode_flops_eff": 0.9}
+    assert cpu.load_calibration(path, kind="avx2") == {"decode_flops_eff": 0.5}  # kept
+
+
+def test_the_shipped_calibration_has_an_entry_for_each_measured_kind():
+    from tokenyard.planner import cpu
+
+    entries = cpu._read(cpu.CALIBRATION)
+    assert cpu.FALLBACK_KIND in entries
+    for kind, values in entries.items():
+        assert kind in ("amx", "avx512_bf16", "avx512", "avx2", "other"), kind
+        assert {"decode_flops_eff", "prefill_flops_eff", "step_overhead_ms"} <= set(values), kind
