@@ -24,8 +24,8 @@ CPUs with AVX2 but neither AVX-512 nor native bf16 are the exception (`i16_kerne
 int4 and int8 layers run an integer kernel at every row count and keep no dense copy. On
 AVX512-VNNI CPUs without AMX, bf16 layers run that kernel for small steps instead of the
 weight-only kernels, and keep their dense copy in the layout of our own bf16 GEMM
-(`linear_bf16`, `pairs_kernel`), which runs every bigger step. On AMX CPUs bf16 layers keep no dense copy
-either (`amx_kernel`): steps of a few decode rows run the same int16 kernel, every other step
+(`linear_bf16`, `pairs_kernel`), which runs every bigger step. On AMX CPUs bf16 layers keep
+no dense copy either (`amx_kernel`): steps of a few decode rows run the same int16 kernel, every other step
 `linear_amx`, which widens the int4 or int8 weights to bf16 tiles for AMX to multiply.
 """
 
@@ -75,9 +75,10 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 #   projection's int8 2.9 against 3.2 ms at 16 rows, 5.7 against 5.4 at 32. On one thread int4
 #   19.2 against 22.0 at 12 rows, tied at 16 (25.1 against 25.0); int8 tied at 16 (5.8 / 5.9);
 # - linear_bf16 (our kernel on the dense copy in pack_pairs' layout, pairs_kernel) against
-#   linear_i16's AVX512-VNNI tile, on a 2-core Zen 4 EPYC: int4 6.5 against 7.1 ms at 6 rows,
-#   7.9 against 7.2 at 8, 13.1 against 10.0 at 16, 23.8 against 17.4 at 32; on one thread 7.7
-#   against 9.6 at 4 rows, 9.9 against 8.8 at 6, 12.8 against 9.7 at 8;
+#   linear_i16's AVX512-VNNI tile, on a 2-core Zen 4 EPYC, int4: 7.1 against 6.5 ms at 6
+#   rows, 7.2 against 7.9 at 8, 10.0 against 13.1 at 16, 17.4 against 23.8 at 32; on one
+#   thread 9.6 against 7.7 at 4 rows, 8.8 against 9.9 at 6, 9.7 against 12.8 at 8. The
+#   output projection (int8): 1.43 against 1.55 ms at 8 rows, 4.4 against 5.3 at 32;
 # - bf16 dense emulated (no native bf16): slower than int4 at every decode batch measured
 #   (9.2 ms against 3.3 ms at 32 rows), so only prefill-sized steps use it.
 DENSE_ABOVE_ROWS = {
