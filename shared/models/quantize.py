@@ -105,9 +105,9 @@ def dense_above_rows(
     `pairs`: the copy is in pack_pairs' layout for linear_bf16 (see pairs_kernel)."""
     from tokenyard.engine.config import cpu_has_amx, cpu_has_avx512, cpu_has_native_bf16
 
+    one_thread = "_one_thread" if torch.get_num_threads() == 1 else ""
     if pairs:
-        one = "_one_thread" if torch.get_num_threads() == 1 else ""
-        return DENSE_ABOVE_ROWS["bf16_pairs" + one][bits]
+        return DENSE_ABOVE_ROWS["bf16_pairs" + one_thread][bits]
     if dense_dtype == torch.float32:
         return DENSE_ABOVE_ROWS["fp32" if cpu_has_avx512() else "fp32_avx2"][bits]
 
@@ -119,7 +119,7 @@ def dense_above_rows(
         kernel = "bf16_i16"
     else:
         kernel = "bf16_own_int4" if own_int4_kernel() else "bf16_native"
-    return DENSE_ABOVE_ROWS[kernel + ("_one_thread" if torch.get_num_threads() == 1 else "")][bits]
+    return DENSE_ABOVE_ROWS[kernel + one_thread][bits]
 
 
 # Rows per decode step up to which an AMX CPU's bf16 layers run linear_i16 (int16 activations,

@@ -84,8 +84,7 @@ class Deployment:
         # A widening kernel's floor and the rows' own work add up: widening every weight
         # costs the same at any row count, and each row's products, attention and norms
         # come on top of it (see _widen_s).
-        widen_s = self._widen_s(batch, small)
-        busy_s = widen_s + compute_s if widen_s else compute_s
+        busy_s = self._widen_s(batch, small) + compute_s  # no widening kernel: a floor of 0
         return self.hw.step_overhead_ms * 1e-3 + max(mem_s, busy_s) + self._allreduce_s(batch)
 
     def decode_compute_s(self, batch: int, context: float, eff: float = 1.0) -> float:
