@@ -582,6 +582,7 @@ def test_bf16_layers_run_linear_i16_for_small_steps_and_linear_bf16_above(i16_bf
     small = x[: layer.dense_above]
     y = layer(small)
     zeros = layer.zeros if bits == 4 else None
+    assert y.dtype == torch.bfloat16
     assert torch.equal(y, ops.linear_i16(small, layer.qweight, layer.scales, zeros))  # below
     exact = small.double() @ dequantized(layer).double().T
     err = ((y.double() - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)).max().item()
