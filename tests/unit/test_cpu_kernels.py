@@ -474,3 +474,102 @@ def test_argmax_rows_is_torchs_max_index(ops, vocab):
     assert torch.equal(ops.argmax_rows(logits), logits.max(dim=-1).indices)
     with pytest.raises(RuntimeError, match="contiguous float32"):
         ops.argmax_rows(logits.to(torch.bfloat16))
+
+
+def _i16_operands(rows: int, n: int, k: int, seed: int = 0):
+    """int4 weights in linear_i16's layout and fp32 activations."""
+    from tokenyard.models import quantize
+
+    g = torch.Generator().manual_seed(seed)
+    levels = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale, zero = torch.rand(n, k // 32, generator=g), torch.randn(n, k // 32, generator=g)
+    packed, scales, zeros = quantize.pack_i16(levels, scale, zero)
+    return torch.randn(rows, k, generator=g), packed, scales, zeros
+
+
+class _PythonThread:
+    """A Python thread that notes the time whenever it holds the interpreter, then sleeps
+    for a moment (letting the GIL go) and asks for it again."""
+
+    def __init__(self, pause: float = 0.0005) -> None:
+        import threading
+
+        self.times: list[float] = []
+        self._pause = pause
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import time
+
+        while not self._stop.is_set():
+            self.times.append(time.perf_counter())
+            time.sleep(self._pause)
+
+    def __enter__(self) -> _PythonThread:
+        self._thread.start()
+        while not self.times:
+            pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_long_kernels_let_other_python_threads_run(ops):
+    """The GEMMs and attention release the GIL: a worker's event loop thread runs while the
+    engine thread is in them. With the GIL held the other thread runs only once a call has
+    returned, so none of its times falls in the first half of the call."""
+    import time
+
+    if not ops.i16_available():
+        pytest.skip("linear_i16 needs AVX2")
+    x, packed, scales, zeros = _i16_operands(1024, 2048, 2048)  # about 50 ms
+    calls = {"linear_i16": lambda: ops.linear_i16(x, packed, scales, zeros)}
+    pool = _pool(torch.float32)
+    lens = torch.full((1024,), 2000)  # the pool's 40 blocks over and over: about 40 ms
+    tables = torch.randint(0, NUM_BLOCKS, (1024, 125))
+    q = torch.randn(1024, 9, D)
+    calls["decode_attention"] = lambda: ops.decode_attention(q, pool[:, 1], tables, lens, D**-0.5)
+    for name, call in calls.items():
+        call()  # a first call may import or initialise something that waits without the GIL
+        with _PythonThread() as other:
+            start = time.perf_counter()
+            call()
+            end = time.perf_counter()
+        inside = [t for t in other.times if start < t < start + 0.5 * (end - start)]
+        assert end - start > 0.02, f"{name}: the call is too short to tell"
+        assert inside, f"{name} held the GIL for {1e3 * (end - start):.0f} ms"
+
+
+def test_results_do_not_depend_on_which_thread_takes_a_share(ops):
+    """Threads take items from each other's shares (parallel_items): with a Python thread
+    competing for the cores, which thread computes which outputs changes from call to call,
+    and every call must still give what one thread alone gives, bit for bit."""
+    from tokenyard.models import quantize
+
+    threads = torch.get_num_threads()
+    pool = _pool(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(1, 300, (40,), generator=g)
+    tables = torch.randint(0, NUM_BLOCKS, (40, 19), generator=g)
+    q = torch.randn(40, 9, D, generator=g).to(torch.bfloat16)
+    calls = {"decode_attention": lambda: ops.decode_attention(q, pool[:, 1], tables, lens, 0.125)}
+    if ops.i16_available():
+        x, packed, scales, zeros = _i16_operands(40, 1024, 512)
+        calls["linear_i16"] = lambda: ops.linear_i16(x, packed, scales, zeros)
+    if ops.pairs_available():
+        w = quantize.pack_pairs(torch.randn(1040, 512, generator=g).to(torch.bfloat16))
+        xb = torch.randn(40, 512, generator=g).to(torch.bfloat16)
+        calls["linear_bf16"] = lambda: ops.linear_bf16(xb, w, False)
+    try:
+        torch.set_num_threads(1)
+        alone = {name: call() for name, call in calls.items()}
+        torch.set_num_threads(2)
+        with _PythonThread():
+            for _ in range(20):
+                for name, call in calls.items():
+                    assert torch.equal(call(), alone[name]), name
+    finally:
+        torch.set_num_threads(threads)
