@@ -43,58 +43,68 @@
 
 namespace {
 
-// fn(item, next) for every item of [0, n), in a parallel region. Each thread starts on a
-// contiguous share (first[t] to first[t + 1]; even shares where first is empty) and takes
-// its items from the front; a thread whose share is done takes items from the back of the
-// others'. `next` is the item the thread takes after this one unless another takes it
-// first (-1: none), for prefetching. Why: on a two-core host the stack's other processes
-// (and the worker's own event loop) preempt one of the engine's two threads now and then,
-// and with fixed shares the other then waits at the region's end for the whole of the
-// preempted thread's share; here only for the item it is in.
+// fn(begin, end, next) for runs of items that together cover [0, n) once, in a parallel
+// region. Each thread starts on a contiguous share (first[t] to first[t + 1]; even shares
+// where first is empty) and takes runs of about an eighth of it from its front; a thread
+// whose share is done takes runs from the back of the others'. `next` is the first item of
+// the run the thread takes after this one unless another takes it first (-1: none), for
+// prefetching across runs. Why: on a two-core host the stack's other processes (and the
+// worker's own event loop) preempt one of the engine's two threads now and then, and with
+// fixed shares the other then waits at the region's end for the whole of the preempted
+// thread's share; here only for the run it is in. Runs, not single items: handed one item a
+// call, linear_i16's one-row tiles compiled to slower code (SmolLM2's 120 layers at one row:
+// 3.9 against 3.2 ms).
 template <typename Fn>
 void parallel_items(int64_t n, Fn&& fn, const std::vector<int64_t>& first = {}) {
   const int64_t threads = first.empty() ? std::min<int64_t>(at::get_num_threads(), n)
                                         : static_cast<int64_t>(first.size()) - 1;
   if (threads <= 1 || at::in_parallel_region()) {
-    for (int64_t i = 0; i < n; ++i) fn(i, i + 1 < n ? i + 1 : -1);
+    if (n > 0) fn(0, n, -1);
     return;
   }
-  // A share's front (low 32 bits) and end (high), one cache line each.
+  // A share's front (low 32 bits) and end (high), one cache line each, and its run length.
   struct alignas(64) Share {
     std::atomic<uint64_t> span;
+    int64_t run;
   };
   std::vector<Share> shares(threads);
   for (int64_t t = 0; t < threads; ++t) {
     const uint64_t begin = first.empty() ? t * n / threads : first[t];
     const uint64_t end = first.empty() ? (t + 1) * n / threads : first[t + 1];
     shares[t].span.store(begin | end << 32, std::memory_order_relaxed);
+    shares[t].run = std::max<int64_t>(1, static_cast<int64_t>(end - begin + 7) / 8);
   }
-  // The front item of share s (from_back false) or its last one; -1 when it is empty.
-  auto take = [&](int64_t s, bool from_back, int64_t& next) -> int64_t {
+  // A run from the front of share s (from_back false) or from its back, as [begin, end);
+  // false when the share is empty.
+  auto take = [&](int64_t s, bool from_back, int64_t& begin, int64_t& end, int64_t& next) -> bool {
+    const int64_t run = shares[s].run;
     uint64_t span = shares[s].span.load(std::memory_order_relaxed);
     for (;;) {
-      const int64_t front = static_cast<int64_t>(span & 0xFFFFFFFFu), end = static_cast<int64_t>(span >> 32);
-      if (front >= end) return -1;
-      const uint64_t taken = from_back ? static_cast<uint64_t>(front) | static_cast<uint64_t>(end - 1) << 32
-                                       : static_cast<uint64_t>(front + 1) | static_cast<uint64_t>(end) << 32;
-      if (shares[s].span.compare_exchange_weak(span, taken, std::memory_order_relaxed)) {
+      const int64_t front = static_cast<int64_t>(span & 0xFFFFFFFFu), back = static_cast<int64_t>(span >> 32);
+      if (front >= back) return false;
+      const int64_t len = std::min(run, back - front);
+      const uint64_t rest = from_back ? static_cast<uint64_t>(front) | static_cast<uint64_t>(back - len) << 32
+                                      : static_cast<uint64_t>(front + len) | static_cast<uint64_t>(back) << 32;
+      if (shares[s].span.compare_exchange_weak(span, rest, std::memory_order_relaxed)) {
+        begin = from_back ? back - len : front;
+        end = begin + len;
         if (from_back) {
-          next = end - 2 >= front ? end - 2 : -1;
-          return end - 1;
+          next = back - len > front ? std::max(front, back - len - run) : -1;
+        } else {
+          next = front + len < back ? front + len : -1;
         }
-        next = front + 1 < end ? front + 1 : -1;
-        return front;
+        return true;
       }
     }
   };
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    int64_t next = -1;
-    for (int64_t s = begin; s < end; ++s) {
-      for (int64_t i = take(s, false, next); i >= 0; i = take(s, false, next)) fn(i, next);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    int64_t begin = 0, end = 0, next = -1;
+    for (int64_t s = t0; s < t1; ++s) {
+      while (take(s, false, begin, end, next)) fn(begin, end, next);
     }
     for (int64_t k = 1; k < threads; ++k) {
-      const int64_t s = (end - 1 + k) % threads;
-      for (int64_t i = take(s, true, next); i >= 0; i = take(s, true, next)) fn(i, next);
+      const int64_t s = (t1 - 1 + k) % threads;
+      while (take(s, true, begin, end, next)) fn(begin, end, next);
     }
   });
 }
@@ -701,10 +711,10 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, cons
   const bool vector_path = group <= kMaxGroup && (head_dim == 64 || head_dim == 128);
 #endif
 
-  // Items start in one contiguous share per thread by cost (an item's context length), not
-  // by count: a prefill chunk's rows (prompt tokens as rows of their own, see
-  // tokenyard.models.attention) cost from one key to the whole prompt. Under 512 keys in all
-  // stay on the calling thread: waking the thread pool costs more than they do.
+  // Items start in one contiguous share per thread (parallel_items) by cost (an item's
+  // context length), not by count: a prefill chunk's rows (prompt tokens as rows of their
+  // own, see tokenyard.models.attention) cost from one key to the whole prompt. Under 512
+  // keys in all stay on the calling thread: waking the thread pool costs more than they do.
   const int64_t items = num_seqs * num_kv_heads;
   int64_t total = 0;
   for (int64_t b = 0; b < num_seqs; ++b) total += lens[b] * num_kv_heads;
@@ -715,44 +725,40 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_layer, cons
     done += lens[item / num_kv_heads];
     while (p < parts && done * parts >= p * total) first[p++] = item + 1;
   }
-  parallel_items(
-      items,
-      [&](int64_t item, int64_t) {
-        thread_local std::vector<float> qf, acc, row, scores;
-        qf.resize(group * head_dim);
-        acc.resize(group * head_dim);
-        row.resize(head_dim);
-        const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
-        scores.resize(group * lens[b]);
-        for (int64_t i = 0; i < group; ++i) {
-          const q_t* src = qp + b * q_row + (h * group + i) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) qf[i * head_dim + d] = static_cast<float>(src[d]) * fscale;
-        }
-        DecodeItem<scalar_t> it{qf.data(), pool + h * kv_layer.stride(3), tables + b * block_tables.stride(0),
-                                lens[b], group, head_dim, block_size, kv_layer.stride(0), kv_layer.stride(1),
-                                kv_layer.stride(2), scores.data(), acc.data(), nullptr, fscale};
-        if constexpr (std::is_same_v<q_t, scalar_t>) it.q_raw = qp + b * q_row + h * group * head_dim;
+  parallel_items(items, [&](int64_t begin, int64_t end, int64_t) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
+      scores.resize(group * lens[b]);
+      for (int64_t i = 0; i < group; ++i) {
+        const q_t* src = qp + b * q_row + (h * group + i) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) qf[i * head_dim + d] = static_cast<float>(src[d]) * fscale;
+      }
+      DecodeItem<scalar_t> it{qf.data(), pool + h * kv_layer.stride(3), tables + b * block_tables.stride(0),
+                                    lens[b], group, head_dim, block_size, kv_layer.stride(0), kv_layer.stride(1),
+                                    kv_layer.stride(2), scores.data(), acc.data(), nullptr, fscale};
+      if constexpr (std::is_same_v<q_t, scalar_t>) it.q_raw = qp + b * q_row + h * group * head_dim;
 #if defined(TY_VEC)
-        if constexpr (kVectorType<scalar_t>) {
-          if (vector_path && head_dim == 64) {
-            attend_item_vec<scalar_t, 64 / kW>(it);
-          } else if (vector_path) {
-            attend_item_vec<scalar_t, 128 / kW>(it);
-          } else {
-            attend_item(it, row.data());
-          }
+      if constexpr (kVectorType<scalar_t>) {
+        if (vector_path && head_dim == 64) {
+          attend_item_vec<scalar_t, 64 / kW>(it);
+        } else if (vector_path) {
+          attend_item_vec<scalar_t, 128 / kW>(it);
         } else {
           attend_item(it, row.data());
         }
-#else
+      } else {
         attend_item(it, row.data());
+      }
+#else
+      attend_item(it, row.data());
 #endif
-        for (int64_t i = 0; i < group; ++i) {
-          q_t* dst = op + (b * num_heads + h * group + i) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<q_t>(acc[i * head_dim + d]);
-        }
-      },
-      first);
+      for (int64_t i = 0; i < group; ++i) {
+        q_t* dst = op + (b * num_heads + h * group + i) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<q_t>(acc[i * head_dim + d]);
+      }
+    }
+  }, first);
 }
 
 template <typename scalar_t>
@@ -1060,17 +1066,18 @@ constexpr int64_t kRowTile = 4;    // rows whose accumulators live in registers 
 constexpr int64_t kRowPanel = 64;  // rows whose int16 activations stay in L2 while the blocks go by
 
 // tile(rows, m0, b) for every tile of up to RowTile rows from row m0 and every block b of
-// kOutBlock outputs: rows in panels of kRowPanel, each panel's blocks split between threads
-// (parallel_items).
+// kOutBlock outputs: blocks split between threads (parallel_items), rows in panels of kRowPanel
+// within each run of blocks.
 template <int RowTile = kRowTile, typename Tile>
 void for_tiles(int64_t M, int64_t blocks, Tile&& tile) {
-  for (int64_t p0 = 0; p0 < M; p0 += kRowPanel) {
-    const int64_t p1 = std::min(M, p0 + kRowPanel);
-    parallel_items(blocks, [&](int64_t b, int64_t) {
-      for (int64_t m0 = p0; m0 < p1; m0 += RowTile)
-        with_rows<RowTile>(std::min<int64_t>(RowTile, p1 - m0), [&](auto rows) { tile(rows, m0, b); });
-    });
-  }
+  parallel_items(blocks, [&](int64_t begin, int64_t end, int64_t) {
+    for (int64_t p0 = 0; p0 < M; p0 += kRowPanel) {
+      const int64_t p1 = std::min(M, p0 + kRowPanel);
+      for (int64_t b = begin; b < end; ++b)
+        for (int64_t m0 = p0; m0 < p1; m0 += RowTile)
+          with_rows<RowTile>(std::min<int64_t>(RowTile, p1 - m0), [&](auto rows) { tile(rows, m0, b); });
+    }
+  });
 }
 
 // Bytes of one pair of inputs for 16 outputs: int4 nibbles (Signed false) or int8 bytes.
@@ -1534,8 +1541,7 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
   // prefetches over: those of its later passes, or of its one pass.
   const int64_t passes = (M + 2 * kAmxRows - 1) / (2 * kAmxRows);
   const int64_t later = (passes > 1 ? passes - 1 : 1) * G;
-  // Units go to threads by parallel_items; each unit configures the tiles and releases them.
-  parallel_items(units, [&](int64_t unit, int64_t next) {
+  parallel_items(units, [&](int64_t begin, int64_t end, int64_t after) {
     // Each thread's widened tiles live from call to call: a fresh vector per call zeroed up to
     // 96 KiB, 120 calls a step.
     thread_local std::vector<at::BFloat16> widened;
@@ -1544,7 +1550,7 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
     }
     alignas(64) float sums[kAmxRows * 16];
     int configured = -1;
-    {
+    for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b0 = paired ? 2 * unit : unit;
       const bool two = paired && b0 + 1 < blocks;  // N / 16 odd: the last block goes alone
       at::BFloat16* wide[2] = {widened.data(), widened.data() + (two ? G * 16 * 32 : 0)};
@@ -1562,8 +1568,9 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
       // 8.8-9.3 against 10.3-10.6 (the output projection included). Widening the next
       // unit's tiles ahead instead, during the later passes, was 10-15% faster with the
       // weights in cache and 15-20% slower in the model.
-      const bool ahead = next >= 0;
-      const int64_t nb0 = paired ? 2 * next : next, nblocks = std::min<int64_t>(paired ? 2 : 1, blocks - nb0);
+      const int64_t nu = unit + 1 < end ? unit + 1 : after;  // the thread's next unit
+      const bool ahead = nu >= 0;
+      const int64_t nb0 = paired ? 2 * nu : nu, nblocks = std::min<int64_t>(paired ? 2 : 1, blocks - nb0);
       const char* next_w = reinterpret_cast<const char*>(w + nb0 * G * tile_bytes);
       const char* next_s = reinterpret_cast<const char*>(scale + nb0 * G * kOutBlock);
       const char* next_z = zero == nullptr ? nullptr : reinterpret_cast<const char*>(zero + nb0 * G * kOutBlock);
@@ -1691,39 +1698,43 @@ __attribute__((noinline)) void pairs_tile(const at::BFloat16* x, int64_t K, cons
 }
 
 // y [M, N] = x [M, K] @ W^T, W in pack_pairs' layout. Threads take runs of kPairBlocks blocks
-// (parallel_items), a panel of rows at a time; within a panel each run's tiles split its rows
-// evenly (8 rows or fewer a tile: 20 rows are 7 + 7 + 6, not 8 + 8 + 4).
+// (parallel_items hands out ranges of runs); within a panel of rows, each run's tiles split
+// the panel's rows evenly (8 rows or fewer a tile: 20 rows are 7 + 7 + 6, not 8 + 8 + 4).
 template <typename out_t>
 void gemm_pairs(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w, out_t* y, int64_t N) {
   const int64_t blocks = N / kOutBlock, runs = (blocks + kPairBlocks - 1) / kPairBlocks, wstride = K * kOutBlock;
-  for (int64_t p0 = 0; p0 < M; p0 += kPairPanel) {
-    const int64_t rows = std::min(M - p0, kPairPanel), tiles = (rows + kPairRows - 1) / kPairRows;
-    parallel_items(runs, [&](int64_t r, int64_t next) {
-      const int64_t b = r * kPairBlocks, nb = std::min<int64_t>(kPairBlocks, blocks - b);
-      // The next run's weights (a whole run), during the second tile (the first reads this
-      // run's from memory), or the only one.
-      const bool ahead = next >= 0 && (next + 1) * kPairBlocks <= blocks;
-      const int64_t fetch_tile = tiles > 1 ? 1 : 0;
-      int64_t m0 = p0;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t mr = rows / tiles + (t < rows % tiles ? 1 : 0);
-        const at::BFloat16* pf = ahead && t == fetch_tile ? w + next * kPairBlocks * wstride : nullptr;
-        with_rows<kPairRows>(mr, [&](auto r_) {
-          constexpr int R = decltype(r_)::value;
-          const at::BFloat16* wb = w + b * wstride;
-          out_t* yb = y + m0 * N + b * kOutBlock;
-          if (nb == kPairBlocks) {
-            pairs_tile<R, kPairBlocks>(x + m0 * K, K, wb, wstride, yb, N, pf);
-          } else if (nb == 2) {
-            pairs_tile<R, 2>(x + m0 * K, K, wb, wstride, yb, N, nullptr);
-          } else {
-            pairs_tile<R, 1>(x + m0 * K, K, wb, wstride, yb, N, nullptr);
-          }
-        });
-        m0 += mr;
+  parallel_items(runs, [&](int64_t begin, int64_t end, int64_t after) {
+    for (int64_t p0 = 0; p0 < M; p0 += kPairPanel) {
+      const int64_t rows = std::min(M - p0, kPairPanel), tiles = (rows + kPairRows - 1) / kPairRows;
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t b = r * kPairBlocks, nb = std::min<int64_t>(kPairBlocks, blocks - b);
+        // The next run's weights (the thread's next one: in this range, then the next panel's
+        // first, then the range parallel_items hands it next), during the second tile (the
+        // first reads this run's from memory), or the only one.
+        const int64_t nr = r + 1 < end ? r + 1 : p0 + kPairPanel < M ? begin : after;
+        const bool ahead = nr >= 0 && (nr + 1) * kPairBlocks <= blocks;
+        const int64_t fetch_tile = tiles > 1 ? 1 : 0;
+        int64_t m0 = p0;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t mr = rows / tiles + (t < rows % tiles ? 1 : 0);
+          const at::BFloat16* pf = ahead && t == fetch_tile ? w + nr * kPairBlocks * wstride : nullptr;
+          with_rows<kPairRows>(mr, [&](auto r_) {
+            constexpr int R = decltype(r_)::value;
+            const at::BFloat16* wb = w + b * wstride;
+            out_t* yb = y + m0 * N + b * kOutBlock;
+            if (nb == kPairBlocks) {
+              pairs_tile<R, kPairBlocks>(x + m0 * K, K, wb, wstride, yb, N, pf);
+            } else if (nb == 2) {
+              pairs_tile<R, 2>(x + m0 * K, K, wb, wstride, yb, N, nullptr);
+            } else {
+              pairs_tile<R, 1>(x + m0 * K, K, wb, wstride, yb, N, nullptr);
+            }
+          });
+          m0 += mr;
+        }
       }
-    });
-  }
+    }
+  });
 }
 #endif
 
