@@ -1570,7 +1570,7 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
       // weights in cache and 15-20% slower in the model.
       const int64_t nu = unit + 1 < end ? unit + 1 : after;  // the thread's next unit
       const bool ahead = nu >= 0;
-      const int64_t nb0 = paired ? 2 * nu : nu, nblocks = std::min<int64_t>(paired ? 2 : 1, blocks - nb0);
+      const int64_t nb0 = !ahead ? b0 : paired ? 2 * nu : nu, nblocks = std::min<int64_t>(paired ? 2 : 1, blocks - nb0);
       const char* next_w = reinterpret_cast<const char*>(w + nb0 * G * tile_bytes);
       const char* next_s = reinterpret_cast<const char*>(scale + nb0 * G * kOutBlock);
       const char* next_z = zero == nullptr ? nullptr : reinterpret_cast<const char*>(zero + nb0 * G * kOutBlock);
