@@ -525,22 +525,29 @@ def test_long_kernels_let_other_python_threads_run(ops):
 
     if not ops.i16_available():
         pytest.skip("linear_i16 needs AVX2")
-    x, packed, scales, zeros = _i16_operands(1024, 2048, 2048)  # about 50 ms
+    # Two threads whatever the host, so that each call lasts long enough to tell (about
+    # 100 and 80 ms on a 2-core Zen 4).
+    x, packed, scales, zeros = _i16_operands(2048, 2048, 2048)
     calls = {"linear_i16": lambda: ops.linear_i16(x, packed, scales, zeros)}
     pool = _pool(torch.float32)
-    lens = torch.full((1024,), 2000)  # the pool's 40 blocks over and over: about 40 ms
-    tables = torch.randint(0, NUM_BLOCKS, (1024, 125))
-    q = torch.randn(1024, 9, D)
+    lens = torch.full((2048,), 2000)  # the pool's 40 blocks over and over
+    tables = torch.randint(0, NUM_BLOCKS, (2048, 125))
+    q = torch.randn(2048, 9, D)
     calls["decode_attention"] = lambda: ops.decode_attention(q, pool[:, 1], tables, lens, D**-0.5)
-    for name, call in calls.items():
-        call()  # a first call may import or initialise something that waits without the GIL
-        with _PythonThread() as other:
-            start = time.perf_counter()
-            call()
-            end = time.perf_counter()
-        inside = [t for t in other.times if start < t < start + 0.5 * (end - start)]
-        assert end - start > 0.02, f"{name}: the call is too short to tell"
-        assert inside, f"{name} held the GIL for {1e3 * (end - start):.0f} ms"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for name, call in calls.items():
+            call()  # a first call may import or initialise something that waits without the GIL
+            with _PythonThread() as other:
+                start = time.perf_counter()
+                call()
+                end = time.perf_counter()
+            inside = [t for t in other.times if start < t < start + 0.5 * (end - start)]
+            assert end - start > 0.02, f"{name}: the call is too short to tell"
+            assert inside, f"{name} held the GIL for {1e3 * (end - start):.0f} ms"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_results_do_not_depend_on_which_thread_takes_a_share(ops):
