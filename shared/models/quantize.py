@@ -25,8 +25,9 @@ int4 and int8 layers run an integer kernel at every row count and keep no dense 
 AVX512-VNNI CPUs without AMX, bf16 layers run that kernel for small steps instead of the
 weight-only kernels, and keep their dense copy in the layout of our own bf16 GEMM
 (`linear_bf16`, `pairs_kernel`), which runs every bigger step. On AMX CPUs bf16 layers keep
-no dense copy either (`amx_kernel`): steps of a few decode rows run the same int16 kernel, every other step
-`linear_amx`, which widens the int4 or int8 weights to bf16 tiles for AMX to multiply.
+no dense copy either (`amx_kernel`): steps of a few decode rows run the same int16 kernel,
+every other step `linear_amx`, which widens the int4 or int8 weights to bf16 tiles for AMX
+to multiply.
 """
 
 from __future__ import annotations

@@ -80,12 +80,12 @@ def cpu_kind() -> str:
     "other"."""
     from tokenyard.engine.config import cpu_flags, cpu_has_amx
 
-    flags = cpu_flags()
     if cpu_has_amx():
         return "amx"
-    for kind in ("avx512_bf16", "avx512f", "avx2"):
-        if kind in flags:
-            return kind.removesuffix("f")
+    flags = cpu_flags()
+    for flag, kind in (("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"), ("avx2", "avx2")):
+        if flag in flags:
+            return kind
     return "other"
 
 
