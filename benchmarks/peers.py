@@ -23,8 +23,9 @@ server: seconds from start to the first answered request, resident memory (RSS a
 every process of the server summed: PSS counts shared pages once) after the runs, and
 each workload's output tok/s and TTFT. The in-process engine (benchmarks/engine.py,
 dtype auto + int4) runs last as the ceiling for the stack's chat c=32: its one-wave scenario,
-and the same workload as the stack's run (``engine_ceiling``). Writes JSON and a PNG bar
-chart beside it.
+and the same workload as the stack's run (``engine_ceiling``). Before and after each
+server, a host probe (memory read bandwidth, fp32 matmul rate) shows whether the machine's
+own speed moved between servers. Writes JSON and a PNG bar chart beside it.
 """
 
 from __future__ import annotations
@@ -296,13 +297,43 @@ def run_workload(url: str, w: Workload, out: Path) -> dict[str, Any]:
     }
 
 
+def host_probe() -> dict[str, float]:
+    """How fast the host is right now, with no server running: memory read bandwidth (the sum
+    of a 256 MiB fp32 tensor) and fp32 matmul rate (1,024 x 1,024), best of five each, on the
+    servers' thread count. A shared host's speed drifts (on 5 December one 2-core VM ran the
+    same stack's c=32 at 348 to 564 tok/s within an hour), and the servers run minutes apart:
+    the probe before and after each says whether their figures met the same machine."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    a = torch.ones(64 * 1024 * 1024)
+    m = torch.randn(1024, 1024)
+
+    def best(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    read_s = best(a.sum)
+    mm_s = best(lambda: m @ m)
+    return {
+        "read_gb_s": round(a.numel() * 4 / read_s / 1e9, 1),
+        "fp32_matmul_gflop_s": round(2 * 1024**3 / mm_s / 1e9, 1),
+    }
+
+
 def measure(
     name: str, start: Callable[[], Running], work: Path, workloads: list[Workload]
 ) -> dict[str, Any]:
     print(f"{name}: starting", flush=True)
+    host_before = host_probe()
     t0 = time.monotonic()
     server = start()
     result: dict[str, Any] = {"start_s": round(time.monotonic() - t0, 1), "workloads": {}}
+    result["host_before"] = host_before
     try:
         for w in workloads:
             r = run_workload(server.url, w, work / f"{name}-{w.label}.json".replace(" ", "_"))
@@ -315,7 +346,20 @@ def measure(
         result["memory"] = memory_of(server.pids())
     finally:
         server.stop()
+    result["host_after"] = host_probe()
+    print(f"{name}: host {probe_text(result)}", flush=True)
     return result
+
+
+def probe_text(result: dict[str, Any]) -> str:
+    """The host probe before and after a server's runs, as one line."""
+    b, a = result.get("host_before"), result.get("host_after")
+    if not b or not a:
+        return "not probed"
+    return (
+        f"memory read {b['read_gb_s']} -> {a['read_gb_s']} GB/s, fp32 matmul "
+        f"{b['fp32_matmul_gflop_s']} -> {a['fp32_matmul_gflop_s']} GFLOP/s"
+    )
 
 
 def engine_run(kind: str, *flags: str) -> dict[str, Any]:
@@ -450,9 +494,11 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{mem.get('pss_mib', 0):,.0f} / {mem.get('rss_mib', 0):,.0f}",
         ]
         rows.append("| " + " | ".join(cells) + " |")
+    rows.append("")
+    for name, r in doc["servers"].items():
+        rows.append(f"- host around `{name}`: {probe_text(r)}")
     engine = doc.get("engine_in_process")
     if engine:
-        rows.append("")
         for name, r in doc["servers"].items():
             got = r["workloads"].get("chat c=32", {}).get("output_tok_s")
             if name.startswith("tokenyard") and got:

