@@ -97,6 +97,7 @@ def settings(stack: LocalStack, tmp_path: Path, example_inventory: Path) -> Faci
         inventory_path=example_inventory,
         admin_token=TOKEN,
         port=free_port(),
+        grpc_port=free_port(),  # not the default 50075: another server may hold it
         tick_s=0.25,
         dwell_s=DWELL_S,
         state_heartbeat_s=HEARTBEAT_S,

@@ -110,7 +110,7 @@ async def test_load_alone_derates_a_rack_and_new_work_moves_away(
 ) -> None:
     settings = FacilitiesSettings(
         nats_url=stack.nats_url, data_dir=tmp_path, inventory_path=inventory(tmp_path / "inv.yaml"),
-        admin_token="unused", port=free_port(), tick_s=0.25, dwell_s=DWELL_S,
+        admin_token="unused", port=free_port(), grpc_port=free_port(), tick_s=0.25, dwell_s=DWELL_S,
         state_heartbeat_s=HEARTBEAT_S, sim_time_constant_s=0.0,
     )  # fmt: skip
     obs, stop_service, stop_trickle = Observer(), asyncio.Event(), asyncio.Event()

@@ -39,6 +39,7 @@ def settings(tmp_path: Path, nats_url: str, example_inventory: Path) -> Faciliti
         inventory_path=example_inventory,
         admin_token=TOKEN,
         port=free_port(),
+        grpc_port=free_port(),  # not the default 50075: a test NATS may hold it
         tick_s=0.2,
         dwell_s=DWELL_S,
         stale_after_s=1.0,
@@ -261,6 +262,7 @@ def test_module_runs_standalone_and_stops_on_sigterm(
         "TOKENYARD_FACILITIES_INVENTORY_PATH": str(example_inventory),
         "TOKENYARD_FACILITIES_DATA_DIR": str(tmp_path),
         "TOKENYARD_FACILITIES_PORT": str(port),
+        "TOKENYARD_FACILITIES_GRPC_PORT": str(free_port()),
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokenyard.services.facilities"],
