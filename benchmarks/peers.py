@@ -302,30 +302,25 @@ def run_workload(url: str, w: Workload, out: Path) -> dict[str, Any]:
 
 
 def host_probe() -> dict[str, float]:
-    """How fast the host is right now, with no server running: memory read bandwidth (the sum
-    of a 256 MiB fp32 tensor) and fp32 matmul rate (1,024 x 1,024), best of five each, on the
-    servers' thread count. A shared host's speed drifts (on 5 December one 2-core VM ran the
-    same stack's c=32 at 348 to 564 tok/s within an hour), and the servers run minutes apart:
-    the probe before and after each says whether their figures met the same machine."""
+    """How fast the host is right now, with no server running: memory read bandwidth
+    (engine.py's probe: the sum of a 512 MiB fp32 tensor) and fp32 matmul rate (1,024 x
+    1,024, best of five), on the servers' thread count. A shared host's speed drifts (on 5
+    December one 2-core VM ran the same stack's c=32 at 348 to 564 tok/s within an hour), and
+    the servers run minutes apart: the probe before and after each says whether their figures
+    met the same machine."""
     import torch
+    from engine import memory_bandwidth_gbs  # benchmarks/engine.py, beside this script
 
     torch.set_num_threads(THREADS)
-    a = torch.ones(64 * 1024 * 1024)
     m = torch.randn(1024, 1024)
-
-    def best(fn: Callable[[], object]) -> float:
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    read_s = best(a.sum)
-    mm_s = best(lambda: m @ m)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        m @ m
+        times.append(time.perf_counter() - t0)
     return {
-        "read_gb_s": round(a.numel() * 4 / read_s / 1e9, 1),
-        "fp32_matmul_gflop_s": round(2 * 1024**3 / mm_s / 1e9, 1),
+        "read_gb_s": round(memory_bandwidth_gbs(), 1),
+        "fp32_matmul_gflop_s": round(2 * 1024**3 / min(times) / 1e9, 1),
     }
 
 
@@ -506,22 +501,18 @@ def ratios(rounds: list[dict[str, Any]], peer: str) -> dict[str, Any]:
             continue
         per_workload: dict[str, Any] = {}
         for label in rounds[0][name]["workloads"]:
-            tok, ttft = [], []
-            for r in rounds:
-                ours, theirs = (
-                    r[name]["workloads"].get(label, {}),
-                    r[peer]["workloads"].get(label, {}),
-                )
-                if ours.get("output_tok_s") and theirs.get("output_tok_s"):
-                    tok.append(round(ours["output_tok_s"] / theirs["output_tok_s"], 3))
-                if ours.get("ttft_p50_ms") and theirs.get("ttft_p50_ms"):
-                    ttft.append(round(ours["ttft_p50_ms"] / theirs["ttft_p50_ms"], 3))
-            per_workload[label] = {
-                "tok_s": tok,
-                "ttft": ttft,
-                "tok_s_median": statistics.median(tok) if tok else None,
-                "ttft_median": statistics.median(ttft) if ttft else None,
-            }
+            per_workload[label] = {}
+            for key, field_ in (("output_tok_s", "tok_s"), ("ttft_p50_ms", "ttft")):
+                pairs = [
+                    (
+                        r[name]["workloads"].get(label, {}).get(key),
+                        r[peer]["workloads"].get(label, {}).get(key),
+                    )
+                    for r in rounds
+                ]
+                got = [round(a / b, 3) for a, b in pairs if a and b]
+                per_workload[label][field_] = got
+                per_workload[label][f"{field_}_median"] = statistics.median(got) if got else None
         out[name] = per_workload
     return out
 

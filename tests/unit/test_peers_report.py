@@ -13,12 +13,16 @@ _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"
 
 @pytest.fixture(scope="module")
 def peers():
+    sys.path.insert(0, str(_PATH.parent))  # peers.py takes its memory probe from engine.py
     spec = importlib.util.spec_from_file_location("peers_under_test", _PATH)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return module
+    yield module
+    sys.path.remove(str(_PATH.parent))
+    sys.modules.pop(spec.name, None)
+    sys.modules.pop("engine", None)
 
 
 def test_host_probe_measures_the_machine(peers) -> None:
