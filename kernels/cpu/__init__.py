@@ -64,6 +64,7 @@ _FUNCTIONS = [
     "amx_available",
     "linear_bf16",
     "pairs_available",
+    "decoder_layers",
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 

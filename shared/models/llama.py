@@ -14,13 +14,14 @@ from typing import cast
 import torch
 from torch import nn
 
+from tokenyard.kernels import cpu as cpu_kernels
 from tokenyard.models.attention import AttnMetadata, paged_attention
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.fused import add_rms_norm, rotary_
 from tokenyard.models.mlp import MLP
 from tokenyard.models.module import LeanModule
 from tokenyard.models.moe import SparseMoeBlock
-from tokenyard.models.quantize import fp32_linear
+from tokenyard.models.quantize import QuantizedLinear, fp32_linear, prompt_step_active
 
 
 class RMSNorm(LeanModule):
@@ -156,6 +157,10 @@ class LlamaForCausalLM(LeanModule):
         self.rope: RotaryEmbedding | None = None  # built by load_weights (never on "meta")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
+        # Decode steps on a CPU run every layer in one call of the kernels' decoder_layers
+        # where each layer can (`_fused_plan`); False: always layer by layer (the twin).
+        self.fused_decode = True
+        self._fused_plans: dict[tuple[int, bool], tuple[list[torch.Tensor], list[int]] | None] = {}
 
     def forward(
         self,
@@ -167,10 +172,72 @@ class LlamaForCausalLM(LeanModule):
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         assert self.rope is not None, "load_weights() first"
+        plan = self._fused_plan(x, meta, kv_cache)
+        if plan is not None:
+            kernels, (weights, kinds) = cpu_kernels.ops(), plan
+            assert kernels is not None and meta.decode_block_tables is not None
+            attn = cast(DecoderLayer, self.layers[0]).self_attn
+            return kernels.decoder_layers(
+                x,
+                positions,
+                self.rope.cos,
+                self.rope.sin,
+                kv_cache,
+                meta.slot_blocks,
+                meta.slot_offsets,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                weights,
+                kinds,
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.scale,
+                self.norm.eps,
+            )
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rope, meta, kv_cache)
         return self.norm(x, residual)[0]
+
+    def _fused_plan(
+        self, x: torch.Tensor, meta: AttnMetadata, kv_cache: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[int]] | None:
+        """What the kernels' `decoder_layers` takes for this step (every layer's weights
+        and its projections' kernels), or None: the layers run one by one. It runs steps of
+        decode rows only (no prefill span), on a CPU with the kernels built, where every
+        layer is a dense Llama layer without biases whose four projections each run one of
+        the C++ kernels at this step's size (QuantizedLinear.step_kernel): the default int4
+        and int8 weights on x86. Plans are kept per (rows, prompt step)."""
+        if not self.fused_decode or meta.prefills or meta.num_decode != x.shape[0]:
+            return None
+        if x.device.type != "cpu" or kv_cache.dim() != 6 or cpu_kernels.ops() is None:
+            return None
+        key = (x.shape[0], prompt_step_active())
+        if key not in self._fused_plans:
+            self._fused_plans[key] = self._build_fused_plan(x.shape[0])
+        return self._fused_plans[key]
+
+    def _build_fused_plan(self, rows: int) -> tuple[list[torch.Tensor], list[int]] | None:
+        weights: list[torch.Tensor] = []
+        kinds: list[int] = []
+        for layer in self.layers:
+            if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, MLP):
+                return None
+            attn = layer.self_attn
+            if not isinstance(attn, Attention):
+                return None
+            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for proj in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                kernel = (
+                    proj.step_kernel(rows)
+                    if isinstance(proj, QuantizedLinear) and proj.bias is None
+                    else None
+                )
+                if kernel is None:
+                    return None
+                kinds.append(kernel[0])
+                weights += kernel[1]
+        return weights + [self.norm.weight], kinds
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> fp32 logits [T, vocab]."""
@@ -179,6 +246,7 @@ class LlamaForCausalLM(LeanModule):
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights, fusing q/k/v and gate/up into this model's fused layers."""
         self.rope = RotaryEmbedding(self.config, self.max_positions)
+        self._fused_plans.clear()  # plans hold the weights they were built from
         self.embed_tokens.weight.copy_(weights["model.embed_tokens.weight"])
         self.norm.weight.copy_(weights["model.norm.weight"])
         if "lm_head.weight" in weights and not self.config.tie_word_embeddings:

@@ -140,6 +140,11 @@ PREPACK_ROWS = 32
 _step = threading.local()
 
 
+def prompt_step_active() -> bool:
+    """Whether this thread's current step holds prompt tokens (see prompt_step)."""
+    return getattr(_step, "prompt", False)
+
+
 @contextlib.contextmanager
 def prompt_step(active: bool) -> Iterator[None]:
     """Within: the step carries prompt tokens, and every quantized layer with a dense copy
@@ -148,12 +153,37 @@ def prompt_step(active: bool) -> Iterator[None]:
     count alone would send through the weight-only kernel): with bf16 activations the two
     paths' roundings flipped a near-tied greedy answer. Costs a dense read of the weights
     on the rare prompt step of a few rows. Per thread: each engine steps on its own."""
-    before = getattr(_step, "prompt", False)
+    before = prompt_step_active()
     _step.prompt = active
     try:
         yield
     finally:
         _step.prompt = before
+
+
+# The C++ kernels a quantized layer's step can run (QuantizedLinear.step_kernel), by the codes
+# that the kernels' decoder_layers takes.
+KERNEL_AMX, KERNEL_I16, KERNEL_I8, KERNEL_PAIRS = range(4)
+_NONE = torch.empty(0)  # an absent weight tensor (no zeros for int8)
+
+
+def run_kernel(
+    kind: int, weights: list[torch.Tensor], x: torch.Tensor, fp32_out: bool
+) -> torch.Tensor:
+    """x [M, in] through a step kernel of QuantizedLinear.step_kernel: [M, out] in x's dtype
+    (linear_amx and linear_bf16: bf16), or the fp32 sums where fp32_out."""
+    ops = cpu_kernels.ops()
+    q, scales, zeros = weights
+    if kind == KERNEL_AMX:
+        z = zeros if zeros.numel() else None
+        return ops.linear_amx(x.to(torch.bfloat16).contiguous(), q, scales, z, fp32_out)
+    if kind == KERNEL_PAIRS:
+        return ops.linear_bf16(x, q, fp32_out)
+    if fp32_out:  # the integer kernels return x's dtype
+        x = x.float()
+    if kind == KERNEL_I8:
+        return ops.linear_i8(x, q, scales, zeros)
+    return ops.linear_i16(x, q, scales, zeros if zeros.numel() else None)
 
 
 class QuantizedLinear(LeanModule):
@@ -260,14 +290,33 @@ class QuantizedLinear(LeanModule):
         """Whether a step of `rows` rows takes the dense copy (either layout)."""
         if self.dense is None and self.pairs is None:
             return False
-        return rows > self.dense_above or getattr(_step, "prompt", False)
+        return rows > self.dense_above or prompt_step_active()
+
+    def step_kernel(self, rows: int) -> tuple[int, list[torch.Tensor]] | None:
+        """The C++ kernel that a step of `rows` rows runs this layer through (a KERNEL_* code)
+        and its weights as three tensors (an absent one empty), or None where torch's
+        kernels or the twin run it. forward() and the fused decoder (`decoder_layers`) both
+        take it from here; the bias is added apart."""
+        if self._dense_step(rows):  # the dense copy: in pack_pairs' layout, or torch's
+            return (KERNEL_PAIRS, [self.pairs, _NONE, _NONE]) if self.pairs is not None else None
+        return self._weight_kernel(rows)
+
+    def _weight_kernel(self, rows: int) -> tuple[int, list[torch.Tensor]] | None:
+        """step_kernel's choice among the weight-only kernels that take pack_i16's (or
+        pack_i8's) layout, dense copy or not; None for layers in other layouts."""
+        if not self.i16:
+            return None
+        weights = [self.qweight, self.scales, self.zeros if self.bits == 4 else _NONE]
+        if self.amx and (rows > self.i16_rows or prompt_step_active()):
+            return KERNEL_AMX, weights
+        return (KERNEL_I8 if self.act8 else KERNEL_I16), weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
-        if self.pairs is not None and self._dense_step(rows.shape[0]):
-            y = cpu_kernels.ops().linear_bf16(rows, self.pairs, False)
-            y = y.reshape(*shape[:-1], self.out_features)
+        kernel = self.step_kernel(rows.shape[0])
+        if kernel is not None:
+            y = run_kernel(*kernel, rows, False).reshape(*shape[:-1], self.out_features)
             return y + self.bias if self.bias is not None else y
         if self.dense is not None and self._dense_step(rows.shape[0]):
             if self.dense.is_mkldnn:  # prepack(): the same oneDNN kernel, no reorder per call
@@ -307,17 +356,11 @@ class QuantizedLinear(LeanModule):
     def _quantized_mm(self, x: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
         """x [M, in] -> [M, out] in x's dtype (fp32 where fp32_out, for AMX layers), through
         the weight-only kernel."""
-        if self.amx and (x.shape[0] > self.i16_rows or getattr(_step, "prompt", False)):
-            zeros = self.zeros if self.bits == 4 else None
-            xb = x.to(torch.bfloat16).contiguous()
-            return cpu_kernels.ops().linear_amx(xb, self.qweight, self.scales, zeros, fp32_out)
+        kernel = self._weight_kernel(x.shape[0])
+        if kernel is not None:
+            return run_kernel(*kernel, x, fp32_out)
         if fp32_out:  # the other kernels return x's dtype
             x = x.float()
-        if self.act8:
-            return cpu_kernels.ops().linear_i8(x, self.qweight, self.scales, self.zeros)
-        if self.i16:
-            zeros = self.zeros if self.bits == 4 else None
-            return cpu_kernels.ops().linear_i16(x, self.qweight, self.scales, zeros)
         if self.bits == 8:
             kernels = cpu_kernels.ops_for(x)
             if kernels is not None:  # 16 rows a call; each row's sums never depend on the others
@@ -362,8 +405,9 @@ class QuantizedLinear(LeanModule):
             or (self.dense is not None and x.shape[0] > self.dense_above)
         ):
             return self(x).float()
-        if self.pairs is not None and self._dense_step(x.shape[0]):
-            y = cpu_kernels.ops().linear_bf16(x, self.pairs, True)
+        kernel = self.step_kernel(x.shape[0])
+        if kernel is not None:
+            y = run_kernel(*kernel, x, True)
             return y + self.bias if self.bias is not None else y
         y = self._quantized_mm(x, fp32_out=True)
         return y + self.bias if self.bias is not None else y

@@ -1,0 +1,189 @@
+"""The kernels' `decoder_layers` (a decode step's every layer in one C++ call) against the
+layers called one by one from Python: the same kernels in the same order, so the hidden
+states and the pool must come out equal to the bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenyard.kernels import cpu as cpu_kernels
+from tokenyard.models.attention import AttnMetadata, PrefillSpan
+from tokenyard.models.config import ModelConfig
+from tokenyard.models.llama import LlamaForCausalLM
+from tokenyard.models.quantize import KERNEL_AMX, prompt_step, quantize
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 3, 4, 2, 64, 16
+HIDDEN, INTERMEDIATE, VOCAB = HEADS * HEAD_DIM, 512, 96
+
+
+def _config(bias: bool = False) -> ModelConfig:
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        attention_bias=bias,
+    )
+
+
+def _model(dtype: torch.dtype, mode: str, bias: bool = False) -> LlamaForCausalLM:
+    g = torch.Generator().manual_seed(3)
+    config = _config(bias)
+    model = LlamaForCausalLM(config, max_positions=1024)
+    weights = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g)}
+    weights["model.norm.weight"] = 1 + 0.1 * torch.randn(HIDDEN, generator=g)
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    shapes = {
+        "self_attn.q_proj": (q, HIDDEN),
+        "self_attn.k_proj": (kv, HIDDEN),
+        "self_attn.v_proj": (kv, HIDDEN),
+        "self_attn.o_proj": (HIDDEN, q),
+        "mlp.gate_proj": (INTERMEDIATE, HIDDEN),
+        "mlp.up_proj": (INTERMEDIATE, HIDDEN),
+        "mlp.down_proj": (HIDDEN, INTERMEDIATE),
+    }
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        for name, shape in shapes.items():
+            weights[p + name + ".weight"] = torch.randn(*shape, generator=g) / shape[1] ** 0.5
+            if bias and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                weights[p + name + ".bias"] = 0.1 * torch.randn(shape[0], generator=g)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            weights[p + norm + ".weight"] = 1 + 0.1 * torch.randn(HIDDEN, generator=g)
+    model.load_weights(weights)
+    return quantize(model.to(dtype), mode)
+
+
+def _decode_step(rows: int, pool_dtype: torch.dtype, seed: int = 0):
+    """A step of `rows` decode rows over contexts of 1 to 200 tokens in a random pool."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 200, (rows,), generator=g)
+    blocks_per = -(-int(lens.max()) // BLOCK)
+    num_blocks = rows * blocks_per + 1
+    tables = torch.randperm(num_blocks - 1, generator=g)[: rows * blocks_per].view(rows, blocks_per)
+    positions = lens - 1
+    meta = AttnMetadata(
+        slot_blocks=tables[torch.arange(rows), positions // BLOCK].contiguous(),
+        slot_offsets=positions % BLOCK,
+        num_decode=rows,
+        decode_block_tables=tables.contiguous(),
+        decode_context_lens=lens,
+        block_size=BLOCK,
+    )
+    pool = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(pool_dtype)
+    ids = torch.randint(0, VOCAB, (rows,), generator=g)
+    return ids, positions, meta, pool
+
+
+def _both(model: LlamaForCausalLM, ids, positions, meta, pool):
+    """(hidden, pool) through decoder_layers, then layer by layer, each on a copy of the pool."""
+    out = []
+    for fused in (True, False):
+        model.fused_decode = fused
+        p = pool.clone()
+        out.append((model(ids, positions, meta, p), p))
+    return out
+
+
+# Each CPU takes other kernels: bf16 layers run linear_amx and linear_i16 on AMX, linear_i16
+# and linear_bf16 (the dense copy) on AVX512-VNNI; fp32 layers linear_i16 on AVX2.
+CASES = [(dtype, mode) for dtype in (torch.bfloat16, torch.float32) for mode in ("int4", "int8")]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if cpu_kernels.ops() is None:
+        pytest.skip("CPU kernels not built here")
+    return cpu_kernels.ops()
+
+
+def test_decoder_layers_equal_the_layers_one_by_one(kernels):
+    ran = []
+    for dtype, mode in CASES:
+        model = _model(dtype, mode)
+        for rows in (1, 3, 6, 17, 40):
+            if model._build_fused_plan(rows) is None:
+                continue  # this CPU runs these layers through torch's kernels
+            ids, positions, meta, pool = _decode_step(rows, dtype, seed=rows)
+            (fused, fused_pool), (layers, layers_pool) = _both(model, ids, positions, meta, pool)
+            assert model._fused_plans, "the fused path did not run"
+            assert fused.dtype == dtype and fused.shape == (rows, HIDDEN)
+            assert torch.isfinite(fused.float()).all()
+            assert torch.equal(fused, layers), (dtype, mode, rows)
+            assert torch.equal(fused_pool, layers_pool), (dtype, mode, rows)
+            assert not torch.equal(fused_pool, pool)  # this step's keys and values went in
+            ran.append((dtype, mode, rows, model._build_fused_plan(rows)[1][0]))
+    if not ran:
+        pytest.skip("no quantized layout here runs the kernels decoder_layers takes")
+
+
+def test_a_prompt_step_in_per_token_rows_takes_the_prompt_kernels(kernels):
+    """Deterministic mode's prompt tokens come as decode rows inside prompt_step: the plan is
+    kept apart from a decode step's of the same size (on AMX: linear_amx at any size)."""
+    model = _model(torch.bfloat16, "int4")
+    if model._build_fused_plan(2) is None:
+        pytest.skip("bf16 int4 layers do not run decoder_layers' kernels here")
+    ids, positions, meta, pool = _decode_step(2, torch.bfloat16, seed=7)
+    with prompt_step(True):
+        (fused, fused_pool), (layers, layers_pool) = _both(model, ids, positions, meta, pool)
+        prompt_kinds = model._build_fused_plan(2)
+    assert torch.equal(fused, layers) and torch.equal(fused_pool, layers_pool)
+    assert set(model._fused_plans) == {(2, True)}
+    assert prompt_kinds is not None
+    if model.layers[0].self_attn.qkv_proj.amx:
+        assert set(prompt_kinds[1]) == {KERNEL_AMX}
+        assert KERNEL_AMX not in model._build_fused_plan(2)[1]  # 2 decode rows: linear_i16
+
+
+def test_steps_the_fused_path_does_not_take(kernels):
+    model = _model(torch.bfloat16, "int4")
+    ids, positions, meta, pool = _decode_step(4, torch.bfloat16)
+    prefill = AttnMetadata(
+        slot_blocks=meta.slot_blocks,
+        slot_offsets=meta.slot_offsets,
+        prefills=[PrefillSpan(0, 4, 4, meta.decode_block_tables[0, :1], prompt=True)],
+        block_size=BLOCK,
+    )
+    assert model._fused_plan(model.embed_tokens(ids), prefill, pool) is None  # a prefill span
+    model.fused_decode = False
+    assert model._fused_plan(model.embed_tokens(ids), meta, pool) is None  # switched off
+    biased = _model(torch.bfloat16, "int4", bias=True)
+    assert biased._build_fused_plan(4) is None  # q/k/v biases: the layers run one by one
+    unquantized = LlamaForCausalLM(_config(), max_positions=1024)
+    assert unquantized._build_fused_plan(4) is None  # plain nn.Linear layers
+
+
+def test_decoder_layers_refuse_a_pool_of_other_layers(kernels):
+    model = _model(torch.float32, "int4")
+    ids, positions, meta, pool = _decode_step(2, torch.float32)
+    plan = model._build_fused_plan(2)
+    if plan is None:
+        pytest.skip("fp32 int4 layers do not run decoder_layers' kernels here")
+    weights, kinds = plan
+    with pytest.raises(RuntimeError, match="every one of the pool's 2 layers"):
+        kernels.decoder_layers(
+            model.embed_tokens(ids),
+            positions,
+            model.rope.cos,
+            model.rope.sin,
+            pool[:, :2],
+            meta.slot_blocks,
+            meta.slot_offsets,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            weights,
+            kinds,
+            HEADS,
+            KV_HEADS,
+            HEAD_DIM**-0.5,
+            1e-5,
+        )
