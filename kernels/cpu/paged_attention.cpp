@@ -2164,8 +2164,8 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 // num_kv_heads, head_dim], for torch's fused attention beside a pool narrower than the
 // activations (fp8: torch's own float8 -> bf16 conversion cost 116 us for 128 rows of the
 // default model, 34 ms of a 512-token prefill step).
-at::Tensor gather_kv(const at::Tensor& kv_layer, const at::Tensor& block_ids, int64_t n, const at::Tensor& like) {
-  NoGil nogil;
+static at::Tensor gather_kv_rows(const at::Tensor& kv_layer, const at::Tensor& block_ids, int64_t n,
+                                 const at::Tensor& like) {
   check_pool(kv_layer);
   TORCH_CHECK(pool_pairs_with(like.scalar_type(), kv_layer.scalar_type()),
               "the pool's dtype does not pair with ", like.scalar_type());
@@ -2194,6 +2194,11 @@ at::Tensor gather_kv(const at::Tensor& kv_layer, const at::Tensor& block_ids, in
     });
   });
   return out;
+}
+
+at::Tensor gather_kv(const at::Tensor& kv_layer, const at::Tensor& block_ids, int64_t n, const at::Tensor& like) {
+  NoGil nogil;
+  return gather_kv_rows(kv_layer, block_ids, n, like);
 }
 
 // q: [B, num_heads, head_dim], each row's heads contiguous (rows may be apart: q as a view
@@ -2270,18 +2275,76 @@ static at::Tensor run_projection(int64_t kind, const at::Tensor& x, const at::Te
   TORCH_CHECK(false, "unknown projection kernel ", kind);
 }
 
+// A step's attention for one layer, as tokenyard.models.attention splits it on a CPU
+// (AttnMetadata.cpu_split): with no spans, every row through decode_attention; else the rows
+// `kernel_rows` through it (none: an empty tensor) and each span (start, rows, context) in
+// torch's fused attention over its own rows (a fresh prompt) or the keys and values gathered
+// from its blocks, widened where the pool is narrower than q (gather_kv).
+static at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& kv_layer, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, const at::Tensor& kernel_rows,
+                               const std::vector<at::Tensor>& span_blocks, const std::vector<int64_t>& spans,
+                               double scale) {
+  if (span_blocks.empty()) return run_decode_attention(q, kv_layer, block_tables, context_lens, scale);
+  auto out = at::empty(q.sizes(), q.options());
+  if (kernel_rows.numel()) {
+    out.index_put_({kernel_rows}, run_decode_attention(q.index_select(0, kernel_rows), kv_layer, block_tables,
+                                                       context_lens, scale));
+  }
+  for (size_t i = 0; i < span_blocks.size(); ++i) {
+    const int64_t start = spans[3 * i], n = spans[3 * i + 1], ctx = spans[3 * i + 2];
+    at::Tensor keys, values;
+    if (kv_layer.scalar_type() == q.scalar_type()) {
+      if (ctx == n) {
+        keys = k.narrow(0, start, n);
+        values = v.narrow(0, start, n);
+      } else {
+        const auto kv_shape = std::vector<int64_t>{-1, k.size(1), k.size(2)};
+        keys = kv_layer.select(1, 0).index_select(0, span_blocks[i]).view(kv_shape).narrow(0, 0, ctx);
+        values = kv_layer.select(1, 1).index_select(0, span_blocks[i]).view(kv_shape).narrow(0, 0, ctx);
+      }
+    } else {
+      const auto kv = gather_kv_rows(kv_layer, span_blocks[i], ctx, q);
+      keys = kv[0];
+      values = kv[1];
+    }
+    c10::optional<at::Tensor> mask;
+    if (ctx != n) {  // row j (position ctx - n + j) sees keys 0..its own position
+      mask = (at::arange(ctx, block_tables.options()).unsqueeze(0) <=
+              at::arange(ctx - n, ctx, block_tables.options()).unsqueeze(1))
+                 .unsqueeze(0)
+                 .unsqueeze(0);
+    }
+    const auto o = at::scaled_dot_product_attention(q.narrow(0, start, n).transpose(0, 1).unsqueeze(0),
+                                                    keys.transpose(0, 1).unsqueeze(0),
+                                                    values.transpose(0, 1).unsqueeze(0), mask, 0.0, ctx == n, scale,
+                                                    /*enable_gqa=*/true);
+    out.narrow(0, start, n).copy_(o[0].transpose(0, 1));
+  }
+  return out;
+}
+
 at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_blocks,
                           const at::Tensor& slot_offsets, const at::Tensor& block_tables,
-                          const at::Tensor& context_lens, const std::vector<at::Tensor>& weights,
-                          const std::vector<int64_t>& kinds, int64_t num_heads, int64_t num_kv_heads, double scale,
-                          double eps) {
+                          const at::Tensor& context_lens, const at::Tensor& kernel_rows,
+                          const std::vector<at::Tensor>& span_blocks, const std::vector<int64_t>& spans,
+                          const std::vector<at::Tensor>& weights, const std::vector<int64_t>& kinds,
+                          int64_t num_heads, int64_t num_kv_heads, double scale, double eps) {
   TORCH_CHECK(kv_cache.dim() == 6, "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]");
   const int64_t layers = kv_cache.size(1), head_dim = kv_cache.size(5), rows = x.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerWeights + 1 &&
                   static_cast<int64_t>(kinds.size()) == layers * 4,
               "weights and kinds must describe every one of the pool's ", layers, " layers");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [T, hidden]");
+  TORCH_CHECK(spans.size() == 3 * span_blocks.size(), "spans must hold (start, rows, context) per span's blocks");
+  for (size_t i = 0; i < span_blocks.size(); ++i) {
+    const int64_t start = spans[3 * i], n = spans[3 * i + 1], ctx = spans[3 * i + 2];
+    TORCH_CHECK(start >= 0 && n >= 1 && start + n <= x.size(0) && ctx >= n &&
+                    ctx <= span_blocks[i].numel() * kv_cache.size(3) && span_blocks[i].scalar_type() == at::kLong,
+                "span ", i, " does not fit the step's rows or its blocks");
+  }
+  TORCH_CHECK(kernel_rows.scalar_type() == at::kLong && kernel_rows.dim() == 1, "kernel_rows must be int64 [R]");
   NoGil nogil;
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
   at::Tensor h = x, residual;
@@ -2303,7 +2366,8 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     const auto v = qkv.narrow(1, q_width + kv_width, kv_width).view({rows, num_kv_heads, head_dim});
     const at::Tensor kv_layer = kv_cache.select(1, l);
     write_kv(k, v, kv_layer, slot_blocks, slot_offsets);
-    const at::Tensor o = run_decode_attention(q, kv_layer, block_tables, context_lens, scale);
+    const at::Tensor o =
+        attend_layer(q, k, v, kv_layer, block_tables, context_lens, kernel_rows, span_blocks, spans, scale);
     h = run_projection(kind[1], o.view({rows, q_width}), w + 5);
     normed = add_rms_norm(h, residual, w[1], eps);
     h = run_projection(kind[3], silu_and_mul(run_projection(kind[2], normed, w + 8)), w + 11);

@@ -53,6 +53,18 @@ class PrefillSpan:
 
 
 @dataclass
+class CpuSplit:
+    """A CPU step's attention (AttnMetadata.cpu_split): the rows `rows` (None: every row of
+    the step; empty: none) attend in our kernel over `tables` and `lens`, and `spans` in
+    torch's fused attention (`sdpa_prefill`)."""
+
+    rows: torch.Tensor | None
+    tables: torch.Tensor
+    lens: torch.Tensor
+    spans: list[PrefillSpan]
+
+
+@dataclass
 class AttnMetadata:
     slot_blocks: torch.Tensor  # [T] block id that each row's K/V is written into
     slot_offsets: torch.Tensor  # [T] offset inside that block
@@ -61,6 +73,7 @@ class AttnMetadata:
     decode_context_lens: torch.Tensor | None = None  # [B] tokens each decode row attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
     block_size: int = 16
+    _cpu_splits: dict[torch.dtype, CpuSplit] = field(default_factory=dict, repr=False)
 
     @cached_property
     def decode_mask(self) -> torch.Tensor:
@@ -75,6 +88,14 @@ class AttnMetadata:
         [T, max_blocks] (padded with block 0) and context lengths [T]. A prefill chunk's rows
         share their span's table and see keys up to their own positions (causal)."""
         return self.rows_of(self.prefills)
+
+    def cpu_split(self, pool_dtype: torch.dtype) -> CpuSplit:
+        """How this step's rows attend on a CPU with the kernels built beside a pool of
+        `pool_dtype`, worked out once per step (every layer splits the same way)."""
+        split = self._cpu_splits.get(pool_dtype)
+        if split is None:
+            split = self._cpu_splits[pool_dtype] = _cpu_split(self, pool_dtype)
+        return split
 
     def rows_of(self, spans: list[PrefillSpan]) -> tuple[torch.Tensor, torch.Tensor]:
         """`kernel_rows` for the decode rows and these prefill spans only, in that order."""
@@ -111,13 +132,10 @@ def paged_attention(
     kernels = cpu_kernels.ops_for(q)
     if kernels is not None:
         kernels.write_kv(_rows(k), _rows(v), kv_layer, meta.slot_blocks, meta.slot_offsets)
-        fused = []
-        if sdpa_prefill(kv_layer.dtype):
-            fused = [s for s in meta.prefills if s.prompt or s.num_tokens >= SDPA_MIN_ROWS]
-        if not fused:
-            tables, lens = meta.kernel_rows
-            return kernels.decode_attention(_rows(q), kv_layer, tables, lens, scale)
-        return _attend_fused(kernels, q, k, v, kv_layer, meta, fused, scale)
+        split = meta.cpu_split(kv_layer.dtype)
+        if not split.spans:
+            return kernels.decode_attention(_rows(q), kv_layer, split.tables, split.lens, scale)
+        return _attend_fused(kernels, q, k, v, kv_layer, split, scale)
     # [T, 2, H_kv, D]; a pool narrower than the activations (fp16 or fp8) rounds them here
     kv_layer[meta.slot_blocks, :, meta.slot_offsets] = to_pool(
         torch.stack((k, v), dim=1), kv_layer.dtype
@@ -188,28 +206,42 @@ def sdpa_prefill(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float8_e4m3fn) and cpu_has_amx()
 
 
+def _cpu_split(meta: AttnMetadata, pool_dtype: torch.dtype) -> CpuSplit:
+    fused = []
+    if sdpa_prefill(pool_dtype):
+        fused = [s for s in meta.prefills if s.prompt or s.num_tokens >= SDPA_MIN_ROWS]
+    if not fused:
+        return CpuSplit(None, *meta.kernel_rows, [])
+    rest = [s for s in meta.prefills if not (s.prompt or s.num_tokens >= SDPA_MIN_ROWS)]
+    if not (meta.num_decode or rest):
+        none = torch.empty(0, dtype=torch.long)
+        return CpuSplit(none, none.view(0, 1), none, fused)
+    idx = torch.cat(
+        [torch.arange(meta.num_decode)]
+        + [torch.arange(s.start, s.start + s.num_tokens) for s in rest]
+    )
+    return CpuSplit(idx, *meta.rows_of(rest), fused)
+
+
 def _attend_fused(
     kernels,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     kv_layer: torch.Tensor,
-    meta: AttnMetadata,
-    fused: list[PrefillSpan],
+    split: CpuSplit,
     scale: float,
 ) -> torch.Tensor:
-    """The CPU step with `fused` spans in torch's fused attention, the other rows (decode
-    rows, short spans) in one call of our kernel. The pool is written already."""
+    """The CPU step with `split.spans` in torch's fused attention, the other rows (decode
+    rows, short spans) in one call of our kernel. The pool is written already. The kernels'
+    decoder_layers does the same in C++ (attend_layer)."""
     out = torch.empty_like(q)
-    rest = [s for s in meta.prefills if not (s.prompt or s.num_tokens >= SDPA_MIN_ROWS)]
-    if meta.num_decode or rest:
-        idx = torch.cat(
-            [torch.arange(meta.num_decode)]
-            + [torch.arange(s.start, s.start + s.num_tokens) for s in rest]
+    idx = split.rows
+    if idx is not None and idx.numel():
+        out[idx] = kernels.decode_attention(
+            q[idx].contiguous(), kv_layer, split.tables, split.lens, scale
         )
-        tables, lens = meta.rows_of(rest)
-        out[idx] = kernels.decode_attention(q[idx].contiguous(), kv_layer, tables, lens, scale)
-    for span in fused:
+    for span in split.spans:
         rows = slice(span.start, span.start + span.num_tokens)
         if kv_layer.dtype == q.dtype:
             keys, values = _span_keys_values(span, k, v, kv_layer)

@@ -144,6 +144,9 @@ class DecoderLayer(LeanModule):
         return self.mlp(h), residual
 
 
+_NO_ROWS = torch.empty(0, dtype=torch.long)
+
+
 class LlamaForCausalLM(LeanModule):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -159,7 +162,7 @@ class LlamaForCausalLM(LeanModule):
         self.requires_grad_(False)
         # Decode steps on a CPU run every layer in one call of the kernels' decoder_layers
         # where each layer can (`_fused_plan`); False: always layer by layer (the twin).
-        self.fused_decode = True
+        self.fused_layers = True
         self._fused_plans: dict[tuple[int, bool], tuple[list[torch.Tensor], list[int]] | None] = {}
 
     def forward(
@@ -172,11 +175,12 @@ class LlamaForCausalLM(LeanModule):
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         assert self.rope is not None, "load_weights() first"
-        plan = self._fused_plan(x, meta, kv_cache)
+        plan = self._fused_plan(x, kv_cache)
         if plan is not None:
             kernels, (weights, kinds) = cpu_kernels.ops(), plan
-            assert kernels is not None and meta.decode_block_tables is not None
+            assert kernels is not None
             attn = cast(DecoderLayer, self.layers[0]).self_attn
+            split = meta.cpu_split(kv_cache.dtype)
             return kernels.decoder_layers(
                 x,
                 positions,
@@ -185,8 +189,11 @@ class LlamaForCausalLM(LeanModule):
                 kv_cache,
                 meta.slot_blocks,
                 meta.slot_offsets,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
+                split.tables,
+                split.lens,
+                _NO_ROWS if split.rows is None else split.rows,
+                [s.block_ids for s in split.spans],
+                [n for s in split.spans for n in (s.start, s.num_tokens, s.context_len)],
                 weights,
                 kinds,
                 attn.num_heads,
@@ -200,15 +207,16 @@ class LlamaForCausalLM(LeanModule):
         return self.norm(x, residual)[0]
 
     def _fused_plan(
-        self, x: torch.Tensor, meta: AttnMetadata, kv_cache: torch.Tensor
+        self, x: torch.Tensor, kv_cache: torch.Tensor
     ) -> tuple[list[torch.Tensor], list[int]] | None:
         """What the kernels' `decoder_layers` takes for this step (every layer's weights
-        and its projections' kernels), or None: the layers run one by one. It runs steps of
-        decode rows only (no prefill span), on a CPU with the kernels built, where every
-        layer is a dense Llama layer without biases whose four projections each run one of
-        the C++ kernels at this step's size (QuantizedLinear.step_kernel): the default int4
-        and int8 weights on x86. Plans are kept per (rows, prompt step)."""
-        if not self.fused_decode or meta.prefills or meta.num_decode != x.shape[0]:
+        and its projections' kernels), or None: the layers run one by one. It runs any step
+        on a CPU with the kernels built where every layer is a dense Llama layer without
+        biases whose four projections each run one of the C++ kernels at this step's size
+        (QuantizedLinear.step_kernel): the default int4 and int8 weights on x86 (a prompt
+        step's dense copy on CPUs without AMX runs in oneDNN: there the layers run one by
+        one). Plans are kept per (rows, prompt step)."""
+        if not self.fused_layers:
             return None
         if x.device.type != "cpu" or kv_cache.dim() != 6 or cpu_kernels.ops() is None:
             return None

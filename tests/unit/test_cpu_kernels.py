@@ -349,17 +349,20 @@ def test_a_short_prompt_span_attends_in_torchs_fused_kernel_where_long_ones_do(o
     q, k, v = (torch.randn(t, h, D, generator=g).to(torch.bfloat16) for h in (heads, H_KV, H_KV))
     tail_blocks, draft_blocks = torch.tensor([5, 17, 22]), torch.tensor([8, 26, 31])
     positions = torch.cat([prefix + torch.arange(rows), 40 + torch.arange(rows)])
-    meta = AttnMetadata(
-        slot_blocks=torch.cat(
-            [tail_blocks[positions[:rows] // BLOCK], draft_blocks[positions[rows:] // BLOCK]]
-        ),
-        slot_offsets=positions % BLOCK,
-        prefills=[
-            PrefillSpan(0, rows, prefix + rows, tail_blocks, prompt=True),
-            PrefillSpan(rows, rows, 40 + rows, draft_blocks),
-        ],
-        block_size=BLOCK,
-    )
+
+    def meta() -> AttnMetadata:  # a step's own (it keeps how its rows split: cpu_split)
+        return AttnMetadata(
+            slot_blocks=torch.cat(
+                [tail_blocks[positions[:rows] // BLOCK], draft_blocks[positions[rows:] // BLOCK]]
+            ),
+            slot_offsets=positions % BLOCK,
+            prefills=[
+                PrefillSpan(0, rows, prefix + rows, tail_blocks, prompt=True),
+                PrefillSpan(rows, rows, 40 + rows, draft_blocks),
+            ],
+            block_size=BLOCK,
+        )
+
     fused_rows: list[int] = []
     sdpa = F.scaled_dot_product_attention
 
@@ -371,7 +374,7 @@ def test_a_short_prompt_span_attends_in_torchs_fused_kernel_where_long_ones_do(o
     for fused in (True, False):
         monkeypatch.setattr(attention, "sdpa_prefill", lambda dtype, fused=fused: fused)
         monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted)
-        outs.append(paged_attention(q, k, v, _pool(torch.bfloat16, seed=15)[:, 1], meta, D**-0.5))
+        outs.append(paged_attention(q, k, v, _pool(torch.bfloat16, seed=15)[:, 1], meta(), D**-0.5))
     assert fused_rows == [rows]  # the prompt span only, and only where the fused path is on
     assert (outs[0].float() - outs[1].float()).abs().max().item() < 1e-2
     assert torch.equal(outs[0][rows:], outs[1][rows:])  # the draft's rows: our kernel both times

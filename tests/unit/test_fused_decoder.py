@@ -88,7 +88,7 @@ def _both(model: LlamaForCausalLM, ids, positions, meta, pool):
     """(hidden, pool) through decoder_layers, then layer by layer, each on a copy of the pool."""
     out = []
     for fused in (True, False):
-        model.fused_decode = fused
+        model.fused_layers = fused
         p = pool.clone()
         out.append((model(ids, positions, meta, p), p))
     return out
@@ -144,42 +144,49 @@ def test_a_prompt_step_in_per_token_rows_takes_the_prompt_kernels(kernels):
         assert KERNEL_AMX not in model._build_fused_plan(2)[1]  # 2 decode rows: linear_i16
 
 
-def test_steps_the_fused_path_does_not_take(kernels):
+def test_layers_the_fused_path_does_not_take(kernels):
     model = _model(torch.bfloat16, "int4")
     ids, positions, meta, pool = _decode_step(4, torch.bfloat16)
-    prefill = AttnMetadata(
-        slot_blocks=meta.slot_blocks,
-        slot_offsets=meta.slot_offsets,
-        prefills=[PrefillSpan(0, 4, 4, meta.decode_block_tables[0, :1], prompt=True)],
-        block_size=BLOCK,
-    )
-    assert model._fused_plan(model.embed_tokens(ids), prefill, pool) is None  # a prefill span
-    model.fused_decode = False
-    assert model._fused_plan(model.embed_tokens(ids), meta, pool) is None  # switched off
+    model.fused_layers = False
+    assert model._fused_plan(model.embed_tokens(ids), pool) is None  # switched off
     biased = _model(torch.bfloat16, "int4", bias=True)
     assert biased._build_fused_plan(4) is None  # q/k/v biases: the layers run one by one
     unquantized = LlamaForCausalLM(_config(), max_positions=1024)
     assert unquantized._build_fused_plan(4) is None  # plain nn.Linear layers
 
 
-def test_decoder_layers_refuse_a_pool_of_other_layers(kernels):
-    model = _model(torch.float32, "int4")
-    ids, positions, meta, pool = _decode_step(2, torch.float32)
-    plan = model._build_fused_plan(2)
-    if plan is None:
-        pytest.skip("fp32 int4 layers do not run decoder_layers' kernels here")
-    weights, kinds = plan
-    with pytest.raises(RuntimeError, match="every one of the pool's 2 layers"):
-        kernels.decoder_layers(
-            model.embed_tokens(ids),
+def _fused_case(rows: int) -> tuple[LlamaForCausalLM, torch.dtype] | None:
+    for dtype, mode in CASES:
+        model = _model(dtype, mode)
+        if model._build_fused_plan(rows) is not None:
+            return model, dtype
+    return None
+
+
+def test_decoder_layers_refuse_what_does_not_fit(kernels):
+    case = _fused_case(2)
+    if case is None:
+        pytest.skip("no quantized layout here runs the kernels decoder_layers takes")
+    model, dtype = case
+    ids, positions, meta, pool = _decode_step(2, dtype)
+    weights, kinds = model._build_fused_plan(2)
+    x = model.embed_tokens(ids)
+    no_rows = torch.empty(0, dtype=torch.long)
+
+    def call(kv_cache, span_blocks, spans):
+        return kernels.decoder_layers(
+            x,
             positions,
             model.rope.cos,
             model.rope.sin,
-            pool[:, :2],
+            kv_cache,
             meta.slot_blocks,
             meta.slot_offsets,
             meta.decode_block_tables,
             meta.decode_context_lens,
+            no_rows,
+            span_blocks,
+            spans,
             weights,
             kinds,
             HEADS,
@@ -187,3 +194,79 @@ def test_decoder_layers_refuse_a_pool_of_other_layers(kernels):
             HEAD_DIM**-0.5,
             1e-5,
         )
+
+    assert torch.equal(call(pool.clone(), [], []), _both(model, ids, positions, meta, pool)[1][0])
+    with pytest.raises(RuntimeError, match="every one of the pool's 2 layers"):
+        call(pool[:, :2], [], [])
+    blocks = meta.decode_block_tables[0]
+    with pytest.raises(RuntimeError, match="span 0 does not fit"):
+        call(pool, [blocks], [1, 2, 2])  # rows 1-2 of a 2-row step
+    with pytest.raises(RuntimeError, match="span 0 does not fit"):
+        call(pool, [blocks], [0, 2, 1 + BLOCK * len(blocks)])  # more context than its blocks
+    with pytest.raises(RuntimeError, match=r"\(start, rows, context\) per span"):
+        call(pool, [blocks], [0, 2])
+
+
+def _mixed_step(pool_dtype: torch.dtype, seed: int = 1):
+    """Decode rows, then a fresh prompt, a prompt's tail after a cached prefix and a short
+    span of draft tokens to verify: every kind of row a CPU step splits between our kernel
+    and torch's fused attention (AttnMetadata.cpu_split)."""
+    g = torch.Generator().manual_seed(seed)
+    # (tokens before the step, tokens in the step, prompt); one token: a decode row
+    seqs = [
+        (37, 1, False),
+        (150, 1, False),
+        (5, 1, False),
+        (0, 20, True),
+        (40, 5, True),
+        (27, 3, False),
+    ]
+    widest = max(-(-(before + n) // BLOCK) for before, n, _ in seqs)
+    num_blocks = len(seqs) * widest + 1
+    ids = torch.randperm(num_blocks - 1, generator=g)[: len(seqs) * widest].view(len(seqs), widest)
+    slot_blocks, slot_offsets, positions, prefills = [], [], [], []
+    decode_tables, decode_lens = [], []
+    row = 0
+    for (before, n, prompt), table in zip(seqs, ids, strict=True):
+        for p in range(before, before + n):
+            slot_blocks.append(int(table[p // BLOCK]))
+            slot_offsets.append(p % BLOCK)
+            positions.append(p)
+        if n == 1:
+            decode_tables.append(table)
+            decode_lens.append(before + 1)
+        else:
+            used = table[: -(-(before + n) // BLOCK)].contiguous()
+            prefills.append(PrefillSpan(row, n, before + n, used, prompt))
+        row += n
+    meta = AttnMetadata(
+        slot_blocks=torch.tensor(slot_blocks),
+        slot_offsets=torch.tensor(slot_offsets),
+        num_decode=len(decode_tables),
+        decode_block_tables=torch.stack(decode_tables),
+        decode_context_lens=torch.tensor(decode_lens),
+        prefills=prefills,
+        block_size=BLOCK,
+    )
+    pool = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(pool_dtype)
+    tokens = torch.randint(0, VOCAB, (row,), generator=g)
+    return tokens, torch.tensor(positions), meta, pool
+
+
+@pytest.mark.parametrize("pool", ["model", "fp8"])
+def test_mixed_steps_equal_the_layers_one_by_one(kernels, pool):
+    ran = 0
+    for dtype, mode in CASES:
+        pool_dtype = dtype if pool == "model" else torch.float8_e4m3fn
+        model = _model(dtype, mode)
+        ids, positions, meta, kv = _mixed_step(pool_dtype)
+        with prompt_step(True):
+            if model._build_fused_plan(len(ids)) is None:
+                continue
+            (fused, fused_pool), (layers, layers_pool) = _both(model, ids, positions, meta, kv)
+        assert torch.isfinite(fused.float()).all()
+        assert torch.equal(fused, layers), (dtype, mode, pool)
+        assert torch.equal(fused_pool.view(torch.uint8), layers_pool.view(torch.uint8))
+        ran += 1
+    if not ran:
+        pytest.skip("no quantized layout here runs a prompt step through decoder_layers' kernels")
