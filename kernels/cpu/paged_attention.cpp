@@ -18,6 +18,8 @@
 // - add_rms_norm, rotary, silu_and_mul: twins in tokenyard.models.fused. Each replaces five
 //   to eight small torch ops per layer; at batch 1 those ops' dispatch cost more than the
 //   arithmetic, a third of a decode step on a 30-layer model.
+// - decoder_layers: a step through every layer of a Llama model in one call of the kernels
+//   above (twin: tokenyard.models.llama's layers, one call at a time).
 //
 // The pool's per-layer view is [num_blocks, 2, block_size, num_kv_heads, head_dim] with any
 // strides but a unit innermost one (the layer is a slice of a block-major pool).
@@ -2241,17 +2243,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, con
   return run_decode_attention(q, kv_layer, block_tables, context_lens, scale);
 }
 
-// A decode step's pass through a stack of Llama decoder layers, in one call: per layer
-// add_rms_norm, the q/k/v projection, rotary, write_kv, decode_attention, the output
-// projection, add_rms_norm, gate/up, silu_and_mul and down, then the final norm; the same
-// kernels in the same order as tokenyard.models.llama's layers call them one by one (its
-// twin, equal to the bit), without the Python between them. Between one step's 330 kernel
-// calls the layers' Python cost 5.7 ms of a 32-row decode step of SmolLM2 (31.9 ms) on a
-// 2-core Xeon with AMX.
+// A step's pass through a stack of Llama decoder layers, in one call: per layer
+// add_rms_norm, the q/k/v projection, rotary, write_kv, the attention (attend_layer), the
+// output projection, add_rms_norm, gate/up, silu_and_mul and down, then the final norm; the
+// same kernels in the same order as tokenyard.models.llama's layers call them one by one
+// (its twin, equal to the bit), without the Python between them. Between one step's 330
+// kernel calls the layers' Python cost 5.7 ms of a 32-row decode step of SmolLM2 (31.9 ms)
+// on a 2-core Xeon with AMX.
 //
-// x: [T, hidden], the embedded rows; every row a decode row (one query over its context,
-// block_tables [T, max_blocks] and context_lens [T] as decode_attention takes them; slots
-// as write_kv). kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+// x: [T, hidden], the embedded rows; slots as write_kv takes them; block_tables,
+// context_lens, kernel_rows, span_blocks and spans: the step's attention as attend_layer
+// takes it. kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
 // weights: per layer its two norms' weights, then four projections (q/k/v, o, gate/up, down)
 // of three tensors each, then the final norm's weight; kinds: per layer the four
 // projections' kernels (kKernel*), whose three tensors are the layer's weights as that

@@ -9,6 +9,7 @@ each: fewer, larger matmuls cost less per step on a CPU.
 from __future__ import annotations
 
 import math
+import os
 from typing import cast
 
 import torch
@@ -160,9 +161,14 @@ class LlamaForCausalLM(LeanModule):
         self.rope: RotaryEmbedding | None = None  # built by load_weights (never on "meta")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
-        # Decode steps on a CPU run every layer in one call of the kernels' decoder_layers
-        # where each layer can (`_fused_plan`); False: always layer by layer (the twin).
-        self.fused_layers = True
+        # Steps on a CPU run every layer in one call of the kernels' decoder_layers where
+        # each layer can (`_fused_plan`); False (or TOKENYARD_FUSED_LAYERS=0): always layer
+        # by layer (the twin).
+        self.fused_layers = os.environ.get("TOKENYARD_FUSED_LAYERS", "1") not in (
+            "0",
+            "false",
+            "no",
+        )
         self._fused_plans: dict[tuple[int, bool], tuple[list[torch.Tensor], list[int]] | None] = {}
 
     def forward(
