@@ -477,7 +477,7 @@ class WorkerBase:
         await self.bus.reply(msg, dump)
 
 
-def stream_attributes(stream: TokenStream, prompt_tokens: int, reason: str) -> dict[str, object]:
+def stream_attributes(stream: TokenStream, prompt_tokens: int, reason: str) -> dict[str, int | str]:
     return {
         GEN_AI_USAGE_INPUT_TOKENS: prompt_tokens,
         GEN_AI_USAGE_OUTPUT_TOKENS: len(stream.output_token_ids),

@@ -197,4 +197,5 @@ def self_draft(target: LlamaForCausalLM, mode: str) -> LlamaForCausalLM:
     shared: dict[int, object] = {id(t): t for t in [*target.parameters(), *target.buffers()]}
     shared[id(target.rope)] = target.rope  # the RoPE tables: plain attributes, shared too
     draft = copy.deepcopy(target, memo=shared)
-    return quantize(draft, mode, keep_dense=True)
+    quantize(draft, mode, keep_dense=True)  # in place: the model with its layers swapped
+    return draft
