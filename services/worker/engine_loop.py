@@ -38,6 +38,11 @@ IDLE_SLEEP_S = 0.002
 TRIM_AFTER_IDLE_S = 1.0
 
 
+def _first_tokens(out: RequestOutput) -> bool:
+    """Whether these are the request's first output tokens (its prompt was just computed)."""
+    return bool(out.new_token_ids) and out.num_output_tokens == len(out.new_token_ids)
+
+
 class Sink(Protocol):
     async def on_output(self, out: RequestOutput) -> None: ...
 
@@ -96,10 +101,13 @@ class EngineLoop:
         fetch from the KV-cache service (two calls) 180-250 ms. Calls wait in a queue of
         their own, which the next step empties before it starts, and a job per call empties
         it when no step comes. A call whose caller was cancelled before it began never runs."""
+        return await asyncio.wrap_future(self._queue_call(fn, *args, **kwargs))
+
+    def _queue_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         future: Future[T] = Future()
         self._calls.append((partial(self._timed, fn, *args, **kwargs), future))
         self._pool.submit(self._run_calls)
-        return await asyncio.wrap_future(future)
+        return future
 
     def _run_calls(self) -> None:
         # On the engine thread.
@@ -150,16 +158,21 @@ class EngineLoop:
         *,
         prefill_only: bool = False,
     ) -> None:
-        """Queue a request; its outputs go to ``sink`` (raises the engine's ValueError)."""
+        """Queue a request; its outputs go to ``sink`` (raises the engine's ValueError).
+
+        The loop is woken before the add is awaited, so that an idle engine thread runs the
+        add and the first step back to back rather than after a hand-over through the event
+        loop. Should the add fail, that step finds nothing new and the loop sleeps again."""
         self.sinks[request_id] = sink
+        added = self._queue_call(
+            self.engine.add_request, request_id, prompt, params, prefill_only=prefill_only
+        )
+        self.wake()
         try:
-            await self.call(
-                self.engine.add_request, request_id, prompt, params, prefill_only=prefill_only
-            )
+            await asyncio.wrap_future(added)
         except BaseException:
             self.sinks.pop(request_id, None)
             raise
-        self.wake()
 
     async def abort(self, request_id: str) -> bool:
         self.sinks.pop(request_id, None)
@@ -221,12 +234,21 @@ class EngineLoop:
         result = await self._call_step()
         while True:
             idle = not result.outputs and result.seconds < IDLE_STEP_S
+            dispatched = time.perf_counter()
+            # First tokens go out before the next step starts: on a small host the publish,
+            # the NATS server and the gateway otherwise wait for cores that step holds.
+            first = [out for out in result.outputs if _first_tokens(out)]
+            rest = [out for out in result.outputs if not _first_tokens(out)]
+            if first:
+                await self._dispatch_outputs(first)
+                await asyncio.sleep(0)  # the NATS client writes them out
             ahead = None
             if result.has_unfinished and not idle:
                 ahead = asyncio.ensure_future(self._call_step())
             self._last_stats = result.stats
-            dispatched = time.perf_counter()
-            await self._dispatch(result)
+            await self._dispatch_outputs(rest)
+            if result.kv_events and self._on_kv_events is not None:
+                await self._on_kv_events(result.kv_events)
             self.timing.record(
                 result.tokens,
                 len(result.outputs),
@@ -240,10 +262,8 @@ class EngineLoop:
                 ahead = asyncio.ensure_future(self._call_step())
             result = await ahead
 
-    async def _dispatch(self, result: StepResult) -> None:
-        if result.kv_events and self._on_kv_events is not None:
-            await self._on_kv_events(result.kv_events)
-        for out in result.outputs:
+    async def _dispatch_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
             self.tokens_generated += len(out.new_token_ids)
             sink = self.sinks.get(out.request_id)
             if out.finished:

@@ -114,3 +114,86 @@ async def test_a_call_goes_ahead_of_a_step_queued_before_it():
     finally:
         runner.cancel()
         loop.shutdown()
+
+
+class AddWaitsForTheStep(FakeEngine):
+    """An add that holds the engine thread until the loop has queued a step behind it."""
+
+    def __init__(self, thread) -> None:
+        super().__init__(step_s=0.0)
+        self.thread = thread
+        self.step_queued_during_add: bool | None = None
+
+    def add_request(self, *args, **kwargs) -> None:
+        super().add_request(*args, **kwargs)
+        queued = threading.Event()
+        for _ in range(500):  # up to 5 s for the loop to queue the step
+            if self.thread._work_queue.qsize():
+                queued.set()
+                break
+            queued.wait(0.01)
+        self.step_queued_during_add = queued.is_set()
+
+
+async def test_an_idle_engine_gets_the_add_and_the_first_step_back_to_back():
+    # The step is queued on the engine thread while the add still runs there, not after the
+    # add's result has gone back to the event loop.
+    thread = engine_thread()
+    engine = AddWaitsForTheStep(thread)
+    loop = EngineLoop(engine, thread=thread)
+    runner = asyncio.create_task(loop.run())
+    try:
+        done = Done()
+        await loop.add("r", [1, 2, 3], SamplingParams(max_tokens=3), done)
+        await asyncio.wait_for(done.event.wait(), 30)
+        assert engine.step_queued_during_add is True
+    finally:
+        runner.cancel()
+        loop.shutdown()
+
+
+class SlowPublisher:
+    """A sink whose publish yields to the loop a while (as a NATS publish can), logging into
+    the engine's log when a request's first token has gone out."""
+
+    def __init__(self, log: list[str], rid: str) -> None:
+        self.log, self.rid = log, rid
+        self.event = asyncio.Event()
+
+    async def on_output(self, out) -> None:
+        await asyncio.sleep(0.03)
+        if out.num_output_tokens == 1:
+            self.log.append(f"sent {self.rid}")
+        if out.finished:
+            self.event.set()
+
+
+class FirstTokenRecordingEngine(OrderRecordingEngine):
+    def step(self):
+        outputs = super().step()
+        self.log.extend(f"computed {o.request_id}" for o in outputs if o.num_output_tokens == 1)
+        return outputs
+
+
+async def test_first_tokens_go_out_before_the_next_step_starts():
+    thread = engine_thread()
+    engine = await asyncio.get_running_loop().run_in_executor(thread, FirstTokenRecordingEngine)
+    loop = EngineLoop(engine, thread=thread)
+    runner = asyncio.create_task(loop.run())
+    try:
+        running = SlowPublisher(engine.log, "a")
+        await loop.add("a", [1, 2, 3], SamplingParams(max_tokens=60), running)
+        while engine.log.count("step") < 3:
+            await asyncio.sleep(0.005)
+        late = SlowPublisher(engine.log, "b")
+        await loop.add("b", [4, 5, 6], SamplingParams(max_tokens=3), late)
+        await asyncio.wait_for(late.event.wait(), 30)
+        # No step began between the one that computed b's first token and its publish,
+        # though a's tokens of that step (a slow publish each) went out later.
+        between = engine.log[engine.log.index("computed b") : engine.log.index("sent b")]
+        assert "step" not in between, engine.log
+        await asyncio.wait_for(running.event.wait(), 30)
+        assert engine.log.count("computed a") == 1 and "sent a" in engine.log
+    finally:
+        runner.cancel()
+        loop.shutdown()
