@@ -61,6 +61,7 @@ _FUNCTIONS = [
     "i16_available",
     "i16_vnni",
     "linear_amx",
+    "linear_amx_silu",
     "amx_available",
     "linear_bf16",
     "pairs_available",

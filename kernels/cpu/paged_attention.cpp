@@ -15,6 +15,8 @@
 //   activations, in the tests).
 // - linear_amx: the same int4 and int8 weights widened to bf16 tiles for AMX, for bf16 layers
 //   on CPUs with AMX (twin: x times the widened weight, in the tests).
+// - linear_amx_silu: linear_amx of a gate/up projection with silu_and_mul in its epilogue
+//   (twin: silu_and_mul(linear_amx(x)), equal to the bit).
 // - add_rms_norm, rotary, silu_and_mul: twins in tokenyard.models.fused. Each replaces five
 //   to eight small torch ops per layer; at batch 1 those ops' dispatch cost more than the
 //   arithmetic, a third of a decode step on a 30-layer model.
@@ -1529,7 +1531,26 @@ inline void store_sums(const float* sums, int rows, const float* scale, out_t* y
   }
 }
 
-template <bool Signed, typename out_t>
+// silu_and_mul's rows from the sums of a block of gate outputs and the block of up outputs
+// with the same columns: y[0:rows, 0:16] = silu(gate) * up, each rounded where the GEMM's
+// bf16 output and silu_and_mul round them (the gate and up values, silu's result, the
+// product), so equal to the bit to silu_and_mul(linear_amx(x)).
+inline void store_silu(const float* gate, const float* up, int rows, const float* gate_scale, const float* up_scale,
+                       at::BFloat16* y, int64_t N) {
+  const vf gs = gate_scale != nullptr ? vload(gate_scale) : vset(1.f);
+  const vf us = up_scale != nullptr ? vload(up_scale) : vset(1.f);
+  for (int r = 0; r < rows; ++r) {
+    const vf g = round_as<at::BFloat16>(vmul(vload(gate + r * 16), gs));
+    const vf u = round_as<at::BFloat16>(vmul(vload(up + r * 16), us));
+    const vf act = round_as<at::BFloat16>(vmul(g, vrcp(vadd(vset(1.f), vexp(vsub(vzero(), g))))));
+    vstore(y + r * N, vmul(act, u));
+  }
+}
+
+// Silu: the weights are a gate/up projection (gate outputs, then as many up outputs), and y
+// gets silu_and_mul's [M, N / 2] instead of the [M, N] sums. Each unit pairs a block of gate
+// outputs with the up block of the same columns, so that the epilogue holds both.
+template <bool Signed, typename out_t, bool Silu = false>
 void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const float* scale, const float* zero,
               out_t* y, int64_t N) {
   const int64_t G = K / kGroup, blocks = N / kOutBlock, tile_bytes = 16 * pair_bytes<Signed>();
@@ -1537,8 +1558,10 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
   // Steps of up to 32 rows (decode) take one block of outputs at a time: widening is most of
   // their time, and with two blocks it ran slower (SmolLM2's 30 layers at 8 rows: 8.3-8.8 ms
   // against 6.5-6.9); bigger steps pair the blocks (512 rows: 54-58 ms against 60-74).
-  const bool paired = M > 2 * kAmxRows;
-  const int64_t units = paired ? (blocks + 1) / 2 : blocks;
+  const bool paired = Silu || M > 2 * kAmxRows;
+  // A unit's second block: the next one, or (Silu) the up block of the gate block's columns.
+  const int64_t partner = Silu ? blocks / 2 : 1, y_width = Silu ? N / 2 : N;
+  const int64_t units = Silu ? blocks / 2 : paired ? (blocks + 1) / 2 : blocks;
   // A unit's passes of up to 32 rows, and the group iterations it spreads the next unit's
   // prefetches over: those of its later passes, or of its one pass.
   const int64_t passes = (M + 2 * kAmxRows - 1) / (2 * kAmxRows);
@@ -1553,13 +1576,14 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
     alignas(64) float sums[kAmxRows * 16];
     int configured = -1;
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t b0 = paired ? 2 * unit : unit;
-      const bool two = paired && b0 + 1 < blocks;  // N / 16 odd: the last block goes alone
+      const int64_t b0 = Silu ? unit : paired ? 2 * unit : unit;
+      const int64_t b1 = b0 + partner;
+      const bool two = paired && b1 < blocks;  // N / 16 odd: the last block goes alone
       at::BFloat16* wide[2] = {widened.data(), widened.data() + (two ? G * 16 * 32 : 0)};
-      auto widen = [&](int64_t b, int64_t g) {
+      auto widen = [&](int64_t b, int t, int64_t g) {
         const float* zb = zero == nullptr ? nullptr : zero + (b * G + g) * kOutBlock;
         widen_tile<Signed>(w + (b * G + g) * tile_bytes, scale + (b * G + g) * kOutBlock, zb,
-                           wide[b - b0] + g * 16 * 32);
+                           wide[t] + g * 16 * 32);
       };
       // The next unit's weights (its blocks' packed bytes, scales and zeros each lie
       // contiguous) are asked for into L2 a share per group while this unit runs: during
@@ -1572,10 +1596,13 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
       // weights in cache and 15-20% slower in the model.
       const int64_t nu = unit + 1 < end ? unit + 1 : after;  // the thread's next unit
       const bool ahead = nu >= 0;
-      const int64_t nb0 = !ahead ? b0 : paired ? 2 * nu : nu, nblocks = std::min<int64_t>(paired ? 2 : 1, blocks - nb0);
+      // (Silu: its gate block here, its up block, `partner` blocks on, through the *_up's.)
+      const int64_t nb0 = !ahead ? b0 : Silu ? nu : paired ? 2 * nu : nu;
+      const int64_t nblocks = Silu ? 1 : std::min<int64_t>(paired ? 2 : 1, blocks - nb0);
       const char* next_w = reinterpret_cast<const char*>(w + nb0 * G * tile_bytes);
       const char* next_s = reinterpret_cast<const char*>(scale + nb0 * G * kOutBlock);
       const char* next_z = zero == nullptr ? nullptr : reinterpret_cast<const char*>(zero + nb0 * G * kOutBlock);
+      const int64_t up_w = partner * G * tile_bytes, up_s = partner * G * kOutBlock * 4;
       const int64_t w_lines = ahead ? nblocks * G * tile_bytes / 64 : 0;
       const int64_t s_lines = ahead ? nblocks * G * kOutBlock * 4 / 64 : 0;
       for (int64_t m0 = 0; m0 < M; m0 += 2 * kAmxRows) {
@@ -1597,8 +1624,8 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
         // rows) reuse the widened tiles.
         for (int64_t g = 0; g < G; ++g) {
           if (m0 == 0) {
-            widen(b0, g);
-            if (two) widen(b0 + 1, g);
+            widen(b0, 0, g);
+            if (two) widen(b1, 1, g);
           }
           _tile_loadd(6, wide[0] + g * 16 * 32, 64);
           _tile_loadd(4, x0 + g * kGroup, stride);
@@ -1614,13 +1641,35 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
           }
           if (ahead && (m0 > 0 || passes == 1)) {  // iteration i of `later`: its share of the lines
             const int64_t i = (passes > 1 ? m0 / (2 * kAmxRows) - 1 : 0) * G + g;
-            for (int64_t l = i * w_lines / later; l < (i + 1) * w_lines / later; ++l)
+            for (int64_t l = i * w_lines / later; l < (i + 1) * w_lines / later; ++l) {
               _mm_prefetch(next_w + l * 64, _MM_HINT_T1);
+              if constexpr (Silu) _mm_prefetch(next_w + up_w + l * 64, _MM_HINT_T1);
+            }
             for (int64_t l = i * s_lines / later; l < (i + 1) * s_lines / later; ++l) {
               _mm_prefetch(next_s + l * 64, _MM_HINT_T1);
               if (next_z != nullptr) _mm_prefetch(next_z + l * 64, _MM_HINT_T1);
+              if constexpr (Silu) {
+                _mm_prefetch(next_s + up_s + l * 64, _MM_HINT_T1);
+                if (next_z != nullptr) _mm_prefetch(next_z + up_s + l * 64, _MM_HINT_T1);
+              }
             }
           }
+        }
+        if constexpr (Silu) {
+          static_assert(std::is_same_v<out_t, at::BFloat16>, "silu_and_mul's output is bf16");
+          alignas(64) float up[kAmxRows * 16];
+          const float* s_gate = Signed ? scale + b0 * G * kOutBlock : nullptr;
+          const float* s_up = Signed ? scale + b1 * G * kOutBlock : nullptr;
+          out_t* yb = y + m0 * y_width + b0 * kOutBlock;
+          _tile_stored(0, sums, 64);
+          _tile_stored(1, up, 64);
+          store_silu(sums, up, r0, s_gate, s_up, yb, y_width);
+          if (r1 > 0) {
+            _tile_stored(2, sums, 64);
+            _tile_stored(3, up, 64);
+            store_silu(sums, up, r1, s_gate, s_up, yb + kAmxRows * y_width, y_width);
+          }
+          continue;
         }
         for (int t = 0; t < (two ? 2 : 1); ++t) {
           const float* s_out = Signed ? scale + (b0 + t) * G * kOutBlock : nullptr;
@@ -1920,6 +1969,44 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qweight, const at::
                       const c10::optional<at::Tensor>& zero, bool fp32_out) {
   NoGil nogil;
   return run_linear_amx(x, qweight, scale, zero, fp32_out);
+}
+
+// silu_and_mul(linear_amx(x, gate/up weights)) in one pass, equal to the bit: x bf16 [M, K],
+// the weights of a gate/up projection (N / 2 gate outputs, then N / 2 up) -> [M, N / 2] bf16.
+// The [M, N] projection is never written out, and silu_and_mul's own pass over it goes; each
+// unit pairs a gate block with its up block (two blocks a unit, as steps of more than 32 rows
+// run anyway). SmolLM2's 30 gate/up projections at 160 rows on a 2-core Xeon with AMX: see
+// the caller's note in tokenyard.models.mlp.
+static at::Tensor run_linear_amx_silu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                                      const c10::optional<at::Tensor>& zero) {
+#if defined(TY_AMX)
+  TORCH_CHECK(amx_permitted(), "the kernel did not grant this process the AMX tiles");
+  const bool is_signed = check_i16_layout(qweight, zero);
+  check_blocked(x, qweight, scale, zero);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_amx_silu takes bf16 activations");
+  TORCH_CHECK(qweight.size(0) % 2 == 0, "linear_amx_silu needs as many up blocks of 16 outputs as gate blocks");
+  const int64_t N = qweight.size(0) * kOutBlock, K = qweight.size(1) * kGroup, M = x.size(0);
+  const auto xc = x.contiguous();
+  auto out = at::empty({M, N / 2}, x.options().dtype(at::kBFloat16));
+  const auto* xp = xc.data_ptr<at::BFloat16>();
+  const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
+  const float* zp = zero ? zero->data_ptr<float>() : nullptr;
+  auto* y = out.data_ptr<at::BFloat16>();
+  if (is_signed) {
+    gemm_amx<true, at::BFloat16, true>(xp, M, K, w, scale.data_ptr<float>(), zp, y, N);
+  } else {
+    gemm_amx<false, at::BFloat16, true>(xp, M, K, w, scale.data_ptr<float>(), zp, y, N);
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "linear_amx_silu needs a CPU with AMX-BF16 (and kernels built there)");
+#endif
+}
+
+at::Tensor linear_amx_silu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& zero) {
+  NoGil nogil;
+  return run_linear_amx_silu(x, qweight, scale, zero);
 }
 
 // Whether linear_amx runs here: built with AMX and granted the tiles by the kernel.
@@ -2277,6 +2364,19 @@ static at::Tensor run_projection(int64_t kind, const at::Tensor& x, const at::Te
   TORCH_CHECK(false, "unknown projection kernel ", kind);
 }
 
+// The MLP's gate/up projection and silu_and_mul: in one pass where the projection runs on AMX
+// tiles in a step of more than kSiluFusedAbove rows (run_linear_amx_silu, equal to the bit),
+// else one after the other; as tokenyard.models.mlp chooses.
+constexpr int64_t kSiluFusedAbove = 32;
+
+static at::Tensor gate_up_silu(int64_t kind, const at::Tensor& x, const at::Tensor* w) {
+  if (kind == kKernelAmx && x.size(0) > kSiluFusedAbove) {
+    const c10::optional<at::Tensor> zero = w[2].numel() ? c10::optional<at::Tensor>(w[2]) : c10::nullopt;
+    return run_linear_amx_silu(x.to(at::kBFloat16), w[0], w[1], zero);
+  }
+  return silu_and_mul(run_projection(kind, x, w));
+}
+
 // A step's attention for one layer, as tokenyard.models.attention splits it on a CPU
 // (AttnMetadata.cpu_split): with no spans, every row through decode_attention; else the rows
 // `kernel_rows` through it (none: an empty tensor) and each span (start, rows, context) in
@@ -2372,7 +2472,7 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
         attend_layer(q, k, v, kv_layer, block_tables, context_lens, kernel_rows, span_blocks, spans, scale);
     h = run_projection(kind[1], o.view({rows, q_width}), w + 5);
     normed = add_rms_norm(h, residual, w[1], eps);
-    h = run_projection(kind[3], silu_and_mul(run_projection(kind[2], normed, w + 8)), w + 11);
+    h = run_projection(kind[3], gate_up_silu(kind[2], normed, w + 8), w + 11);
   }
   return add_rms_norm(h, residual, weights.back(), eps);
 }

@@ -7,6 +7,7 @@ from torch import nn
 
 from tokenyard.models.fused import silu_and_mul
 from tokenyard.models.module import LeanModule
+from tokenyard.models.quantize import gate_up_silu
 
 
 class MLP(LeanModule):
@@ -18,7 +19,10 @@ class MLP(LeanModule):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        act = gate_up_silu(self.gate_up_proj, x)  # one kernel call where it pays (AMX)
+        if act is None:
+            act = silu_and_mul(self.gate_up_proj(x))
+        return self.down_proj(act)
 
     def load(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         self.gate_up_proj.weight.copy_(torch.cat([gate, up]))

@@ -186,6 +186,30 @@ def run_kernel(
     return ops.linear_i16(x, q, scales, zeros if zeros.numel() else None)
 
 
+# Steps of more rows than this run a gate/up projection on AMX tiles and silu_and_mul in one
+# kernel call (gate_up_silu); the kernels' decoder_layers chooses the same (kSiluFusedAbove).
+# A 170-token prompt of SmolLM2, 30 layers, on a 2-core Xeon with AMX: 41.1 against 42.3 ms
+# (medians of eight alternating rounds, each faster fused). Decode steps of 8 or 16 rows ran
+# faster fused too with the weights in cache, 24 and 32 slower; the model's were not measured.
+SILU_FUSED_ABOVE = 32
+
+
+def gate_up_silu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """silu_and_mul(layer(x)) in one kernel call (linear_amx_silu, equal to the bit), where
+    `layer` is a gate/up projection that a step of x's rows (more than SILU_FUSED_ABOVE) runs
+    on AMX tiles; None elsewhere."""
+    if not isinstance(layer, QuantizedLinear) or layer.bias is not None:
+        return None
+    if x.dim() != 2 or x.shape[0] <= SILU_FUSED_ABOVE:
+        return None
+    kernel = layer.step_kernel(x.shape[0])
+    if kernel is None or kernel[0] != KERNEL_AMX:
+        return None
+    q, scales, zeros = kernel[1]
+    z = zeros if zeros.numel() else None
+    return cpu_kernels.ops().linear_amx_silu(x.to(torch.bfloat16).contiguous(), q, scales, z)
+
+
 class QuantizedLinear(LeanModule):
     """A Linear whose weight is kept int8 (per channel) or int4 (per group of 32).
 

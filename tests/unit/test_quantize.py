@@ -762,3 +762,41 @@ def test_linear_amx_refuses_a_malformed_call(amx):
         ops.linear_amx(x, w4, scales, None, False)
     with pytest.raises(RuntimeError, match="qweight must be"):
         ops.linear_amx(x, w4.view(2, 2, 8, 32), scales, zeros, False)
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gate_up_silu_equals_the_two_kernels(amx, bits, threads):
+    """linear_amx_silu gives silu_and_mul(linear_amx(x)) to the bit: 10 blocks of gate
+    outputs and 10 of up (a thread pairs gate block b with up block b + 10, and fetches the
+    next pair ahead), at every pass count, a single row included; gate_up_silu takes it only
+    for AMX steps of more than SILU_FUSED_ABOVE rows."""
+    ops = cpu_kernels.ops()
+    linear = _linear(out_features=320, in_features=256, bias=False).to(torch.bfloat16)
+    layer = QuantizedLinear(linear, bits)
+    assert layer.amx
+    qw, scales, zeros = layer.qweight, layer.scales, layer.zeros if bits == 4 else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 7, 32, 33, 64, 65, 100, 174):
+            x = (torch.randn(rows, 256) * 3).to(torch.bfloat16)
+            x[0] *= 40  # large gates: silu's saturation and the exp's range
+            separate = ops.silu_and_mul(ops.linear_amx(x, qw, scales, zeros, False))
+            fused = ops.linear_amx_silu(x, qw, scales, zeros)
+            assert fused.shape == (rows, 160) and fused.dtype == torch.bfloat16
+            assert torch.equal(fused, separate), rows
+            chosen = q.gate_up_silu(layer, x)
+            if rows > q.SILU_FUSED_ABOVE:
+                assert chosen is not None and torch.equal(chosen, separate), rows
+            else:
+                assert chosen is None  # the projection, then silu_and_mul
+    finally:
+        torch.set_num_threads(before)
+    fp32 = QuantizedLinear(_linear(out_features=320, in_features=256, bias=False), bits)
+    assert q.gate_up_silu(fp32, torch.randn(40, 256)) is None  # not an AMX layer
+    assert q.gate_up_silu(linear, torch.randn(40, 256).bfloat16()) is None  # not quantized
+    with pytest.raises(RuntimeError, match="as many up blocks"):
+        odd = QuantizedLinear(_linear(out_features=48, in_features=256, bias=False).bfloat16(), 4)
+        ops.linear_amx_silu(x, odd.qweight, odd.scales, odd.zeros)
