@@ -122,9 +122,11 @@ class EngineLoop:
             else:
                 future.set_result(result)
 
-    async def _call_step(self) -> StepResult:
+    def _call_step(self) -> asyncio.Future[StepResult]:
+        """Queue a step on the engine thread now (not when the caller next yields: publishing
+        a step's outputs never yields, so a step queued by a task waited for all of it)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._timed, self._calls_then_step)
+        return loop.run_in_executor(self._pool, self._timed, self._calls_then_step)
 
     def _calls_then_step(self) -> StepResult:
         self._run_calls()
@@ -244,7 +246,7 @@ class EngineLoop:
                 await asyncio.sleep(0)  # the NATS client writes them out
             ahead = None
             if result.has_unfinished and not idle:
-                ahead = asyncio.ensure_future(self._call_step())
+                ahead = self._call_step()
             self._last_stats = result.stats
             await self._dispatch_outputs(rest)
             if result.kv_events and self._on_kv_events is not None:
@@ -259,7 +261,7 @@ class EngineLoop:
                 break
             if ahead is None:
                 await asyncio.sleep(IDLE_SLEEP_S)
-                ahead = asyncio.ensure_future(self._call_step())
+                ahead = self._call_step()
             result = await ahead
 
     async def _dispatch_outputs(self, outputs: list[RequestOutput]) -> None:

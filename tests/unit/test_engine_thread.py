@@ -89,7 +89,7 @@ async def test_a_call_goes_ahead_of_a_step_queued_before_it():
         # call runs first, straight after what the thread was doing
         blocker = asyncio.ensure_future(loop.call(hold))
         await held()
-        queued = asyncio.ensure_future(loop._call_step())
+        queued = loop._call_step()
         await asyncio.sleep(0.01)
         call = asyncio.ensure_future(loop.call(engine.marker, "call"))
         await asyncio.sleep(0.01)
