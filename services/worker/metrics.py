@@ -89,9 +89,16 @@ class WorkerMetrics:
         # prefix queries, prefix hits, preemptions, drafts, draft tokens, accepted tokens
         self._engine_totals = (0, 0, 0, 0, 0, 0)
         self._expert_totals: list[list[int]] = []  # [moe layer][expert]
+        self._children: dict[Any, Any] = {}  # by metric (hashed by identity)
 
     def child(self, metric: Any) -> Any:
-        return metric.labels(**self.labels)
+        """This worker's child of `metric`, looked up once. Each token's two observations
+        made it per call: prometheus_client's labels() (a lock, a tuple, a dict lookup) was
+        30-40 of the worker's event-loop samples in 12 s at 32 concurrent requests."""
+        child = self._children.get(metric)
+        if child is None:
+            child = self._children[metric] = metric.labels(**self.labels)
+        return child
 
     def on_stats(self, stats: EngineStats) -> None:
         """Engine stats (cumulative counters) from a heartbeat."""
