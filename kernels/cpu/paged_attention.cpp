@@ -1933,31 +1933,42 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& qweight, const at::T
 // Weight-only int4 (uint8 nibbles, with zero) or int8 (int8 q, no zero) in linear_i16's layout,
 // on AMX tiles (see gemm_amx): x bf16 [M, K] -> [M, N] bf16, or fp32 (the sums as they are)
 // where fp32_out. Only where the kernels are built with AMX and the kernel lets the process use
-// the tiles (amx_available).
+// the tiles (amx_available). With silu, the weights are a gate/up projection (N / 2 gate
+// outputs, then N / 2 up) and the result is silu_and_mul's [M, N / 2] bf16, equal to the bit
+// to silu_and_mul(linear_amx(x)): each unit pairs a gate block with its up block (two blocks
+// a unit, as steps of more than 32 rows run anyway) and the [M, N] projection is never
+// written out (the measurement is at quantize.SILU_FUSED_ABOVE).
 static at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
-                      const c10::optional<at::Tensor>& zero, bool fp32_out) {
+                                 const c10::optional<at::Tensor>& zero, bool fp32_out, bool silu = false) {
 #if defined(TY_AMX)
   TORCH_CHECK(amx_permitted(), "the kernel did not grant this process the AMX tiles");
   const bool is_signed = check_i16_layout(qweight, zero);
   check_blocked(x, qweight, scale, zero);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_amx takes bf16 activations");
+  TORCH_CHECK(!silu || (!fp32_out && qweight.size(0) % 2 == 0),
+              "linear_amx_silu needs as many up blocks of 16 outputs as gate blocks, and gives bf16");
   const int64_t N = qweight.size(0) * kOutBlock, K = qweight.size(1) * kGroup, M = x.size(0);
   const auto xc = x.contiguous();
-  auto out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  auto out = at::empty({M, silu ? N / 2 : N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   const auto* xp = xc.data_ptr<at::BFloat16>();
   const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
+  const float* sp = scale.data_ptr<float>();
   const float* zp = zero ? zero->data_ptr<float>() : nullptr;
-  auto run = [&](auto* y) {
+  auto run = [&](auto* y, auto with_silu) {
+    constexpr bool kSilu = decltype(with_silu)::value;
+    using out_t = std::remove_pointer_t<decltype(y)>;
     if (is_signed) {
-      gemm_amx<true>(xp, M, K, w, scale.data_ptr<float>(), zp, y, N);
+      gemm_amx<true, out_t, kSilu>(xp, M, K, w, sp, zp, y, N);
     } else {
-      gemm_amx<false>(xp, M, K, w, scale.data_ptr<float>(), zp, y, N);
+      gemm_amx<false, out_t, kSilu>(xp, M, K, w, sp, zp, y, N);
     }
   };
-  if (fp32_out) {
-    run(out.data_ptr<float>());
+  if (silu) {
+    run(out.data_ptr<at::BFloat16>(), std::true_type{});
+  } else if (fp32_out) {
+    run(out.data_ptr<float>(), std::false_type{});
   } else {
-    run(out.data_ptr<at::BFloat16>());
+    run(out.data_ptr<at::BFloat16>(), std::false_type{});
   }
   return out;
 #else
@@ -1971,42 +1982,11 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qweight, const at::
   return run_linear_amx(x, qweight, scale, zero, fp32_out);
 }
 
-// silu_and_mul(linear_amx(x, gate/up weights)) in one pass, equal to the bit: x bf16 [M, K],
-// the weights of a gate/up projection (N / 2 gate outputs, then N / 2 up) -> [M, N / 2] bf16.
-// The [M, N] projection is never written out, and silu_and_mul's own pass over it goes; each
-// unit pairs a gate block with its up block (two blocks a unit, as steps of more than 32 rows
-// run anyway). SmolLM2's 30 gate/up projections at 160 rows on a 2-core Xeon with AMX: see
-// the caller's note in tokenyard.models.mlp.
-static at::Tensor run_linear_amx_silu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
-                                      const c10::optional<at::Tensor>& zero) {
-#if defined(TY_AMX)
-  TORCH_CHECK(amx_permitted(), "the kernel did not grant this process the AMX tiles");
-  const bool is_signed = check_i16_layout(qweight, zero);
-  check_blocked(x, qweight, scale, zero);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_amx_silu takes bf16 activations");
-  TORCH_CHECK(qweight.size(0) % 2 == 0, "linear_amx_silu needs as many up blocks of 16 outputs as gate blocks");
-  const int64_t N = qweight.size(0) * kOutBlock, K = qweight.size(1) * kGroup, M = x.size(0);
-  const auto xc = x.contiguous();
-  auto out = at::empty({M, N / 2}, x.options().dtype(at::kBFloat16));
-  const auto* xp = xc.data_ptr<at::BFloat16>();
-  const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
-  const float* zp = zero ? zero->data_ptr<float>() : nullptr;
-  auto* y = out.data_ptr<at::BFloat16>();
-  if (is_signed) {
-    gemm_amx<true, at::BFloat16, true>(xp, M, K, w, scale.data_ptr<float>(), zp, y, N);
-  } else {
-    gemm_amx<false, at::BFloat16, true>(xp, M, K, w, scale.data_ptr<float>(), zp, y, N);
-  }
-  return out;
-#else
-  TORCH_CHECK(false, "linear_amx_silu needs a CPU with AMX-BF16 (and kernels built there)");
-#endif
-}
-
+// linear_amx of a gate/up projection with silu_and_mul in its epilogue (run_linear_amx's silu).
 at::Tensor linear_amx_silu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& zero) {
   NoGil nogil;
-  return run_linear_amx_silu(x, qweight, scale, zero);
+  return run_linear_amx(x, qweight, scale, zero, false, true);
 }
 
 // Whether linear_amx runs here: built with AMX and granted the tiles by the kernel.
@@ -2365,14 +2345,14 @@ static at::Tensor run_projection(int64_t kind, const at::Tensor& x, const at::Te
 }
 
 // The MLP's gate/up projection and silu_and_mul: in one pass where the projection runs on AMX
-// tiles in a step of more than kSiluFusedAbove rows (run_linear_amx_silu, equal to the bit),
+// tiles in a step of more than kSiluFusedAbove rows (run_linear_amx with silu, equal to the bit),
 // else one after the other; as tokenyard.models.mlp chooses.
 constexpr int64_t kSiluFusedAbove = 32;
 
 static at::Tensor gate_up_silu(int64_t kind, const at::Tensor& x, const at::Tensor* w) {
   if (kind == kKernelAmx && x.size(0) > kSiluFusedAbove) {
     const c10::optional<at::Tensor> zero = w[2].numel() ? c10::optional<at::Tensor>(w[2]) : c10::nullopt;
-    return run_linear_amx_silu(x.to(at::kBFloat16), w[0], w[1], zero);
+    return run_linear_amx(x.to(at::kBFloat16), w[0], w[1], zero, false, true);
   }
   return silu_and_mul(run_projection(kind, x, w));
 }
