@@ -68,6 +68,21 @@ def test_decode_attention_ignores_padding_past_the_context(ops):
     assert torch.equal(before, ops.decode_attention(q, pool[:, 0], tables, lens, 0.1))
 
 
+@pytest.mark.parametrize("heads", [9, 15])  # 3 query heads per KV head (its own build), 5
+def test_bf16_values_past_an_odd_context_are_never_read(ops, heads):
+    """A bf16 pool's values go two keys at a time: with an odd context, the row after the
+    last key (here NaN, as a reused block may hold anything) must not reach the output."""
+    pool = _pool(torch.bfloat16)
+    tables = torch.tensor([[5, 6, 7]])
+    lens = torch.tensor([37])  # 18 pairs and a last key alone, in block 7
+    q = torch.randn(1, heads, D).to(torch.bfloat16)
+    before = ops.decode_attention(q, pool[:, 0], tables, lens, D**-0.5)
+    reference = _reference(q, pool[:, 0], tables, lens, D**-0.5)  # torch's masking: NaN * 0
+    assert (before.float() - reference).abs().max().item() < 2e-2
+    pool[7, :, :, 5:] = float("nan")
+    assert torch.equal(before, ops.decode_attention(q, pool[:, 0], tables, lens, D**-0.5))
+
+
 def test_write_kv_matches_index_put(ops):
     for dtype in (torch.float32, torch.bfloat16):
         pool = _pool(dtype)
