@@ -49,6 +49,8 @@ def ops() -> ModuleType | None:
 _FUNCTIONS = [
     "write_kv",
     "decode_attention",
+    "span_attention",
+    "span_available",
     "gather_kv",
     "argmax_rows",
     "add_rms_norm",

@@ -653,6 +653,161 @@ void attend_values_bf16(const DecodeItem<at::BFloat16>& it) {
 }
 #endif
 
+#if defined(TY_DOT_BF16)
+// A prefill span's attention (span_attention): n query rows over ctx keys, row j at position
+// ctx - n + j seeing keys 0 to its own position. The rows path (decode attention, one work
+// item per row and KV head) reads every key once per row and scores it with a sum across
+// lanes; here each KV head's keys are laid out once per call with one key's pair of
+// dimensions in each 32-bit lane (16 keys a vector), so that a tile of rows scores 16 keys per
+// vdpbf16ps with no sum across lanes, and its values in pairs of keys for the second product,
+// as attend_values_bf16 takes them (the probabilities rounded to bf16, sums in fp32; the sum
+// of the exponentials divides the output once). SmolLM2's 30 layers, a fresh prompt, 2-core
+// Zen 4: 160 tokens 4.1 against 7.7 ms as rows, 600 tokens 54 against 88.
+struct SpanHead {
+  const uint32_t* kt;  // [ceil(ctx / 16)][head_dim / 2][16]: key 16b + l's pair dp at [b][dp][l]
+  const uint32_t* vp;  // [ceil(ctx / 2)][head_dim]: (v[2t][d], v[2t + 1][d]) at [t][d]
+};
+
+// Query rows a work item takes: with the group's heads, R * G score accumulators in registers.
+constexpr int span_rows(int g) { return g <= 3 ? 4 : (g <= 6 ? 2 : 1); }
+
+// Rows [r0, r0 + rows) of one KV head's group (G query heads from head h * G), rows <= span_rows(G).
+template <int ND, int G>
+void span_tile(const at::BFloat16* q, int64_t q_row, const SpanHead& kv, int64_t h, int64_t r0, int64_t rows,
+               int64_t pos0, int64_t ctx, float scale, at::BFloat16* out, int64_t o_row) {
+  constexpr int R = span_rows(G);
+  constexpr int DP = ND * kW / 2;  // pairs of dimensions
+  constexpr int64_t D = ND * kW;
+  const int64_t keys = std::min(ctx, pos0 + r0 + rows);  // the last row's keys
+  const int64_t stride = (keys + 2 * kW - 1) / (2 * kW) * (2 * kW);
+  thread_local std::vector<float> scores;
+  thread_local std::vector<uint32_t> pp;
+  scores.resize(R * G * stride);
+  pp.resize(R * G * stride / 2);
+  const uint32_t* qp[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < G; ++i)
+      qp[r][i] = reinterpret_cast<const uint32_t*>(q + (r0 + std::min<int64_t>(r, rows - 1)) * q_row + (h * G + i) * D);
+  const vf vscale = vset(scale);
+  for (int64_t b = 0; b * kW < keys; ++b) {  // scores, 16 keys at a time
+    vf acc[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < G; ++i) acc[r][i] = vzero();
+    const uint32_t* kb = kv.kt + b * DP * kW;
+    for (int dp = 0; dp < DP; ++dp) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(kb + dp * kW);
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < G; ++i)
+          acc[r][i] = _mm512_dpbf16_ps(acc[r][i], k, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r][i][dp])));
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < G; ++i) vstore(scores.data() + (r * G + i) * stride + b * kW, vmul(acc[r][i], vscale));
+  }
+  // Softmax over each row's own keys, not yet divided by the sum (the output is, once): the
+  // exponentials go straight to bf16 pairs, zeros from the row's last key to the stride.
+  float inv[R][G];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t len = std::min(ctx, pos0 + r0 + r + 1), full = len / kW;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (len % kW)) - 1);
+    for (int i = 0; i < G; ++i) {
+      const float* sc = scores.data() + (r * G + i) * stride;
+      vf mx = vset(-std::numeric_limits<float>::infinity());
+      for (int64_t b = 0; b < full; ++b) mx = vmax(mx, vload(sc + b * kW));
+      if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, sc + full * kW));
+      const vf m = vset(vhmax(mx));
+      vf sum = vzero();
+      uint32_t* dst = pp.data() + (r * G + i) * stride / 2;
+      for (int64_t t = 0; t < stride; t += 2 * kW) {
+        vf e[2];
+        for (int half = 0; half < 2; ++half) {
+          const int64_t b = t / kW + half;
+          if (b < full) {
+            e[half] = vexp(vsub(vload(sc + b * kW), m));
+          } else if (b == full && tail) {
+            e[half] = _mm512_maskz_mov_ps(tail, vexp(vsub(_mm512_maskz_loadu_ps(tail, sc + b * kW), m)));
+          } else {
+            e[half] = vzero();
+          }
+          sum = vadd(sum, e[half]);
+        }
+        _mm512_storeu_si512(dst + t / 2, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+      }
+      inv[r][i] = 1.f / vsum(sum);
+    }
+  }
+  const int64_t pairs = (keys + 1) / 2;
+  for (int64_t r = 0; r < rows; ++r) {  // out = probs . v, two keys a vdpbf16ps
+    vf acc[G][ND];
+    for (int i = 0; i < G; ++i)
+      for (int c = 0; c < ND; ++c) acc[i][c] = vzero();
+    const uint32_t* pr = pp.data() + r * G * stride / 2;
+    for (int64_t t = 0; t < pairs; ++t) {
+      __m512bh v[ND];
+      for (int c = 0; c < ND; ++c) v[c] = (__m512bh)_mm512_loadu_si512(kv.vp + t * D + c * kW);
+      for (int i = 0; i < G; ++i) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pr[i * stride / 2 + t]));
+        for (int c = 0; c < ND; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], v[c], p);
+      }
+    }
+    for (int i = 0; i < G; ++i) {
+      at::BFloat16* o = out + (r0 + r) * o_row + (h * G + i) * D;
+      const vf norm = vset(inv[r][i]);
+      for (int c = 0; c < ND; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * kW), (__m256i)_mm512_cvtneps_pbh(vmul(acc[i][c], norm)));
+    }
+  }
+}
+
+template <int ND, int G>
+void span_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& out) {
+  constexpr int64_t D = ND * kW;
+  const int64_t n = q.size(0), ctx = k.size(0), hkv = k.size(1), pos0 = ctx - n;
+  const int64_t kblocks = (ctx + kW - 1) / kW, pairs = (ctx + 1) / 2;
+  // Each KV head's keys and values in the layouts above (zeros past the context).
+  std::vector<uint32_t> kt(hkv * kblocks * kW * D / 2, 0u), vp(hkv * pairs * D, 0u);
+  const auto* kp = k.data_ptr<at::BFloat16>();
+  const auto* vptr = v.data_ptr<at::BFloat16>();
+  const int64_t k_row = k.stride(0), v_row = v.stride(0);
+  at::parallel_for(0, hkv, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      uint32_t* kth = kt.data() + h * kblocks * kW * D / 2;
+      uint32_t* vph = vp.data() + h * pairs * D;
+      for (int64_t t = 0; t < ctx; ++t) {
+        const auto* kr = reinterpret_cast<const uint32_t*>(kp + t * k_row + h * D);
+        uint32_t* dst = kth + (t / kW) * (D / 2) * kW + t % kW;
+        for (int64_t dp = 0; dp < D / 2; ++dp) dst[dp * kW] = kr[dp];
+        const uint16_t* vr = reinterpret_cast<const uint16_t*>(vptr + t * v_row + h * D);
+        uint32_t* vd = vph + (t / 2) * D;
+        const int shift = (t & 1) * 16;
+        for (int64_t d = 0; d < D; ++d) vd[d] |= static_cast<uint32_t>(vr[d]) << shift;
+      }
+    }
+  });
+  constexpr int R = span_rows(G);
+  const int64_t tiles = (n + R - 1) / R, items = hkv * tiles;
+  // Split by cost (a tile's keys), as decode attention splits its rows.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  int64_t total = 0;
+  for (int64_t it = 0; it < items; ++it) total += std::min(ctx, pos0 + (it % tiles) * R + R);
+  std::vector<int64_t> first(parts + 1, items);
+  first[0] = 0;
+  for (int64_t it = 0, done = 0, p = 1; it < items && p < parts; ++it) {
+    done += std::min(ctx, pos0 + (it % tiles) * R + R);
+    while (p < parts && done * parts >= p * total) first[p++] = it + 1;
+  }
+  const auto* qp = q.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const float fscale = static_cast<float>(scale);
+  parallel_items(items, [&](int64_t begin, int64_t end, int64_t) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t h = it / tiles, r0 = (it % tiles) * R;
+      const SpanHead kv{kt.data() + h * kblocks * kW * D / 2, vp.data() + h * pairs * D};
+      span_tile<ND, G>(qp, q.stride(0), kv, h, r0, std::min<int64_t>(R, n - r0), pos0, ctx, fscale, op, out.stride(0));
+    }
+  }, first);
+}
+#endif
+
 // NV = head_dim / kW vectors per row. Pass 1 reads each key row once for all the group's
 // query heads; pass 2 keeps every head's output accumulators in vectors (in registers with
 // AVX-512 and head_dim 64; partly on the stack, in L1, otherwise).
@@ -2391,6 +2546,61 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_layer, con
   return run_decode_attention(q, kv_layer, block_tables, context_lens, scale);
 }
 
+// Whether span_attention is built here: AVX512-BF16 (vdpbf16ps) with 16-lane vectors.
+bool span_available() {
+#if defined(TY_DOT_BF16)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// A prefill span's causal attention, bf16: q [n, heads, head_dim] (rows may be apart), k and v
+// [ctx, kv_heads, head_dim] with ctx >= n (the span's rows are the last n positions); head_dim
+// 64 or 128, up to 8 query heads per KV head. Returns [n, heads, head_dim].
+static at::Tensor run_span_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+#if defined(TY_DOT_BF16)
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "span_attention takes [rows, heads, head_dim] tensors");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "span_attention takes bf16");
+  const int64_t d = q.size(2), heads = q.size(1), hkv = k.size(1);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == d && k.size(0) >= q.size(0), "k and v must be [ctx >= rows, kv_heads, head_dim]");
+  TORCH_CHECK(hkv > 0 && heads % hkv == 0 && heads / hkv <= 8, "up to 8 query heads per KV head");
+  TORCH_CHECK(d == 64 || d == 128, "span_attention takes head_dim 64 or 128");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && k.stride(2) == 1 && k.stride(1) == d && v.stride(2) == 1 &&
+                  v.stride(1) == d,
+              "each row's heads must lie side by side");
+  auto out = at::empty(q.sizes(), q.options());
+  if (q.size(0) == 0) return out;
+  auto run = [&](auto nd) {
+    constexpr int ND = decltype(nd)::value;
+    switch (heads / hkv) {
+      case 1: span_attention_impl<ND, 1>(q, k, v, scale, out); break;
+      case 2: span_attention_impl<ND, 2>(q, k, v, scale, out); break;
+      case 3: span_attention_impl<ND, 3>(q, k, v, scale, out); break;
+      case 4: span_attention_impl<ND, 4>(q, k, v, scale, out); break;
+      case 5: span_attention_impl<ND, 5>(q, k, v, scale, out); break;
+      case 6: span_attention_impl<ND, 6>(q, k, v, scale, out); break;
+      case 7: span_attention_impl<ND, 7>(q, k, v, scale, out); break;
+      default: span_attention_impl<ND, 8>(q, k, v, scale, out); break;
+    }
+  };
+  if (d == 64) {
+    run(std::integral_constant<int, 4>{});
+  } else {
+    run(std::integral_constant<int, 8>{});
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "span_attention needs a CPU with AVX512-BF16 (and kernels built there)");
+#endif
+}
+
+at::Tensor span_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  NoGil nogil;
+  return run_span_attention(q, k, v, scale);
+}
+
 // A step's pass through a stack of Llama decoder layers, in one call: per layer
 // add_rms_norm, the q/k/v projection, rotary, write_kv, the attention (attend_layer), the
 // output projection, add_rms_norm, gate/up, silu_and_mul and down, then the final norm; the
@@ -2441,8 +2651,9 @@ static at::Tensor gate_up_silu(int64_t kind, const at::Tensor& x, const at::Tens
 // A step's attention for one layer, as tokenyard.models.attention splits it on a CPU
 // (AttnMetadata.cpu_split): with no spans, every row through decode_attention; else the rows
 // `kernel_rows` through it (none: an empty tensor) and each span (start, rows, context) in
-// torch's fused attention over its own rows (a fresh prompt) or the keys and values gathered
-// from its blocks, widened where the pool is narrower than q (gather_kv).
+// torch's fused attention (on AMX; span_attention on bf16 elsewhere) over its own rows (a
+// fresh prompt) or the keys and values gathered from its blocks, widened where the pool is
+// narrower than q (gather_kv).
 static at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& kv_layer, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, const at::Tensor& kernel_rows,
@@ -2471,6 +2682,12 @@ static at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const a
       keys = kv[0];
       values = kv[1];
     }
+#if defined(TY_DOT_BF16) && !defined(TY_AMX)
+    if (q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16) {  // span_kernel
+      out.narrow(0, start, n).copy_(run_span_attention(q.narrow(0, start, n), keys, values, scale));
+      continue;
+    }
+#endif
     c10::optional<at::Tensor> mask;
     if (ctx != n) {  // row j (position ctx - n + j) sees keys 0..its own position
       mask = (at::arange(ctx, block_tables.options()).unsqueeze(0) <=

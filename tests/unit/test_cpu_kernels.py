@@ -282,23 +282,10 @@ def test_prefill_chunks_attend_through_the_kernel_as_the_torch_path_does(
     assert (outs[0].float() - outs[1].float()).abs().max().item() < tol
 
 
-@pytest.mark.parametrize(
-    "dtype, pool_dtype, tol",
-    [
-        (torch.float32, torch.float32, 1e-5),
-        (torch.bfloat16, torch.bfloat16, 3e-2),
-        # keys and values widened by gather_kv: in fp32, 1e-5 holds only if the fused path
-        # reads them rounded to e4m3 as our kernel does (unrounded, they differ by ~1e-2)
-        (torch.float32, torch.float8_e4m3fn, 1e-5),
-        (torch.bfloat16, torch.float8_e4m3fn, 3e-2),
-    ],
-)
-def test_long_prefill_chunks_in_torchs_fused_attention_match_our_kernel(
-    ops, dtype, pool_dtype, tol, monkeypatch
-):
-    """The AMX path: a step of two decode rows, a short chunk (stays in our kernel), a fresh
-    chunk and a chunk after a prefix (both in torch's fused attention), against the same step
-    all in our kernel; each row lands where it belongs."""
+def _mixed_step(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict, int]:
+    """A step of two decode rows, a short chunk (4 rows: stays in our decode kernel), a fresh
+    40-row chunk and 20 rows after a 33-token prefix: q, k, v, AttnMetadata's arguments and
+    the rows before the long chunks."""
     g = torch.Generator().manual_seed(12)
     short, fresh, later, prefix, heads = 4, 40, 20, 33, 9
     assert short < attention.SDPA_MIN_ROWS <= later
@@ -341,7 +328,29 @@ def test_long_prefill_chunks_in_torchs_fused_attention_match_our_kernel(
         ],
         block_size=BLOCK,
     )
+    return q, k, v, meta_args, 2 + short
+
+
+@pytest.mark.parametrize(
+    "dtype, pool_dtype, tol",
+    [
+        (torch.float32, torch.float32, 1e-5),
+        (torch.bfloat16, torch.bfloat16, 3e-2),
+        # keys and values widened by gather_kv: in fp32, 1e-5 holds only if the fused path
+        # reads them rounded to e4m3 as our kernel does (unrounded, they differ by ~1e-2)
+        (torch.float32, torch.float8_e4m3fn, 1e-5),
+        (torch.bfloat16, torch.float8_e4m3fn, 3e-2),
+    ],
+)
+def test_long_prefill_chunks_in_torchs_fused_attention_match_our_kernel(
+    ops, dtype, pool_dtype, tol, monkeypatch
+):
+    """The AMX path: a step of two decode rows, a short chunk (stays in our kernel), a fresh
+    chunk and a chunk after a prefix (both in torch's fused attention), against the same step
+    all in our kernel; each row lands where it belongs."""
+    q, k, v, meta_args, before = _mixed_step(dtype)
     outs, pools = [], []
+    monkeypatch.setattr(attention, "span_kernel", lambda dtype: False)  # rows, as on AMX
     for fused in (True, False):
         monkeypatch.setattr(attention, "sdpa_prefill", lambda dtype, fused=fused: fused)
         pool = _pool(pool_dtype, seed=13)
@@ -352,7 +361,7 @@ def test_long_prefill_chunks_in_torchs_fused_attention_match_our_kernel(
     err = (outs[0].float() - outs[1].float()).abs()
     assert err.max().item() < tol
     # the rows our kernel computed in both runs are the same computation
-    assert torch.equal(outs[0][: 2 + short], outs[1][: 2 + short])
+    assert torch.equal(outs[0][:before], outs[1][:before])
 
 
 def test_a_short_prompt_span_attends_in_torchs_fused_kernel_where_long_ones_do(ops, monkeypatch):
@@ -386,6 +395,7 @@ def test_a_short_prompt_span_attends_in_torchs_fused_kernel_where_long_ones_do(o
         return sdpa(query, *args, **kwargs)
 
     outs = []
+    monkeypatch.setattr(attention, "span_kernel", lambda dtype: False)  # rows, as on AMX
     for fused in (True, False):
         monkeypatch.setattr(attention, "sdpa_prefill", lambda dtype, fused=fused: fused)
         monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted)
@@ -393,6 +403,72 @@ def test_a_short_prompt_span_attends_in_torchs_fused_kernel_where_long_ones_do(o
     assert fused_rows == [rows]  # the prompt span only, and only where the fused path is on
     assert (outs[0].float() - outs[1].float()).abs().max().item() < 1e-2
     assert torch.equal(outs[0][rows:], outs[1][rows:])  # the draft's rows: our kernel both times
+
+
+@pytest.fixture
+def span_ops(ops):
+    if not ops.span_available():
+        pytest.skip("span_attention is built only for CPUs with AVX512-BF16")
+    return ops
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim", [(9, 3, 64), (3, 3, 64), (15, 3, 64), (16, 2, 64), (8, 2, 128)]
+)
+@pytest.mark.parametrize(
+    "rows, ctx", [(1, 1), (5, 5), (17, 17), (160, 160), (16, 40), (33, 100), (1, 37)]
+)
+def test_span_attention_matches_torch(span_ops, heads, kv_heads, head_dim, rows, ctx):
+    """Causal attention of a span's rows (the last `rows` of `ctx` positions): every group
+    size the kernel builds a tile for, odd and block-crossing lengths, q as rows of a wider
+    tensor (a view of the fused q/k/v projection)."""
+    g = torch.Generator().manual_seed(rows * 1000 + ctx)
+    q = torch.randn(rows, heads + 2, head_dim, generator=g).to(torch.bfloat16)[:, :heads]
+    k, v = (torch.randn(ctx, kv_heads, head_dim, generator=g).to(torch.bfloat16) for _ in "kv")
+    scale = head_dim**-0.5
+    out = span_ops.span_attention(q, k, v, scale)
+    mask = attention._chunk_causal_mask(rows, ctx, q.device)
+    reference = attend(
+        *(t.float().transpose(0, 1)[None] for t in (q, k, v)), mask[None, None], scale
+    )[0].transpose(0, 1)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert (out.float() - reference).abs().max().item() < 2e-2
+
+
+def test_span_attention_refuses_what_it_cannot_take(span_ops):
+    q, k = torch.zeros(4, 9, 64, dtype=torch.bfloat16), torch.zeros(8, 3, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bf16"):
+        span_ops.span_attention(q.float(), k.float(), k.float(), 0.1)
+    with pytest.raises(RuntimeError, match="ctx >= rows"):
+        span_ops.span_attention(q, k[:3], k[:3], 0.1)
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+        span_ops.span_attention(q[..., :32], k[..., :32], k[..., :32], 0.1)
+    with pytest.raises(RuntimeError, match="8 query heads"):
+        span_ops.span_attention(torch.zeros(4, 27, 64, dtype=torch.bfloat16), k, k, 0.1)
+
+
+def test_prefill_spans_in_our_span_kernel_match_their_rows(span_ops, monkeypatch):
+    """The path of CPUs with AVX512-BF16 and no AMX: the long chunks of a mixed step in
+    span_attention against the same step with every row through decode attention; the
+    decode rows and the short chunk are the same computation both times."""
+    q, k, v, meta_args, before = _mixed_step(torch.bfloat16)
+    monkeypatch.setattr(attention, "sdpa_prefill", lambda dtype: False)
+    calls: list[int] = []
+    real = span_ops.span_attention
+
+    def counted(query, *args):
+        calls.append(query.shape[0])
+        return real(query, *args)
+
+    monkeypatch.setattr(span_ops, "span_attention", counted)
+    outs = []
+    for spans in (True, False):
+        monkeypatch.setattr(attention, "span_kernel", lambda dtype, spans=spans: spans)
+        pool = _pool(torch.bfloat16, seed=13)
+        outs.append(paged_attention(q, k, v, pool[:, 1], AttnMetadata(**meta_args), D**-0.5))
+    assert calls == [40, 20]  # the two long chunks, only where the span kernel is on
+    assert (outs[0].float() - outs[1].float()).abs().max().item() < 2e-2
+    assert torch.equal(outs[0][:before], outs[1][:before])
 
 
 @pytest.mark.parametrize(
