@@ -2555,6 +2555,11 @@ bool span_available() {
 #endif
 }
 
+// The heads span_attention takes (tokenyard.models.attention.span_fits says the same).
+static bool span_fits(int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  return (head_dim == 64 || head_dim == 128) && kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 8;
+}
+
 // A prefill span's causal attention, bf16: q [n, heads, head_dim] (rows may be apart), k and v
 // [ctx, kv_heads, head_dim] with ctx >= n (the span's rows are the last n positions); head_dim
 // 64 or 128, up to 8 query heads per KV head. Returns [n, heads, head_dim].
@@ -2683,7 +2688,8 @@ static at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const a
       values = kv[1];
     }
 #if defined(TY_DOT_BF16) && !defined(TY_AMX)
-    if (q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16) {  // span_kernel
+    if (q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
+        span_fits(q.size(1), keys.size(1), q.size(2))) {  // span_kernel
       out.narrow(0, start, n).copy_(run_span_attention(q.narrow(0, start, n), keys, values, scale));
       continue;
     }

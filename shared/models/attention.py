@@ -91,12 +91,13 @@ class AttnMetadata:
         share their span's table and see keys up to their own positions (causal)."""
         return self.rows_of(self.prefills)
 
-    def cpu_split(self, pool_dtype: torch.dtype) -> CpuSplit:
+    def cpu_split(self, pool_dtype: torch.dtype, heads: tuple[int, int, int]) -> CpuSplit:
         """How this step's rows attend on a CPU with the kernels built beside a pool of
-        `pool_dtype`, worked out once per step (every layer splits the same way)."""
+        `pool_dtype`, for a model of `heads` (query heads, KV heads, head_dim), worked out once
+        per step (every layer splits the same way)."""
         split = self._cpu_splits.get(pool_dtype)
         if split is None:
-            split = self._cpu_splits[pool_dtype] = _cpu_split(self, pool_dtype)
+            split = self._cpu_splits[pool_dtype] = _cpu_split(self, pool_dtype, heads)
         return split
 
     def rows_of(self, spans: list[PrefillSpan]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +135,7 @@ def paged_attention(
     kernels = cpu_kernels.ops_for(q)
     if kernels is not None:
         kernels.write_kv(_rows(k), _rows(v), kv_layer, meta.slot_blocks, meta.slot_offsets)
-        split = meta.cpu_split(kv_layer.dtype)
+        split = meta.cpu_split(kv_layer.dtype, (q.shape[1], kv_layer.shape[-2], kv_layer.shape[-1]))
         if not split.spans:
             return kernels.decode_attention(_rows(q), kv_layer, split.tables, split.lens, scale)
         return _attend_fused(kernels, q, k, v, kv_layer, split, scale)
@@ -223,9 +224,17 @@ def span_kernel(dtype: torch.dtype) -> bool:
     return kernels is not None and bool(kernels.span_available())
 
 
-def _cpu_split(meta: AttnMetadata, pool_dtype: torch.dtype) -> CpuSplit:
+def span_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether `span_attention` takes a model of these heads (its C++ checks, stated once
+    more here so that a model it cannot take keeps its spans' rows in decode attention)."""
+    return head_dim in (64, 128) and heads % kv_heads == 0 and heads // kv_heads <= 8
+
+
+def _cpu_split(
+    meta: AttnMetadata, pool_dtype: torch.dtype, heads: tuple[int, int, int]
+) -> CpuSplit:
     fused = []
-    if sdpa_prefill(pool_dtype) or span_kernel(pool_dtype):
+    if sdpa_prefill(pool_dtype) or (span_kernel(pool_dtype) and span_fits(*heads)):
         fused = [s for s in meta.prefills if s.prompt or s.num_tokens >= SDPA_MIN_ROWS]
     if not fused:
         return CpuSplit(None, *meta.kernel_rows, [])
@@ -264,7 +273,7 @@ def _attend_fused(
             keys, values = _span_keys_values(span, k, v, kv_layer)
         else:  # a narrower pool (fp8): the span's rows as written, widened in one pass
             keys, values = kernels.gather_kv(kv_layer, span.block_ids, span.context_len, q)
-        if span_kernel(kv_layer.dtype) and not sdpa_prefill(kv_layer.dtype):
+        if not sdpa_prefill(kv_layer.dtype):  # then the spans are span_kernel's (_cpu_split)
             out[rows] = kernels.span_attention(q[rows], keys, values, scale)
             continue
         fresh = span.context_len == span.num_tokens  # then a plain causal mask

@@ -186,7 +186,9 @@ class LlamaForCausalLM(LeanModule):
             kernels, (weights, kinds) = cpu_kernels.ops(), plan
             assert kernels is not None
             attn = cast(DecoderLayer, self.layers[0]).self_attn
-            split = meta.cpu_split(kv_cache.dtype)
+            split = meta.cpu_split(
+                kv_cache.dtype, (attn.num_heads, attn.num_kv_heads, kv_cache.shape[-1])
+            )
             return kernels.decoder_layers(
                 x,
                 positions,

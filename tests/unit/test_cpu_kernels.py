@@ -447,6 +447,26 @@ def test_span_attention_refuses_what_it_cannot_take(span_ops):
         span_ops.span_attention(torch.zeros(4, 27, 64, dtype=torch.bfloat16), k, k, 0.1)
 
 
+def test_a_model_the_span_kernel_cannot_take_keeps_its_spans_rows(span_ops, monkeypatch):
+    """span_attention takes head_dim 64 or 128 and up to 8 query heads per KV head; another
+    model's prompt chunks stay rows of decode attention (torch's fused attention is the
+    slow one without AMX)."""
+    monkeypatch.setattr(attention, "sdpa_prefill", lambda dtype: False)  # as without AMX
+    monkeypatch.setattr(attention, "span_kernel", lambda dtype: True)
+
+    def spans(heads: tuple[int, int, int]) -> int:
+        meta = AttnMetadata(
+            slot_blocks=torch.zeros(20, dtype=torch.long),
+            slot_offsets=torch.arange(20) % BLOCK,
+            prefills=[PrefillSpan(0, 20, 20, torch.tensor([0, 1]), prompt=True)],
+            block_size=BLOCK,
+        )
+        return len(meta.cpu_split(torch.bfloat16, heads).spans)
+
+    assert spans((9, 3, 64)) == 1 and spans((8, 2, 128)) == 1
+    assert spans((9, 3, 32)) == spans((9, 3, 80)) == spans((27, 3, 64)) == 0
+
+
 def test_prefill_spans_in_our_span_kernel_match_their_rows(span_ops, monkeypatch):
     """The path of CPUs with AVX512-BF16 and no AMX: the long chunks of a mixed step in
     span_attention against the same step with every row through decode attention; the
