@@ -75,7 +75,9 @@ class AttnMetadata:
     decode_context_lens: torch.Tensor | None = None  # [B] tokens each decode row attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
     block_size: int = 16
-    _cpu_splits: dict[torch.dtype, CpuSplit] = field(default_factory=dict, repr=False)
+    _cpu_splits: dict[tuple[torch.dtype, tuple[int, int, int]], CpuSplit] = field(
+        default_factory=dict, repr=False
+    )
 
     @cached_property
     def decode_mask(self) -> torch.Tensor:
@@ -95,9 +97,10 @@ class AttnMetadata:
         """How this step's rows attend on a CPU with the kernels built beside a pool of
         `pool_dtype`, for a model of `heads` (query heads, KV heads, head_dim), worked out once
         per step (every layer splits the same way)."""
-        split = self._cpu_splits.get(pool_dtype)
+        key = (pool_dtype, heads)  # the split depends on the model's heads too
+        split = self._cpu_splits.get(key)
         if split is None:
-            split = self._cpu_splits[pool_dtype] = _cpu_split(self, pool_dtype, heads)
+            split = self._cpu_splits[key] = _cpu_split(self, pool_dtype, heads)
         return split
 
     def rows_of(self, spans: list[PrefillSpan]) -> tuple[torch.Tensor, torch.Tensor]:
