@@ -57,7 +57,7 @@ proto: setup
 	$(PY) scripts/gen_proto.py
 
 bench-engine: setup
-	$(PY) benchmarks/engine.py --out benchmarks/results/engine.json
+	$(PY) benchmarks/engine.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,6 @@
 """What deterministic mode costs: bf16 + int4 with and without `deterministic=True`, same run.
 
-    python benchmarks/deterministic.py --out benchmarks/results/deterministic.json --doc docs/precision.md
+    python benchmarks/deterministic.py --doc docs/precision.md
 
 Batches of 1, 8 and 32 requests (`--batches`), each request PROMPT_LEN prompt + OUTPUT_LEN
 output tokens, greedy. Each batch is timed for both engines in alternation (A B A B ...) so
@@ -20,6 +20,8 @@ import random
 import statistics
 import time
 from pathlib import Path
+
+from result_path import OUT_HELP, out_path
 
 from tokenyard.bench.text import text_of_tokens
 from tokenyard.engine.config import EngineConfig
@@ -79,12 +81,13 @@ def measure(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/deterministic.json")
+    parser.add_argument("--out", type=Path, help=OUT_HELP)
     parser.add_argument("--doc", help="also replace the cost table in this markdown file")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--seconds-per-batch", type=float, default=60.0)
     args = parser.parse_args()
+    args.out = out_path(args.out, "deterministic")
     started = time.perf_counter()
     loaded = load_model()
     engines = {
@@ -116,7 +119,7 @@ def main() -> None:
             "wall_s": round(time.perf_counter() - started, 1),
             "rows": rows,
         }
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in MODES}))
     table = "\n".join(
         [

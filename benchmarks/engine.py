@@ -1,6 +1,6 @@
 """Engine benchmark: Tokenyard's engine against HF transformers `generate`, same model, same run.
 
-    python benchmarks/engine.py --out benchmarks/results/engine.json
+    python benchmarks/engine.py [--out engine.json]
 
 Scenarios (every side runs in its own fresh process, so peak memory is its own):
   a) one request, 128 prompt tokens, 128 output tokens: TTFT and decode tok/s;
@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from result_path import OUT_HELP, out_path
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 128
@@ -328,7 +330,7 @@ def spawn(kind: str, threads: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results/engine.json")
+    parser.add_argument("--out", type=Path, help=OUT_HELP)
     parser.add_argument(
         "--configs",
         default="ours:float32:,ours:bfloat16:,ours:bfloat16:int8,ours:bfloat16:int4,ours:float32:int4",
@@ -365,6 +367,7 @@ def main() -> int:
             "hf_static_batch": HF_BATCH,
         },
     }
+    out = out_path(args.out, "engine")
     results["hf"] = hf = spawn("hf", args.threads)
     for kind in args.configs.split(","):
         r = spawn(kind, args.threads)
@@ -378,10 +381,9 @@ def main() -> int:
             / hf["concurrent"]["output_tok_s"],
         }
         results[kind] = r
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    out.write_text(json.dumps(results, indent=2))
     _print_table(results)
-    _plot(results, Path(args.out).with_name(Path(args.out).stem + "_plots") / "engine.png")
+    _plot(results, out.with_name(out.stem + "_plots") / "engine.png")
     return 0
 
 

@@ -1,6 +1,6 @@
 """GPU figures for the engine: decode against the HBM bandwidth limit, prefill TFLOP/s.
 
-    python benchmarks/gpu.py --out benchmarks/results/gpu.json     (needs CUDA)
+    python benchmarks/gpu.py [--out gpu.json]     (needs CUDA)
 
 - bandwidth: a large device-to-device copy, bytes read + written per second (best of 5);
 - decode at batch 1 and batch 64 (128 prompt + 128 output tokens each, EOS ignored): output
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from result_path import OUT_HELP, out_path
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 128
@@ -93,7 +94,7 @@ def prefill(engine) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu.json"))
+    parser.add_argument("--out", type=Path, help=OUT_HELP)
     parser.add_argument("--model", help="a .gguf file or HF folder (default: the default model)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -123,9 +124,10 @@ def main() -> None:
         "prefill": prefill(engine),
         "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 1024**3,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out = out_path(args.out, "gpu")
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ The hand-off is a 2,000-token prompt in the SmolLM2-135M layout (30 layers x K/V
 x 64 dims, float32, blocks of 16 tokens): 125 blocks, about 92 MB, at scattered block ids as
 a busy pool has them. The sender runs in its own process (its pool in shared memory);
 ``inproc`` has a sender in this process. Each figure is the median of --reps whole pulls
-(Describe + bytes + Release). Writes benchmarks/results/kv_transfer.json.
+(Describe + bytes + Release). Writes a JSON report (`--out`, default in result_path.py).
 
-    python benchmarks/kv_transfer.py [--reps 5] [--no-ttft] [--out benchmarks/results/kv_transfer.json]
+    python benchmarks/kv_transfer.py [--reps 5] [--no-ttft] [--out kv_transfer.json]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from result_path import OUT_HELP, out_path
 
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.transfer import (
@@ -233,7 +234,7 @@ async def bench_ttft(reps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_transfer.json"))
+    parser.add_argument("--out", type=Path, help=OUT_HELP)
     parser.add_argument("--no-ttft", action="store_true", help="skip the engine TTFT part")
     parser.add_argument("--ttft-reps", type=int, default=3)
     args = parser.parse_args()
@@ -255,7 +256,7 @@ def main() -> None:
         **results,
         "targets": {"shm_fraction_of_memcpy": 0.5, "grpc_gbps": 0.8, "ttft_speedup": 3.0},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out = out_path(args.out, "kv_transfer")
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for name, gbps in results["gbps"].items():
         fraction = results["fraction_of_memcpy"].get(name)

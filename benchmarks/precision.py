@@ -1,6 +1,6 @@
 """Quality of every weight precision on one fixed text, against fp32 on the same weights.
 
-    python benchmarks/precision.py --out benchmarks/results/precision.json --doc docs/precision.md
+    python benchmarks/precision.py --doc docs/precision.md [--out precision.json]
 
 For each precision: perplexity of the text below (teacher-forced, every token after the
 first), top-1 agreement with fp32 on that text (how often the most likely next token is the
@@ -19,6 +19,8 @@ import platform
 import time
 from pathlib import Path
 from typing import Any
+
+from result_path import OUT_HELP, out_path
 
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm import GenerationResult, _result
@@ -154,7 +156,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/precision.json")
+    parser.add_argument("--out", type=Path, help=OUT_HELP)
     parser.add_argument("--doc", help="also replace the table in this markdown file")
     parser.add_argument(
         "--only",
@@ -183,7 +185,8 @@ def main() -> None:
         "rows": rows,
         "fp32_answers": dict(zip(CHATS, ref["texts"], strict=True)),
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    out = out_path(args.out, "precision")
+    out.write_text(json.dumps(result, indent=2) + "\n")
     if args.doc:
         _replace_table(Path(args.doc), table(rows))
     print(table(rows))

@@ -1,7 +1,7 @@
 """Where the time of a loaded `tokenyard up` goes: py-spy on every process, plus step timings.
 
     .venv/bin/python benchmarks/profile_stack.py --concurrency 32 --num-prompts 64 \
-        --out benchmarks/results/profile_stack.json [--aggregated | --disaggregated]
+        [--out profile_stack.json] [--aggregated | --disaggregated]
 
 Starts the stack as `tokenyard up` does (its defaults: dtype auto + int4 workers, KV-cache,
 facilities and telemetry services), warms it, then loads it with `tokenyard bench serve`
@@ -27,6 +27,8 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+from result_path import OUT_HELP, out_path
 
 from tokenyard.bus.embedded import free_port
 from tokenyard.services import up
@@ -138,8 +140,9 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_stack.json"))
+    p.add_argument("--out", type=Path, help=OUT_HELP)
     args = p.parse_args()
+    args.out = out_path(args.out, "profile_stack")
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(pyspy).exists():
         raise SystemExit("py-spy is not installed: pip install -e '.[bench]'")
@@ -209,7 +212,6 @@ def main() -> int:
             for n in procs
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print_report(doc)
     return 0

@@ -11,7 +11,7 @@ a new request starts when one ends).
 
 Reported per concurrency: TTFT p50 on both sides and the difference ("added TTFT"), and
 output tokens/s on both sides and their ratio. Targets: added TTFT p50 <= 15 ms,
-throughput ratio >= 0.85. Writes benchmarks/results/service_path.json.
+throughput ratio >= 0.85. Writes a JSON report (`--out`, default in result_path.py).
 
     python benchmarks/service_path.py [--requests 8 32] [--max-tokens 64] [--out ...]
 """
@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+from result_path import OUT_HELP, out_path
 
 from tokenyard.bench.text import text_of_tokens
 from tokenyard.bus.embedded import free_port
@@ -236,8 +237,9 @@ def main() -> None:
         metavar="N",
         help="instead: N requests through the stack with the fake engine (overhead only)",
     )
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/service_path.json"))
+    ap.add_argument("--out", type=Path, help=OUT_HELP)
     args = ap.parse_args()
+    args.out = out_path(args.out, "service_path")
     if args.plumbing:
         run_plumbing(args)
         return
@@ -337,7 +339,6 @@ def main() -> None:
             "meets_targets": added <= TARGET_ADDED_TTFT_MS and ratio >= TARGET_THROUGHPUT_RATIO,
         }
         print(f"c={c}: added TTFT p50 {added} ms, throughput ratio {ratio}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -1,7 +1,7 @@
 """Does mapping the weights from a shared-memory file slow the engine? Two engines in one
 process, one with private weights and one with the shared file, run the same steps in turn.
 
-    python benchmarks/shared_weights.py --out benchmarks/results/shared_weights.json
+    python benchmarks/shared_weights.py [--out shared_weights.json]
 
 Per engine: the median seconds of a forward pass over 1 and 16 decode rows and over a
 128-token prefill chunk (fp32 + int4, one thread: the shape of a `tokenyard up` worker on
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from result_path import OUT_HELP, out_path
 
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
@@ -37,7 +38,7 @@ def spans(rows: int, tokens: int) -> list[InputSpan]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help=OUT_HELP)
     parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -70,8 +71,10 @@ def main() -> None:
             for n, by in times.items()
         },
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out = out_path(args.out, "shared_weights")
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["median_ms"], indent=2))  # noqa: T201
+    print(f"wrote {out}")  # noqa: T201
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Speculative decoding benchmark: each case against plain decoding, measured in one run.
 
-    python benchmarks/spec_decode.py --out benchmarks/results/spec_decode.json
+    python benchmarks/spec_decode.py [--out spec_decode.json]
 
 Cases (arms alternate, best of --repeats each, so a busy machine hits both alike):
   copy:    batch 1, a copy-heavy prompt (quote a passage back), n-gram prompt lookup, on the
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from result_path import OUT_HELP, out_path
 
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
@@ -110,7 +111,7 @@ def compare(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/spec_decode.json"))
+    parser.add_argument("--out", type=Path, help=OUT_HELP)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
@@ -158,9 +159,9 @@ def main() -> None:
             "self_draft": compare(loaded, bf16, SELF_DRAFT, many, n // 2, r, "output_tok_s"),
         }
         print("c32", results["c32"], flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out = out_path(args.out, "spec_decode")
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

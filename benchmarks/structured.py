@@ -1,6 +1,6 @@
 """Structured outputs: schema-constrained requests against free text on the same engine.
 
-    python benchmarks/structured.py --out benchmarks/results/structured.json
+    python benchmarks/structured.py [--out structured.json]
 
 At concurrency 1 (one request at a time) and 8 (eight at once), each request asks for
 at most MAX_TOKENS tokens at temperature 0: output tok/s over the wall time, TTFT (from
@@ -23,6 +23,8 @@ import json
 import platform
 import time
 from pathlib import Path
+
+from result_path import OUT_HELP, out_path
 
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
@@ -133,7 +135,7 @@ def ratios(results: list[dict]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/structured.json"))
+    parser.add_argument("--out", type=Path, help=OUT_HELP)
     parser.add_argument("--rounds", type=int, default=3, help="waves per mode and concurrency")
     parser.add_argument(
         "--seconds-per-concurrency",
@@ -142,6 +144,7 @@ def main() -> None:
         help="start no new round after this long (one round always runs)",
     )
     args = parser.parse_args()
+    args.out = out_path(args.out, "structured")
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig())
     run_wave(engine, CITIES[:1], True, "warm")  # builds the llguidance tokenizer once
@@ -160,7 +163,6 @@ def main() -> None:
             "results": results,
             "ratios": ratios(results),
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 

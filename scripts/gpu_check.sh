@@ -3,7 +3,7 @@
 #   1. every Triton kernel against its torch twin, compiled on CUDA (bf16 included);
 #   2. the HF-equivalence suite with the engine on CUDA;
 #   3. benchmarks/gpu.py: decode tok/s at batch 1 and 64 against the HBM bandwidth limit,
-#      prefill TFLOP/s, written to benchmarks/results/gpu.json;
+#      prefill TFLOP/s, written as JSON outside the repo (benchmarks/result_path.py);
 #   4. with two GPUs or more: tensor parallelism over NCCL, two ranks against one rank's
 #      logprobs (skipped, and said so, on a single GPU).
 # Run from the repository root with the project's virtualenv set up (make setup) and
@@ -22,7 +22,7 @@ echo "== 2/4 HF equivalence with the engine on CUDA"
 TOKENYARD_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_engine_vs_hf.py
 
 echo "== 3/4 decode and prefill figures"
-"$PY" benchmarks/gpu.py --out benchmarks/results/gpu.json
+"$PY" benchmarks/gpu.py
 
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 if [ "$GPUS" -ge 2 ]; then
