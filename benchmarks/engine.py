@@ -65,11 +65,9 @@ def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
         "the",
         "fleet",
     ]
-    # Each prompt its own words in its own order, so that no two share a cached prefix block:
-    # the stack's bench client sends distinct prompts too. (Until 3 December they were
-    # rotations of one 8-word cycle, and request i repeated request i - 24 word for word:
-    # 8 of the 32 one-wave prompts, and 40 of a 64-request closed loop, were prefix-cache
-    # hits, which flattered the engine's figures.)
+    # Each prompt its own words in its own order, so that no two share a cached prefix block
+    # (prefix-cache hits would flatter the engine): the stack's bench client sends distinct
+    # prompts too.
     out = []
     for i in range(n):
         rng = random.Random(i)

@@ -203,10 +203,10 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python's mmap module may not name it
 def prefault(pool: torch.Tensor) -> None:
     """Make every page of a freshly made, all-zero CPU pool resident now.
 
-    A lazily resident pool faults a page in on its first write: a prompt whose blocks were
-    never used before paid 2.5-2.9 ms in `write_kv` for a 158-token prompt on a 2-core Zen 4
-    (against under 0.4 ms on written pages), most of it page faults, and a pool whose prefix
-    cache may fill it becomes resident in full after a few dozen requests anyway. The
+    A lazily resident pool faults a page in on its first write, which made a fresh
+    prompt's `write_kv` several times slower than on written pages (docs/benchmarks.md),
+    and a pool whose prefix cache may fill it becomes resident in full after a few dozen
+    requests anyway. The
     kernel populates the range itself (MADV_POPULATE_WRITE, no data written); where it
     cannot, one zero byte is written per page, which is why the pool must still be zeros."""
     if pool.device.type != "cpu" or pool.numel() == 0:

@@ -47,9 +47,9 @@ def sample(
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first highest-scoring token, as argmax gives it: on a CPU our kernel
-    (`argmax_rows`: 32 x 49,152 fp32 logits 0.1 ms, torch's max(dim) 0.4 ms in cache and
-    1.0 ms in a decode step, on a 2-core Xeon), else `max(dim).indices` (the same index,
-    ties to the first; torch's CPU argmax was slower still)."""
+    (`argmax_rows`, a few times faster than torch's max(dim) in a decode step:
+    docs/benchmarks.md), else `max(dim).indices` (the same index, ties to the first;
+    torch's CPU argmax is slower still)."""
     kernels = cpu_kernels.ops_for(logits)
     if kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2:
         return kernels.argmax_rows(logits.contiguous())

@@ -96,8 +96,8 @@ async def fetch_prefix(
         return 0
     if engine.num_cached_prefix_blocks(hashes[:n]) == n:
         # Here already (a system prompt every request shares): the engine finds it itself.
-        # Fetching it again cost two waits for the engine thread between steps: under 32
-        # concurrent requests, 180-210 ms of each request's first token.
+        # Fetching it again costs two waits for the engine thread between steps, most of a
+        # loaded request's first token (docs/benchmarks.md).
         return n * bs
     rid = f"kv-prefetch-{uuid.uuid4().hex[:12]}"
     dst = await call(engine.reserve_prefix, rid, token_ids[: n * bs], cache_salt)
