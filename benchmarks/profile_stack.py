@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 from tokenyard.bus.embedded import free_port
-from tokenyard.services import up
+from tokenyard.cli import up
 from tokenyard.services.launch.stack import LocalStack
 
 # Innermost matching frame wins; earlier rows win over later ones within one frame.
