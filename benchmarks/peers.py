@@ -51,9 +51,9 @@ from typing import Any
 from result_path import OUT_HELP, out_path
 
 from tokenyard.bus.embedded import free_port
+from tokenyard.cli import up
 from tokenyard.engine.config import auto_dtype
 from tokenyard.models.loader import default_model_path
-from tokenyard.services import up
 from tokenyard.services.launch.stack import LocalStack
 
 MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -31,7 +31,7 @@ from pathlib import Path
 from result_path import OUT_HELP, out_path
 
 from tokenyard.bus.embedded import free_port
-from tokenyard.services import up
+from tokenyard.cli import up
 from tokenyard.services.launch.stack import LocalStack
 
 # Innermost matching frame wins; earlier rows win over later ones within one frame.

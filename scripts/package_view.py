@@ -8,7 +8,8 @@ it would read every `tokenyard.*` import as Any. This builds, out of symbolic li
     DEST/tokenyard/services   -> services/
     DEST/tokenyard/kernels    -> kernels/
 
-so that ``MYPYPATH=DEST mypy -p tokenyard...`` type-checks across the packages.
+so that ``MYPYPATH=DEST mypy DEST/tokenyard`` (or ``-p tokenyard...``) type-checks across the
+packages; `make typecheck` runs it.
 
     python scripts/package_view.py DEST
 """

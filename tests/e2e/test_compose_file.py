@@ -11,7 +11,7 @@ from compose_hosts import NATS_PASSWORDS, ROOT, compose_config, run_compose
 from service_settings import SETTINGS
 
 from tokenyard.bus import auth
-from tokenyard.bus.nats_config_cli import config_text
+from tokenyard.bus.nats_config import config_text
 from tokenyard.net import is_wildcard
 
 OBSERVABILITY = {"otel-collector", "prometheus", "grafana"}

@@ -15,12 +15,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from rich.console import Console
 
-from tokenyard.bench import cli as bench_cli
 from tokenyard.bench import metrics, plots, report, results
 from tokenyard.bench.client import Target
 from tokenyard.bench.records import TokenCounter
 from tokenyard.bench.runner import Load, run_load
 from tokenyard.bench.workloads import Session, Turn, WorkloadOptions, build
+from tokenyard.cli import bench as bench_cli
 
 TOKEN_DELAY_S = 0.003
 

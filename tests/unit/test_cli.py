@@ -48,7 +48,7 @@ def test_up_takes_the_options_the_readme_names(capsys):
 
 
 def test_up_passes_speculative_config_to_the_workers():
-    from tokenyard.services import up
+    from tokenyard.cli import up
 
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
@@ -83,7 +83,7 @@ def test_up_without_a_facilities_inventory_says_why_and_starts_nothing(tmp_path)
 
 
 def up_config(*argv: str):
-    from tokenyard.services import up
+    from tokenyard.cli import up
 
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
@@ -133,7 +133,7 @@ def test_up_tensor_parallel_size_reaches_the_stack():
 
 
 def test_the_default_layout_follows_the_host(monkeypatch):
-    from tokenyard.services import up
+    from tokenyard.cli import up
 
     assert up.aggregated_by_default("cpu", 2) and not up.aggregated_by_default("cpu", 4)
     assert not up.aggregated_by_default("cuda", 2)
@@ -144,3 +144,13 @@ def test_the_default_layout_follows_the_host(monkeypatch):
     assert not up_config("--device", "cuda").aggregated
     monkeypatch.setattr(up.os, "cpu_count", lambda: 8)
     assert not up_config().aggregated and up_config("--aggregated").aggregated
+
+
+def test_up_and_keys_import_no_service_until_they_run():
+    # The library sits below the services: the launcher and the key store load inside run().
+    code = (
+        "import sys, tokenyard.cli.up, tokenyard.cli.keys\n"
+        "print(sorted(m for m in sys.modules if m.startswith('tokenyard.services')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

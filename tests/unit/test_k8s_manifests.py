@@ -18,7 +18,7 @@ from service_settings import SETTINGS
 
 from tokenyard.bus import auth
 from tokenyard.bus.embedded import nats_server_binary
-from tokenyard.bus.nats_config_cli import CONFIG_FILE, SECRET, secret_key
+from tokenyard.bus.nats_config import CONFIG_FILE, SECRET, secret_key
 
 K8S = Path(__file__).resolve().parents[2] / "infra" / "k8s"
 OVERLAYS = ["cpu", "gpu"]

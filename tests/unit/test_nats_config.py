@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tokenyard.bus import auth, nats_config_cli, subjects
+from tokenyard.bus import auth, nats_config, subjects
 from tokenyard.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +18,7 @@ CONFIGMAP = ROOT / "infra" / "k8s" / "base" / "nats-users.yaml"
 
 def test_the_checked_in_configs_are_what_the_command_writes(capsys):
     """After a permission changes in tokenyard.bus.auth, rerun the two commands in the
-    module docstring of tokenyard.bus.nats_config_cli."""
+    module docstring of tokenyard.cli.nats_config."""
     assert main(["nats-config"]) == 0
     assert capsys.readouterr().out == USERS_CONF.read_text()
     assert main(["nats-config", "--format", "configmap"]) == 0
@@ -56,17 +56,17 @@ def test_a_pool_user_may_do_what_any_worker_of_its_role_may():
 
 
 def test_fresh_passwords_are_strings_to_nats_server_and_differ_each_time():
-    env = dict(line.split("=", 1) for line in nats_config_cli.env_text().splitlines())
-    again = dict(line.split("=", 1) for line in nats_config_cli.env_text().splitlines())
+    env = dict(line.split("=", 1) for line in nats_config.env_text().splitlines())
+    again = dict(line.split("=", 1) for line in nats_config.env_text().splitlines())
     names = [auth.password_variable(u.name) for u in auth.deployment_users()]
     assert list(env) == names
     for name, password in env.items():
         assert auth.check_password(name, password) == password
         assert again[name] != password
-    secret = yaml.safe_load(nats_config_cli.secret_text())
-    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == nats_config_cli.SECRET
+    secret = yaml.safe_load(nats_config.secret_text())
+    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == nats_config.SECRET
     assert set(secret["stringData"]) == {
-        nats_config_cli.secret_key(u.name) for u in auth.deployment_users()
+        nats_config.secret_key(u.name) for u in auth.deployment_users()
     }
     assert all(auth.PASSWORD.fullmatch(p) for p in secret["stringData"].values())
 

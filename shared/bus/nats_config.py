@@ -1,19 +1,13 @@
-"""`tokenyard nats-config`: the NATS users of a deployment, from `tokenyard.bus.auth`.
-
-    tokenyard nats-config > infra/nats/users.conf                     # compose mounts it
-    tokenyard nats-config --format configmap > infra/k8s/base/nats-users.yaml
-    tokenyard nats-config --format env >> .env                        # fresh passwords
-    tokenyard nats-config --format secret | kubectl apply -f -        # the same, as a Secret
+"""The NATS users of a deployment as files, from `tokenyard.bus.auth`: nats-server's
+configuration, the same as a Kubernetes ConfigMap, and fresh passwords for `.env` or a Secret.
 
 The configuration holds no password, only references to environment variables that
 compose (from `.env`) or Kubernetes (from Secret `tokenyard-nats`) set, so the two checked-in
-files are the output of this command and a test keeps them so.
+files are the output of `tokenyard nats-config` (tokenyard.cli.nats_config) and a test keeps
+them so.
 """
 
 from __future__ import annotations
-
-import argparse
-import sys
 
 import yaml
 
@@ -66,22 +60,3 @@ def secret_text() -> str:
         "stringData": {secret_key(u.name): auth.new_password() for u in auth.deployment_users()},
     }
     return yaml.safe_dump(secret, sort_keys=False)
-
-
-FORMATS = {"conf": config_text, "configmap": configmap_text, "env": env_text, "secret": secret_text}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--format",
-        choices=sorted(FORMATS),
-        default="conf",
-        help="conf: nats-server's users and permissions (passwords from the environment); "
-        "configmap: the same as a Kubernetes ConfigMap; env: fresh passwords for .env; "
-        "secret: fresh passwords as a Kubernetes Secret (default conf)",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    sys.stdout.write(FORMATS[args.format]())
-    return 0

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenyard.engine.llm_engine import LLMEngine
+    from tokenyard.engine.sampling_params import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": _reply(engine, history, params)})
 
 
-def _reply(engine, messages: list[dict], params) -> str:  # type: ignore[no-untyped-def]
+def _reply(engine: LLMEngine, messages: list[dict], params: SamplingParams) -> str:
     rid = f"cli-{len(messages)}"
     engine.add_request(rid, messages, params)
     text = []

@@ -5,7 +5,9 @@
     tokenyard keys revoke 3f2a9c1d
 
 The database is --db-url, else TOKENYARD_GATEWAY_KEYS_DB_URL, else a SQLite file under
-~/.tokenyard (the one `tokenyard up` gives its gateway).
+~/.tokenyard (the one `tokenyard up` gives its gateway). The key store is the gateway's
+(tokenyard.services.gateway.keys), imported when the command runs: the library imports no
+service at import time.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import os
 from pathlib import Path
 
 from tokenyard.db import default_url
-from tokenyard.services.gateway.keys import KeyStore
 
 DEFAULT_DATA_DIR = Path("~/.tokenyard")
 
@@ -47,6 +48,8 @@ def _positive(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tokenyard.services.gateway.keys import KeyStore
+
     store = KeyStore.open(args.db_url or default_keys_url())
     if args.action == "create":
         key, info = store.create(args.name, args.tenant, args.rpm, args.tpm)

@@ -1,27 +1,28 @@
-"""The `tokenyard` command. Each sub-command lives in its own module, listed once here.
+"""The `tokenyard` command. Each sub-command is one module of this package, listed once here.
 
-A sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+A sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int``: the
+command-line surface (arguments, printing); what it runs lives in its own package (the
+launcher in tokenyard.services.launch, the simulator in tokenyard.sim, ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from types import ModuleType
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("tokenyard.engine.generate_cli", "generate text offline with the engine"),
-    "up": ("tokenyard.services.up", "run the whole stack on this machine"),
-    "bench": ("tokenyard.bench.cli", "benchmark an OpenAI-compatible server"),
-    "keys": ("tokenyard.services.keys", "create, list and revoke the gateway's API keys"),
+    "generate": ("tokenyard.cli.generate", "generate text offline with the engine"),
+    "up": ("tokenyard.cli.up", "run the whole stack on this machine"),
+    "bench": ("tokenyard.cli.bench", "benchmark an OpenAI-compatible server"),
+    "keys": ("tokenyard.cli.keys", "create, list and revoke the gateway's API keys"),
     "nats-config": (
-        "tokenyard.bus.nats_config_cli",
+        "tokenyard.cli.nats_config",
         "NATS users and permissions for compose and Kubernetes; fresh passwords",
     ),
-    "plan": ("tokenyard.planner.cli", "size a fleet: GPUs, racks and kW for a model and workload"),
-    "simulate": ("tokenyard.sim.cli", "simulate a fleet under load with the router's policy"),
-    "ctl": ("tokenyard.ctl", "drain workers, fault racks, inspect the KV cache (gRPC control)"),
+    "plan": ("tokenyard.cli.plan", "size a fleet: GPUs, racks and kW for a model and workload"),
+    "simulate": ("tokenyard.cli.simulate", "simulate a fleet under load with the router's policy"),
+    "ctl": ("tokenyard.cli.ctl", "drain workers, fault racks, inspect the KV cache (gRPC control)"),
 }
 
 
@@ -45,7 +46,3 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(sub.add_parser(name, help=COMMANDS[name][1]))
     args = parser.parse_args(argv)
     return int(modules[args.command].run(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,6 +5,9 @@ workers, the gateway, and the KV-cache and facilities services unless told not t
 SIGTERM) stops everything; children also die with this process (PR_SET_PDEATHSIG). A service
 that crashes is restarted with backoff (services/launch/supervise.py); one that keeps failing
 right after its start stops the stack with its log.
+
+NOTE: the library imports no service at import time (services build on the library), so the
+launcher (tokenyard.services.launch) is imported inside the functions that use it.
 """
 
 from __future__ import annotations
@@ -14,19 +17,18 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenyard.bus.auth import redact
+from tokenyard.cli.keys import default_keys_url
 from tokenyard.engine.config import auto_dtype, kv_cache_dtype_for
 from tokenyard.engine.spec.config import SpeculativeConfig
-from tokenyard.services.keys import default_keys_url
-from tokenyard.services.launch.stack import LocalStack, StackConfig, StackError
-from tokenyard.services.telemetry.settings import DEFAULT_PORT as TELEMETRY_PORT
 
-# On a CPU host with fewer cores, `tokenyard up` runs one aggregated worker unless a split is
-# asked for. Two workers there get one thread each and cannot lend each other a core: on 2
-# cores one 2-thread worker measured faster at 1 and 8 concurrent requests in two runs,
-# level at 32, and ahead in one of two shared-prefix runs (docs/benchmarks.md, peers).
-# Hosts between 2 and this many cores were not measured.
+if TYPE_CHECKING:
+    from tokenyard.services.launch.stack import LocalStack, StackConfig
+
+# Below this many cores a CPU host runs one aggregated worker unless a split is asked for: two
+# workers cannot lend each other a core (measured on 2 cores only: docs/benchmarks.md, peers).
 DISAGGREGATE_FROM_CORES = 4
 
 
@@ -35,6 +37,8 @@ def aggregated_by_default(device: str, cores: int) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tokenyard.services.telemetry.settings import DEFAULT_PORT as TELEMETRY_PORT
+
     parser.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
     parser.add_argument(
@@ -168,6 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from(args: argparse.Namespace) -> StackConfig:
+    from tokenyard.services.launch.stack import StackConfig
+
     if (args.prefill is not None and args.prefill < 1) or (args.decode or 0) < 0:
         raise SystemExit("--prefill must be at least 1 and --decode at least 0")
     if args.kvcache_mib < 1:
@@ -242,6 +248,8 @@ def _quantization_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tokenyard.services.launch.stack import LocalStack, StackError
+
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -272,6 +280,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _wait_ready(stack: LocalStack, stop: threading.Event, timeout: float) -> bool:
+    from tokenyard.services.launch.stack import StackError
+
     waited = 0.0
     while not stop.is_set():
         stack.supervise()

@@ -17,8 +17,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from tokenyard.cli.plan import add_workload_arguments, model_from, workload_from
 from tokenyard.planner import catalog
-from tokenyard.planner.cli import add_workload_arguments, model_from, workload_from
 from tokenyard.planner.plan import PlanError, make_plan
 from tokenyard.planner.roofline import Deployment
 from tokenyard.sim.fleet import FleetSpec, build_fleet
