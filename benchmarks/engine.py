@@ -139,7 +139,8 @@ def run_ours(dtype: str, quantization: str | None, prompt_len: int = PROMPT_LEN)
     single = single_summary(times["one"], start)
     reqs = {f"r{i}": p for i, p in enumerate(batch)}
     first, times, start, end, peak_blocks = _drive(engine, reqs, params)
-    result = {"single": single, "concurrent": summarize(first, times, start, end)}
+    assert engine.layout is not None  # one rank: the engine holds its KV pool
+    result: dict[str, Any] = {"single": single, "concurrent": summarize(first, times, start, end)}
     result["kv_pool"] = {
         "num_blocks": engine.block_manager.num_blocks,
         "peak_used_blocks": peak_blocks,
