@@ -40,16 +40,23 @@ StateName = Literal["normal", "derate", "drain"]
 
 @dataclass(frozen=True)
 class WorkerThrottle:
-    rack: str | None  # None: the worker is on no rack the facilities service knows
-    state: StateName
-    seq_cap: int  # derate: at most this many concurrent sequences per worker; 0 = no cap
-    cost_penalty: float  # added to the placement cost (derate only)
-    load_weight: float  # how much a worker's load counts in placement (> 1 near the power cap)
-    retry_after_s: int  # drain: when a client might try again
-    reason: str
+    """One worker's rack as the facilities service sees it: the router's placement input
+    (`tokenyard.routing.policy.choose`)."""
+
+    state: StateName = "normal"
+    seq_cap: int = 0  # derate: at most this many concurrent sequences per worker; 0 = no cap
+    retry_after_s: int = 0  # drain: when a client might try again
+    # Derate: subtracted from the placement score, so among equals the healthy rack's worker
+    # wins even before the derated one fills up (in units of a full worker, like busy).
+    cost_penalty: float = 0.0
+    # Near its power cap (the facilities' power_pressure): the worker's load counts this
+    # many times, so new work spreads over the racks in proportion to their headroom.
+    load_weight: float = 1.0
+    rack: str | None = None  # None: the worker is on no rack the facilities service knows
+    reason: str = ""
 
 
-UNKNOWN = WorkerThrottle(None, "normal", 0, 0.0, 1.0, 0, "no facilities state for this worker")
+UNKNOWN = WorkerThrottle(reason="no facilities state for this worker")
 
 
 class RackStateTracker:
