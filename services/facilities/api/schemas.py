@@ -7,8 +7,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenyard.facilities.faults import FaultKind
+
 StateName = Literal["normal", "derate", "drain"]
-FaultKind = Literal["pump_failure", "chiller_failure", "power_cap", "dead_sensor"]
 
 
 class ReadingOut(BaseModel):
@@ -63,13 +64,6 @@ class EventOut(BaseModel):
 
 class EventList(BaseModel):
     events: list[EventOut]
-
-
-class FaultIn(BaseModel):
-    kind: FaultKind
-    power_cap_kw: float | None = Field(
-        default=None, gt=0, description="for kind=power_cap: the lowered cap"
-    )
 
 
 class DrainIn(BaseModel):
