@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import statistics
 from dataclasses import dataclass, field
 
 from tokenyard.facilities import policy as fpolicy
@@ -30,6 +29,7 @@ from tokenyard.routing.policy import PolicyConfig, RouteInput, choose
 from tokenyard.sim.candidates import CandidateIndex
 from tokenyard.sim.fleet import Live, SimWorker
 from tokenyard.sim.workload import SimRequest
+from tokenyard.stats import percentile
 from tokenyard.v1 import serving_pb2 as pb
 from tokenyard.v1.facilities_pb2 import RackState
 
@@ -452,6 +452,4 @@ class Simulation:
 def _pct_ms(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
-    if len(values) == 1:
-        return round(values[0] * 1e3, 2)
-    return round(statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] * 1e3, 2)
+    return round(percentile(values, q) * 1e3, 2)
