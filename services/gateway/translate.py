@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 from tokenyard.api_errors import ApiError
 from tokenyard.services.gateway import tools
@@ -119,7 +119,8 @@ def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> l
         prompt = prompt[0]
     if isinstance(prompt, str):
         return tokenizer.encode(prompt) if prompt else []
-    return list(prompt)
+    # A flat list past the check above is token ids (or empty).
+    return list(cast(list[int], prompt))
 
 
 def check_prompt(

@@ -25,17 +25,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 from nats.aio.msg import Msg
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.facilities.messages import PROTO_TO_STATE
-from tokenyard.facilities.policy import State
+from tokenyard.facilities.policy import State, StateName
 from tokenyard.v1.facilities_pb2 import RackState
-
-StateName = Literal["normal", "derate", "drain"]
 
 
 @dataclass(frozen=True)
@@ -120,7 +117,7 @@ class RackStateTracker:
         pressure = msg.power_pressure if age <= limit else 0.0
         return WorkerThrottle(
             rack=msg.rack,
-            state=state.label,  # type: ignore[arg-type]  # labels are exactly StateName
+            state=state.label,
             seq_cap=seq_cap,
             cost_penalty=self.derate_penalty if state is State.DERATE else 0.0,
             load_weight=1.0 + self.headroom_gain * pressure,

@@ -8,8 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenyard.facilities.faults import FaultKind
-
-StateName = Literal["normal", "derate", "drain"]
+from tokenyard.facilities.policy import StateName
 
 
 class ReadingOut(BaseModel):
