@@ -1,8 +1,8 @@
 """The one HTTP error of every Tokenyard API (gateway, facilities, telemetry), in OpenAI's
 shape: {"error": {message, type, param, code}}.
 
+    install_error_handler(app, type_of)  # once, in create_app: type_of(404) -> "not_found_error"
     raise ApiError(404, "no rack named 'x'", code="rack_not_found", param="rack")
-    install_error_handler(app, type_of=FACILITIES_TYPES)  # once, in create_app
 
 An API names an error's `type` from its status with its own table (`TypeOf`): each keeps the
 names its clients already read. How it reports invalid bodies and unknown routes stays with
