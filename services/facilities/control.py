@@ -1,20 +1,19 @@
 """Operator actions on racks, one code path for the REST admin API and the gRPC control API
 (FacilitiesControl): list, inject and clear faults, drain and undrain.
 
-Both adapters map `ControlError` and `AdminRefusal` to their own answers (a 404/400 or
+Both adapters map `ControlError` and `AdminRefusal` (tokenyard.api_deps) to their own answers (a 404/400 or
 NOT_FOUND/INVALID_ARGUMENT; 401/403 or UNAUTHENTICATED/PERMISSION_DENIED).
 """
 
 from __future__ import annotations
 
-import hmac
 import math
 from dataclasses import dataclass
 from typing import Literal
 
+from tokenyard.facilities.faults import FAULT_KINDS
 from tokenyard.services.facilities.monitor import RackMonitor, RackRuntime
 
-FAULT_KINDS = ("pump_failure", "chiller_failure", "power_cap", "dead_sensor")
 MAX_REASON_CHARS = 500
 
 
@@ -24,24 +23,6 @@ class ControlError(Exception):
     message: str
     code: str
     param: str | None = None
-
-
-@dataclass
-class AdminRefusal(Exception):
-    kind: Literal["missing", "wrong", "disabled"]
-    message: str
-
-
-def check_admin(expected: str | None, given: str | None) -> None:
-    """Raise AdminRefusal unless `given` is the configured admin token."""
-    if not expected:
-        raise AdminRefusal(
-            "disabled", "the admin API is disabled: set TOKENYARD_FACILITIES_ADMIN_TOKEN"
-        )
-    if not given:
-        raise AdminRefusal("missing", "missing admin token (Authorization: Bearer <token>)")
-    if not hmac.compare_digest(given.encode(), expected.encode()):
-        raise AdminRefusal("wrong", "invalid admin token")
 
 
 class RackControl:

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from tokenyard.api_deps import AdminRefusal, admin_setting, check_admin
 from tokenyard.grpc_security import (
     GrpcSecurity,
     RejectUndecodable,
@@ -19,10 +20,8 @@ from tokenyard.grpc_security import (
     token_matches,
 )
 from tokenyard.services.facilities.control import (
-    AdminRefusal,
     ControlError,
     RackControl,
-    check_admin,
 )
 from tokenyard.services.facilities.monitor import RackMonitor, RackRuntime
 from tokenyard.services.facilities.settings import FacilitiesSettings
@@ -62,7 +61,8 @@ class FacilitiesControlHandler(control_pb2_grpc.FacilitiesControlServicer):
 
     async def _admin(self, context: grpc.aio.ServicerContext) -> None:
         try:
-            check_admin(self.settings.admin_token, presented_token(context.invocation_metadata()))
+            given = presented_token(context.invocation_metadata())
+            check_admin(self.settings.admin_token, given, admin_setting(self.settings))
         except AdminRefusal as refusal:
             await context.abort(_REFUSAL_CODES[refusal.kind], refusal.message)
 

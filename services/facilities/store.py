@@ -56,15 +56,18 @@ class FacilitiesStore:
                 loop.min_flow_lpm = spec.min_flow_lpm
                 s.add(loop)
                 loops[spec.name] = loop
-            for spec in inventory.racks:
+            for rack_spec in inventory.racks:
                 rack = s.scalar(
-                    select(Rack).where(Rack.name == spec.name).options(selectinload(Rack.nodes))
+                    select(Rack)
+                    .where(Rack.name == rack_spec.name)
+                    .options(selectinload(Rack.nodes))
                 )
-                rack = rack or Rack(name=spec.name)
-                rack.site, rack.loop = site, loops.get(spec.loop) if spec.loop else None
-                rack.power_cap_kw, rack.cooling_type = spec.power_cap_kw, spec.cooling
+                rack = rack or Rack(name=rack_spec.name)
+                rack.site = site
+                rack.loop = loops.get(rack_spec.loop) if rack_spec.loop else None
+                rack.power_cap_kw, rack.cooling_type = rack_spec.power_cap_kw, rack_spec.cooling
                 s.add(rack)
-                self._replace_nodes(s, rack, spec)
+                self._replace_nodes(s, rack, rack_spec)
             s.flush()
             self.rack_ids = {r.name: r.id for r in s.scalars(select(Rack))}
         return dict(self.rack_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import uvicorn
 from fastapi import FastAPI
@@ -21,7 +22,7 @@ def server_config(app: FastAPI, settings: GatewaySettings) -> uvicorn.Config:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),  # whole seconds
         timeout_keep_alive=settings.keep_alive_s,
     )
 

@@ -7,7 +7,6 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.datastructures import Headers, MutableHeaders
@@ -29,24 +28,14 @@ from tokenyard.span_bus import spans_to_bus
 log = logging.getLogger(__name__)
 
 
-def model_id_of(path: str | None) -> str:
-    """The name the workers give the same model (tokenyard.models.loader's rule)."""
-    from tokenyard.models import gguf_loader
-    from tokenyard.models.gguf_file import GGUFFile
-    from tokenyard.models.loader import default_model_path
-
-    path = path or default_model_path()
-    if Path(path).is_dir():
-        return Path(path).resolve().name
-    with GGUFFile(path) as gguf:
-        return gguf_loader.model_id(gguf)
-
-
 async def build_state(settings: GatewaySettings, stack: AsyncExitStack) -> GatewayState:
-    from tokenyard.models.loader import load_tokenizer
+    from tokenyard.models.loader import load_tokenizer, model_id_of
 
     tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
-    model_id = settings.model_id or await asyncio.to_thread(model_id_of, settings.model_path)
+    # The name the workers give the same model: the loader's rule, from metadata only.
+    model_id = settings.model_id
+    if not model_id:
+        model_id = await asyncio.to_thread(model_id_of, settings.model_path or None)
     backend = NatsBackend(settings)
     await backend.start()
     stack.push_async_callback(backend.stop)

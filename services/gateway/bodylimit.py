@@ -9,17 +9,15 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenyard.services.gateway.errors import OpenAIError
+from tokenyard.api_errors import ApiError
 
 
 class BodyTooLarge(Exception):
     pass
 
 
-def too_large(limit: int) -> OpenAIError:
-    return OpenAIError(
-        413, f"the request body is larger than {limit} bytes", code="request_too_large"
-    )
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
 
 
 def declared_length(scope: Scope) -> int | None:

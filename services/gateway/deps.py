@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from tokenyard.services.gateway.errors import OpenAIError
+from tokenyard.api_errors import ApiError
 from tokenyard.services.gateway.keys import KeyInfo
 from tokenyard.services.gateway.ratelimit import retry_after
 from tokenyard.services.gateway.state import GatewayState
@@ -46,7 +46,7 @@ def authenticate(state: State, credentials: Credentials, request: Request) -> Id
         return Identity(f"key:{given}")
     info = store.verify(given) if store is not None and given else None
     if info is None:
-        raise OpenAIError(
+        raise ApiError(
             401,
             "Incorrect API key provided. Pass a valid key as 'Authorization: Bearer <key>'.",
             code="invalid_api_key",
@@ -54,8 +54,8 @@ def authenticate(state: State, credentials: Credentials, request: Request) -> Id
     return Identity(f"key:{info.prefix}", info)
 
 
-def too_many(message: str, wait_s: float) -> OpenAIError:
-    return OpenAIError(429, message, code="rate_limit_exceeded", retry_after_s=retry_after(wait_s))
+def too_many(message: str, wait_s: float) -> ApiError:
+    return ApiError(429, message, code="rate_limit_exceeded", retry_after_s=retry_after(wait_s))
 
 
 async def admit(state: State, caller: Annotated[Identity, Depends(authenticate)]) -> Identity:

@@ -24,6 +24,7 @@ from tokenyard.services.gateway.schemas import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    FinishReason,
     FunctionCall,
     FunctionCallDelta,
     PromptTokensDetails,
@@ -77,7 +78,7 @@ class Accumulator:
 
     text: list[str] = field(default_factory=list)
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -121,9 +122,17 @@ def best(accs: list[Accumulator], n: int) -> list[Accumulator]:
     return sorted(accs, key=lambda a: a.cumulative_logprob, reverse=True)[:n]
 
 
-def finish_reason(reason: str) -> str:
-    # "prefilled" is the prefill worker's internal hand-off; a client must never see it.
-    return reason if reason in ("stop", "length", "abort", "error") else "stop"
+# "prefilled" is the prefill worker's internal hand-off; a client must never see it.
+_CLIENT_REASONS: dict[str, FinishReason] = {
+    "stop": "stop",
+    "length": "length",
+    "abort": "abort",
+    "error": "error",
+}
+
+
+def finish_reason(reason: str) -> FinishReason:
+    return _CLIENT_REASONS.get(reason, "stop")
 
 
 # --- logprobs -----------------------------------------------------------------------------
@@ -209,7 +218,8 @@ class ChatFormat:
             )
 
     def events(self, chunk: pb.TokenChunk, index: int = 0) -> Iterator[str]:
-        text, calls = chunk.text, []
+        text = chunk.text
+        calls: list[tools.CallDelta] = []
         if self.tool_names:
             parser = self._parsers.setdefault(index, tools.ToolStreamParser(set(self.tool_names)))
             text, calls = parser.feed(chunk.text)
@@ -241,7 +251,7 @@ class ChatFormat:
         )
 
     @staticmethod
-    def _reason(reason: str | None, called: bool) -> str | None:
+    def _reason(reason: FinishReason | None, called: bool) -> FinishReason | None:
         return "tool_calls" if called and reason == "stop" else reason
 
     def end(self, accs: list[Accumulator], num_prompt_tokens: int) -> Iterator[str]:

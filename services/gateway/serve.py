@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import propagate, trace
 
 from tokenyard import tracing
+from tokenyard.api_errors import ApiError
 from tokenyard.services.gateway.backend import TokenStream
-from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.responses import Accumulator, ResponseFormat
 from tokenyard.services.gateway.state import GatewayState
 from tokenyard.services.gateway.translate import Prepared
@@ -165,7 +165,7 @@ class Generation:
             self.done = True
             for event in self.fmt.end(self.accs, len(self.prepared.prompt_ids)):
                 yield event
-        except OpenAIError as exc:
+        except ApiError as exc:
             # NOTE: the 200 status line is already sent; the error travels as the last event.
             # A timeout leaves the request running on a worker: _finish cancels it there.
             self.done = exc.status != 504

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from tokenyard.api_errors import ApiError
 from tokenyard.services.gateway.backend import Backend
-from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.keylimits import MemoryMinuteLimits, MinuteLimits
 from tokenyard.services.gateway.keys import KeyStore
 from tokenyard.services.gateway.metrics import GatewayMetrics
@@ -36,7 +36,7 @@ class GatewayState:
 
     def check_model(self, model: str) -> None:
         if model not in self.served_models():
-            raise OpenAIError(
+            raise ApiError(
                 404,
                 f"the model '{model}' does not exist; this server serves: "
                 f"{', '.join(self.served_models())}",

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from tokenyard.engine.grammar import GuidedError, validate
-from tokenyard.engine.sampling_params import GuidedSpec
+from tokenyard.engine.sampling_params import GuidedKind, GuidedSpec
 from tokenyard.services.gateway.errors import invalid
 from tokenyard.v1 import serving_pb2 as pb
 
@@ -64,7 +64,7 @@ def guided_field_spec(fields: dict[str, Any]) -> tuple[str, GuidedSpec] | None:
         if not value or not all(isinstance(c, str) and c for c in value):
             raise invalid("'guided_choice' must be a list of non-empty strings", name)
         return name, GuidedSpec("choice", json.dumps(value))
-    kind = "regex" if name == "guided_regex" else "grammar"
+    kind: GuidedKind = "regex" if name == "guided_regex" else "grammar"
     return name, GuidedSpec(kind, value)
 
 

@@ -1,6 +1,6 @@
 """OpenAI request -> prompt token ids and pb.SamplingParams. Pure: no network, no app state.
 
-Every rejection is an OpenAIError(400) that names the offending field, so a client sees
+Every rejection is an ApiError(400) that names the offending field, so a client sees
 what to fix; nothing a client sends can reach the workers in a shape they would refuse.
 """
 
@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
+from tokenyard.api_errors import ApiError
 from tokenyard.services.gateway import tools
-from tokenyard.services.gateway.errors import OpenAIError, invalid
+from tokenyard.services.gateway.errors import invalid
 from tokenyard.services.gateway.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -118,7 +119,8 @@ def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> l
         prompt = prompt[0]
     if isinstance(prompt, str):
         return tokenizer.encode(prompt) if prompt else []
-    return list(prompt)
+    # A flat list past the check above is token ids (or empty).
+    return list(cast(list[int], prompt))
 
 
 def check_prompt(
@@ -173,7 +175,7 @@ def resolve_max_tokens(
     if requested is None:
         candidates = [v for v in (room, default_cap) if v is not None]
         if not candidates:
-            raise OpenAIError(503, "the model's context length is not known yet: no worker seen")
+            raise ApiError(503, "the model's context length is not known yet: no worker seen")
         return min(candidates)
     if room is not None and requested > room:
         raise invalid(
@@ -245,7 +247,7 @@ def prepare_chat(
     param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
     try:
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), max_model_len, default_cap)
-    except OpenAIError as exc:
+    except ApiError as exc:
         exc.param = exc.param and param
         raise
     params = sampling_params(request, max_tokens, logprobs)

@@ -11,9 +11,9 @@ from tokenyard.bus.auth import redact
 from tokenyard.bus.nats import Bus
 from tokenyard.http_server import ops_server
 from tokenyard.lifecycle import run_until_signalled
-from tokenyard.services.router.cost import CostConfig
+from tokenyard.routing.cost import CostConfig
+from tokenyard.routing.policy import PolicyConfig
 from tokenyard.services.router.handler import RouterHandler
-from tokenyard.services.router.policy import PolicyConfig
 from tokenyard.services.router.settings import RouterSettings
 from tokenyard.span_bus import spans_to_bus
 from tokenyard.tracing import setup_tracing

@@ -15,8 +15,8 @@ from tokenyard.bus.nats import Bus
 from tokenyard.facilities.tracker import RackStateTracker
 from tokenyard.fleet import FleetView
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
+from tokenyard.routing.policy import PolicyConfig, RouteInput, choose
 from tokenyard.services.router.kv_sync import KVSync
-from tokenyard.services.router.policy import FacilityState, PolicyConfig, RouteInput, choose
 from tokenyard.services.router.state import BlockIndex
 from tokenyard.tracing import REQUEST_ID, tracer
 from tokenyard.v1 import serving_pb2 as pb
@@ -26,16 +26,6 @@ log = logging.getLogger(__name__)
 
 RESYNC_TIMEOUT_S = 5.0  # a worker answers at once, between two engine steps
 RESYNC_RETRY_S = 1.0  # after a failed resync, wait this long before asking that worker again
-
-
-def facility_states(racks: RackStateTracker) -> dict[str, FacilityState]:
-    """The policy's per-worker facilities input, from the facilities service's RackStates."""
-    return {
-        worker: FacilityState(
-            t.state, t.seq_cap, racks.drain_retry_after_s, t.cost_penalty, t.load_weight
-        )
-        for worker, t in racks.by_worker().items()
-    }
 
 
 class RouterHandler:
@@ -134,7 +124,7 @@ class RouterHandler:
         request = RouteInput(
             req.request_id, req.model, req.num_prompt_tokens, cached, max_tokens=req.max_tokens
         )
-        facilities = facility_states(self.fleet.racks)
+        facilities = self.fleet.racks.by_worker()
         result = choose(self.fleet.workers, request, now, facilities=facilities, config=self.config)
         if isinstance(result, pb.RouteError):
             log.info("route %s: %s", req.request_id, result.message)

@@ -15,24 +15,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from importlib.resources import files
 from typing import Annotated, Any
 
 import httpx
-from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry, ProcessCollector
 from pydantic import BaseModel, Field
 
-from tokenyard.api_errors import ErrorDetail, ErrorResponse
+from tokenyard.api_deps import Admin
+from tokenyard.api_errors import ApiError, install_error_handler
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.db.telemetry import RequestRecord, SpanRecord
+from tokenyard.facilities.faults import FaultIn
 from tokenyard.http_server import ops_router
 from tokenyard.planner import catalog
 from tokenyard.planner.plan import PlanError, Workload, make_plan
@@ -46,15 +47,9 @@ STATIC = files("tokenyard.services.telemetry.console")
 RECENT_IN_SNAPSHOT = 20
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str) -> None:
-        self.status, self.message, self.code = status, message, code
-
-
-def error_body(status: int, message: str, code: str) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = ErrorResponse(error=ErrorDetail(message=message, type=kind, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+def type_of(status: int) -> str:
+    """This API's error `type`: the caller's fault or the server's."""
+    return "invalid_request_error" if status < 500 else "server_error"
 
 
 # --- dependencies ----------------------------------------------------------------------------
@@ -68,26 +63,8 @@ def _store(request: Request) -> TelemetryStore:
     return request.app.state.store  # type: ignore[no-any-return]
 
 
-def _require_admin(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-    expected = request.app.state.settings.admin_token
-    if not expected:
-        raise ApiError(403, "admin actions are off: no admin token is configured", "admin_off")
-    given = (
-        authorization[7:].strip()
-        if authorization and authorization.lower().startswith("bearer ")
-        else ""
-    )
-    if not given:
-        raise ApiError(
-            401, "missing admin token (Authorization: Bearer <token>)", "missing_admin_token"
-        )
-    if not secrets.compare_digest(given, expected):
-        raise ApiError(403, "wrong admin token", "wrong_admin_token")
-
-
 CollectorDep = Annotated[Collector, Depends(_collector)]
 StoreDep = Annotated[TelemetryStore, Depends(_store)]
-Admin = Depends(_require_admin)
 
 # --- fleet and live ----------------------------------------------------------------------------
 
@@ -206,7 +183,7 @@ async def list_requests(
 async def get_trace(request_id: str, store: StoreDep) -> dict[str, Any]:
     spans = await asyncio.to_thread(store.trace, request_id)
     if not spans:
-        raise ApiError(404, f"no trace for request {request_id!r} (yet)", "trace_not_found")
+        raise ApiError(404, f"no trace for request {request_id!r} (yet)", code="trace_not_found")
     t0 = min(s.start_unix_ns for s in spans)
     return {
         "request_id": request_id,
@@ -220,26 +197,21 @@ async def get_trace(request_id: str, store: StoreDep) -> dict[str, Any]:
 admin = APIRouter(prefix="/api/admin", tags=["admin"], dependencies=[Admin])
 
 
-class FaultIn(BaseModel):
-    kind: str
-    value: float | None = None
-
-
 async def facilities_call(request: Request, method: str, path: str, body: Any = None) -> Any:
     settings: TelemetrySettings = request.app.state.settings
     if not settings.facilities_url:
-        raise ApiError(409, "no facilities service is configured", "no_facilities")
+        raise ApiError(409, "no facilities service is configured", code="no_facilities")
     headers = {"Authorization": f"Bearer {settings.facilities_admin_token or ''}"}
     async with httpx.AsyncClient(base_url=settings.facilities_url, timeout=10) as client:
         try:
             resp = await client.request(method, path, json=body, headers=headers)
         except httpx.HTTPError as exc:
             raise ApiError(
-                502, f"the facilities service did not answer: {exc}", "facilities_down"
+                502, f"the facilities service did not answer: {exc}", code="facilities_down"
             ) from exc
     if resp.status_code >= 400:
         message = resp.json().get("error", {}).get("message", resp.text) if resp.content else ""
-        raise ApiError(resp.status_code, f"facilities: {message}", "facilities_error")
+        raise ApiError(resp.status_code, f"facilities: {message}", code="facilities_error")
     return resp.json()
 
 
@@ -258,7 +230,7 @@ async def clear_faults(rack: str, request: Request) -> Any:
 @admin.post("/workers/{worker_id}/drain")
 async def drain_worker(worker_id: str, request: Request, collector: CollectorDep) -> Any:
     if worker_id not in collector.fleet:
-        raise ApiError(404, f"no worker {worker_id!r} has sent a heartbeat", "unknown_worker")
+        raise ApiError(404, f"no worker {worker_id!r} has sent a heartbeat", code="unknown_worker")
     bus: Bus = request.app.state.bus
     try:
         reply = await bus.request(
@@ -268,7 +240,9 @@ async def drain_worker(worker_id: str, request: Request, collector: CollectorDep
             timeout=5.0,
         )
     except Exception as exc:
-        raise ApiError(504, f"worker {worker_id} did not answer: {exc}", "worker_silent") from exc
+        raise ApiError(
+            504, f"worker {worker_id} did not answer: {exc}", code="worker_silent"
+        ) from exc
     return {"worker_id": worker_id, "accepted": reply.accepted, "message": reply.message}
 
 
@@ -308,7 +282,7 @@ async def post_plan(body: PlanIn) -> dict[str, Any]:
     ):
         if value not in known:
             raise ApiError(
-                400, f"{name}: unknown {value!r} (known: {', '.join(known)})", "bad_" + name
+                400, f"{name}: unknown {value!r} (known: {', '.join(known)})", code="bad_" + name
             )
     workload = Workload(
         users=body.users,
@@ -329,7 +303,7 @@ async def post_plan(body: PlanIn) -> dict[str, Any]:
             )
         )
     except (PlanError, ValueError, FileNotFoundError) as exc:
-        raise ApiError(422, str(exc), "no_plan") from exc
+        raise ApiError(422, str(exc), code="no_plan") from exc
     return plan.to_json()
 
 
@@ -343,15 +317,14 @@ def create_app(
     app.state.collector, app.state.store, app.state.bus = collector, store, bus
     app.state.settings = settings
 
-    @app.exception_handler(ApiError)
-    async def on_api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return error_body(exc.status, exc.message, exc.code)
+    install_error_handler(app, type_of)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()))
-        return error_body(400, f"{where}: {first.get('msg', 'invalid request')}", "invalid_request")
+        message = f"{where}: {first.get('msg', 'invalid request')}"
+        return ApiError(400, message, code="invalid_request").response(type_of)
 
     for router in (fleet, requests, admin, planner):
         app.include_router(router)

@@ -93,12 +93,12 @@ def fleet_tree(
         if rack_name not in racks:
             racks[rack_name] = rack_json(rack_name, None, None)
         rack = racks[rack_name]
-        node = next((n for n in rack["nodes"] if n["name"] == node_name), None)
-        if node is None:
-            node = {"name": node_name, "workers": []}
-            rack["nodes"].append(node)
+        entry = next((n for n in rack["nodes"] if n["name"] == node_name), None)
+        if entry is None:
+            entry = {"name": node_name, "workers": []}
+            rack["nodes"].append(entry)
         rack_state = rack["state"] if rack["state"] != "unknown" else "normal"
-        node["workers"].append(
+        entry["workers"].append(
             worker_json(w, now, fleet.missed, rack_state, prefix.get(w.worker_id))
         )
     return list(racks.values())

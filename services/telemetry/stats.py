@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
+
+from tokenyard.stats import percentile
 
 
 @dataclass(frozen=True)
@@ -26,13 +27,9 @@ class Finished:
         return max(0.0, self.duration_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
+def percentile_or_none(values: list[float], q: float) -> float | None:
+    """The bench's percentile (tokenyard.stats); None for no values (a quiet window)."""
+    return percentile(values, q) if values else None
 
 
 class Window:
@@ -57,9 +54,9 @@ class Window:
         prompt = sum(r.prompt_tokens for r in items)
         return {
             "requests_per_s": len(items) / self.window_s,
-            "ttft_p50_s": percentile(ttfts, 50),
-            "ttft_p99_s": percentile(ttfts, 99),
-            "itl_p50_s": percentile(itls, 50),
-            "itl_p99_s": percentile(itls, 99),
+            "ttft_p50_s": percentile_or_none(ttfts, 50),
+            "ttft_p99_s": percentile_or_none(ttfts, 99),
+            "itl_p50_s": percentile_or_none(itls, 50),
+            "itl_p99_s": percentile_or_none(itls, 99),
             "prefix_hit_rate": sum(r.cached_tokens for r in items) / prompt if prompt else None,
         }

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from tokenyard.bench.records import RequestRecord
+from tokenyard.stats import percentile
 
 QUANTILES = (50, 90, 99)
 
@@ -31,16 +32,6 @@ class SLOs:
 
     def given(self) -> dict[str, float]:
         return {k: v for k, v in asdict(self).items() if v is not None}
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default method)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def stats(values: list[float]) -> dict[str, float | None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tokenyard.facilities.policy import Reading, State
 from tokenyard.v1.facilities_pb2 import FacilityReading, RackStateKind
 
-STATE_TO_PROTO: dict[State, RackStateKind.ValueType] = {
+STATE_TO_PROTO: dict[State, RackStateKind] = {
     State.NORMAL: RackStateKind.RACK_STATE_NORMAL,
     State.DERATE: RackStateKind.RACK_STATE_DERATE,
     State.DRAIN: RackStateKind.RACK_STATE_DRAIN,

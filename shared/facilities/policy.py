@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from enum import IntEnum
+from typing import Literal
 
 
 class State(IntEnum):
@@ -24,8 +25,16 @@ class State(IntEnum):
     DRAIN = 2
 
     @property
-    def label(self) -> str:
-        return self.name.lower()
+    def label(self) -> StateName:
+        return _LABELS[self]
+
+
+StateName = Literal["normal", "derate", "drain"]
+_LABELS: dict[State, StateName] = {
+    State.NORMAL: "normal",
+    State.DERATE: "derate",
+    State.DRAIN: "drain",
+}
 
 
 @dataclass(frozen=True)

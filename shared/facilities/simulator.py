@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tokenyard.facilities.faults import FaultKind
 from tokenyard.facilities.inventory import CoolantLoopSpec, RackSpec
 from tokenyard.facilities.policy import Reading
 from tokenyard.v1.serving_pb2 import WorkerHeartbeat
@@ -40,8 +41,8 @@ class Faults:
     power_cap_kw: float | None = None  # a lowered cap (a limit, not a reading)
     dead_sensor: bool = False  # readings stop
 
-    def active(self) -> list[str]:
-        names = []
+    def active(self) -> list[FaultKind]:
+        names: list[FaultKind] = []
         if self.pump_failure:
             names.append("pump_failure")
         if self.chiller_failure:

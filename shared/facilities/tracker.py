@@ -25,31 +25,35 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 from nats.aio.msg import Msg
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.facilities.messages import PROTO_TO_STATE
-from tokenyard.facilities.policy import State
+from tokenyard.facilities.policy import State, StateName
 from tokenyard.v1.facilities_pb2 import RackState
-
-StateName = Literal["normal", "derate", "drain"]
 
 
 @dataclass(frozen=True)
 class WorkerThrottle:
-    rack: str | None  # None: the worker is on no rack the facilities service knows
-    state: StateName
-    seq_cap: int  # derate: at most this many concurrent sequences per worker; 0 = no cap
-    cost_penalty: float  # added to the placement cost (derate only)
-    load_weight: float  # how much a worker's load counts in placement (> 1 near the power cap)
-    retry_after_s: int  # drain: when a client might try again
-    reason: str
+    """One worker's rack as the facilities service sees it: the router's placement input
+    (`tokenyard.routing.policy.choose`)."""
+
+    state: StateName = "normal"
+    seq_cap: int = 0  # derate: at most this many concurrent sequences per worker; 0 = no cap
+    retry_after_s: int = 0  # drain: when a client might try again
+    # Derate: subtracted from the placement score, so among equals the healthy rack's worker
+    # wins even before the derated one fills up (in units of a full worker, like busy).
+    cost_penalty: float = 0.0
+    # Near its power cap (the facilities' power_pressure): the worker's load counts this
+    # many times, so new work spreads over the racks in proportion to their headroom.
+    load_weight: float = 1.0
+    rack: str | None = None  # None: the worker is on no rack the facilities service knows
+    reason: str = ""
 
 
-UNKNOWN = WorkerThrottle(None, "normal", 0, 0.0, 1.0, 0, "no facilities state for this worker")
+UNKNOWN = WorkerThrottle(reason="no facilities state for this worker")
 
 
 class RackStateTracker:
@@ -113,7 +117,7 @@ class RackStateTracker:
         pressure = msg.power_pressure if age <= limit else 0.0
         return WorkerThrottle(
             rack=msg.rack,
-            state=state.label,  # type: ignore[arg-type]  # labels are exactly StateName
+            state=state.label,
             seq_cap=seq_cap,
             cost_penalty=self.derate_penalty if state is State.DERATE else 0.0,
             load_weight=1.0 + self.headroom_gain * pressure,

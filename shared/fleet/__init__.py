@@ -6,7 +6,7 @@
     resume_candidates(fleet.live(now), exclude=dead_id)  # -> worker ids, best first
 
 Every service asks this package who is alive and who can take what; the router's
-per-request choice stays its own policy (tokenyard.services.router.policy).
+per-request choice stays its own policy (tokenyard.routing.policy).
 """
 
 from tokenyard.fleet.liveness import DEFAULT_MISSED_HEARTBEATS, is_alive

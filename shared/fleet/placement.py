@@ -1,6 +1,6 @@
 """Pure placement helpers over a snapshot of live workers: no bus, no clock.
 
-The router's per-request placement is its own policy (tokenyard.services.router.policy);
+The router's per-request placement is its own policy (tokenyard.routing.policy);
 these are the questions every other service asks of the same fleet.
 """
 

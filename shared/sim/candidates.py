@@ -20,19 +20,20 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Mapping
 
+from tokenyard.facilities.tracker import WorkerThrottle
 from tokenyard.fleet import WorkerView
-from tokenyard.services.router.policy import NORMAL, FacilityState, PolicyConfig, free_score
+from tokenyard.routing.policy import NORMAL, PolicyConfig, free_score
 
 
 class CandidateIndex:
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
-        self.facilities: Mapping[str, FacilityState] = {}
+        self.facilities: Mapping[str, WorkerThrottle] = {}
         self.score: dict[str, float | None] = {}  # the current free score of every worker
         self.heaps: dict[str, list[tuple[float, str]]] = {"prefill": [], "decode": []}
 
     def rebuild(
-        self, workers: Mapping[str, WorkerView], facilities: Mapping[str, FacilityState]
+        self, workers: Mapping[str, WorkerView], facilities: Mapping[str, WorkerThrottle]
     ) -> None:
         self.facilities = facilities
         self.score.clear()

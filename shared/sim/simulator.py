@@ -3,8 +3,8 @@
     workers, inventory = build_fleet(dep, FleetSpec(prefill_replicas=8, decode_replicas=24), model)
     result = Simulation(workers, inventory, generate(WorkloadSpec(...)), SimConfig()).run()
 
-What is real here: `services.router.policy.choose` places every request from a `FleetView`
-fed by heartbeats once per interval (plus the router's own pending placements, exactly as
+What is real here: the router's `routing.policy.choose` places every request from a
+`FleetView` fed by heartbeats once per interval (plus the router's own pending placements, exactly as
 the router keeps them); `facilities.policy.evaluate` turns each rack's reading into its
 state; `RackStateTracker` turns states into the router's per-worker throttles; and
 `facilities.simulator` turns worker activity into rack power and coolant temperatures.
@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import statistics
 from dataclasses import dataclass, field
 
 from tokenyard.facilities import policy as fpolicy
 from tokenyard.facilities.inventory import Inventory
 from tokenyard.facilities.messages import STATE_TO_PROTO
 from tokenyard.facilities.simulator import Faults, RackSimulator, SimSettings
-from tokenyard.facilities.tracker import RackStateTracker
+from tokenyard.facilities.tracker import RackStateTracker, WorkerThrottle
 from tokenyard.fleet import FleetView
-from tokenyard.services.router.handler import facility_states
-from tokenyard.services.router.policy import PolicyConfig, RouteInput, choose
+from tokenyard.routing.policy import PolicyConfig, RouteInput, choose
 from tokenyard.sim.candidates import CandidateIndex
 from tokenyard.sim.fleet import Live, SimWorker
 from tokenyard.sim.workload import SimRequest
+from tokenyard.stats import percentile
 from tokenyard.v1 import serving_pb2 as pb
 from tokenyard.v1.facilities_pb2 import RackState
 
@@ -139,7 +138,9 @@ class Simulation:
         self.timeline: dict[str, list[tuple[float, float]]] = {r: [] for r in self.racks}
         self.outstanding = len(requests)
         self.max_num_seqs = max((w.max_num_seqs for w in workers), default=1)
-        self.throttles: dict = {}  # the router's facilities input, as of the last tick
+        self.throttles: dict[
+            str, WorkerThrottle
+        ] = {}  # the router's facilities input, as of the last tick
         self.index = CandidateIndex(config.router) if config.candidate_index else None
 
     # --- the event loop ----------------------------------------------------------------
@@ -379,7 +380,7 @@ class Simulation:
                 w.slowdown = slowdown
                 w.seq_cap = cap if self.facilities_on else 0
         # Rack states change only here, so the router's view of them is built once a tick.
-        self.throttles = facility_states(self.tracker)
+        self.throttles = self.tracker.by_worker()
         if self.index is not None:
             self.index.rebuild(self.fleet.workers, self.throttles if self.facilities_on else {})
         if self.outstanding > 0:
@@ -451,6 +452,4 @@ class Simulation:
 def _pct_ms(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
-    if len(values) == 1:
-        return round(values[0] * 1e3, 2)
-    return round(statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] * 1e3, 2)
+    return round(percentile(values, q) * 1e3, 2)

@@ -74,6 +74,16 @@ async def test_prefix_served_from_the_cache_gives_the_same_tokens(loaded_model, 
     assert tokens != reference
 
 
+async def test_an_offloaded_prefix_is_found_only_under_its_salt(loaded_model, cache):
+    eng = engine(loaded_model)
+    salted = SamplingParams(max_tokens=8, temperature=0.0, cache_salt="tenant-a")
+    run(eng, "p", salted, prefill_only=True)
+    assert await offload_prefix(eng, cache, "p", cache_salt="tenant-a") == 5
+    eng.release("p")
+    assert await fetch_prefix(engine(loaded_model), cache, PROMPT) == 0
+    assert await fetch_prefix(engine(loaded_model), cache, PROMPT, cache_salt="tenant-a") == 80
+
+
 async def test_a_miss_leaves_the_engine_untouched(loaded_model, cache):
     eng = engine(loaded_model)
     free = eng.stats().num_free_blocks

@@ -14,9 +14,9 @@ from worker_client import Heartbeats, Request, connect, wait_router
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes
+from tokenyard.routing.policy import PolicyConfig
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 from tokenyard.services.router.handler import RouterHandler
-from tokenyard.services.router.policy import PolicyConfig
 from tokenyard.v1 import serving_pb2 as pb
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from tokenyard.api_errors import ApiError
 from tokenyard.fleet import FleetView
-from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.metrics import GatewayMetrics
 from tokenyard.services.gateway.ratelimit import NoLimit, RateLimiter
 from tokenyard.services.gateway.settings import GatewaySettings
@@ -95,7 +95,7 @@ class FakeStream:
             chunk = self._chunks.pop(0)
             self.read += 1
             if chunk.error.code:
-                raise OpenAIError(400, chunk.error.message)
+                raise ApiError(400, chunk.error.message)
             return chunk
         if self._hang:
             await asyncio.sleep(3600)
@@ -114,7 +114,7 @@ class FakeBackend:
 
     script: str | list[pb.TokenChunk] = "Hello world"
     hang: bool = False  # after the scripted chunks, wait forever (a slow worker)
-    submit_error: OpenAIError | None = None
+    submit_error: ApiError | None = None
     fleet: FleetView = field(default_factory=FleetView)
     submitted: list[tuple[str, str, list[int], pb.SamplingParams]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)

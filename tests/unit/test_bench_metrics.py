@@ -9,6 +9,7 @@ import pytest
 from tokenyard.bench import metrics
 from tokenyard.bench.arrivals import poisson_arrivals
 from tokenyard.bench.records import RequestRecord, error_code
+from tokenyard.stats import percentile
 
 
 def rec(start_s, end_s, chunk_ms, output_tokens=None, ok=True, error_kind=None, **kw):
@@ -22,18 +23,18 @@ def rec(start_s, end_s, chunk_ms, output_tokens=None, ok=True, error_kind=None, 
 
 def test_percentile_matches_hand_values_and_numpy():
     values = [4.0, 1.0, 3.0, 2.0]
-    assert metrics.percentile(values, 50) == 2.5
-    assert metrics.percentile(values, 90) == pytest.approx(3.7)
-    assert metrics.percentile(values, 99) == pytest.approx(3.97)
-    assert metrics.percentile([7.0], 99) == 7.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 90) == pytest.approx(3.7)
+    assert percentile(values, 99) == pytest.approx(3.97)
+    assert percentile([7.0], 99) == 7.0
     data = list(np.random.default_rng(0).lognormal(size=101))
     for q in (50, 90, 99):
-        assert metrics.percentile(data, q) == pytest.approx(np.percentile(data, q))
+        assert percentile(data, q) == pytest.approx(np.percentile(data, q))
 
 
 def test_percentile_of_nothing_raises_and_stats_of_nothing_is_empty():
     with pytest.raises(ValueError):
-        metrics.percentile([], 50)
+        percentile([], 50)
     assert metrics.stats([]) == {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
 
 

@@ -63,10 +63,9 @@ def test_a_stale_drain_becomes_a_cautious_derate() -> None:
 
 
 def test_the_router_places_around_drained_racks() -> None:
-    """The router's wiring: tracker -> FacilityState per worker -> choose()."""
+    """The router's wiring: tracker -> WorkerThrottle per worker -> choose()."""
     from tokenyard.fleet import WorkerView
-    from tokenyard.services.router.handler import facility_states
-    from tokenyard.services.router.policy import RouteInput, choose
+    from tokenyard.routing.policy import RouteInput, choose
     from tokenyard.v1 import serving_pb2 as pb
 
     workers = {
@@ -88,10 +87,10 @@ def test_the_router_places_around_drained_racks() -> None:
     t.apply(state("rack-a", RackStateKind.RACK_STATE_DRAIN, 100, workers=("both-1",)))
     t.apply(state("rack-b", RackStateKind.RACK_STATE_NORMAL, 100, workers=("both-2",)))
     for _ in range(3):
-        placed = choose(workers, request, 0.5, facilities=facility_states(t))
+        placed = choose(workers, request, 0.5, facilities=t.by_worker())
         assert isinstance(placed, pb.Placement) and placed.prefill_worker_id == "both-2"
     t.apply(state("rack-b", RackStateKind.RACK_STATE_DRAIN, 100.5, workers=("both-2",)))
-    refused = choose(workers, request, 0.5, facilities=facility_states(t))
+    refused = choose(workers, request, 0.5, facilities=t.by_worker())
     assert isinstance(refused, pb.RouteError)
     assert refused.code == pb.RouteError.ALL_DRAINED and refused.retry_after_s == 7
 

@@ -12,8 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 from gateway_fakes import MODEL, FakeBackend, fake_state, text_chunks
 
+from tokenyard.api_errors import ApiError
 from tokenyard.services.gateway.app import create_app
-from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.ratelimit import MemoryBuckets
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.v1 import serving_pb2 as pb
@@ -160,7 +160,7 @@ def test_unknown_model_and_route_are_404(http):
 
 
 def test_no_workers_is_503_with_retry_after(backend, http):
-    backend.submit_error = OpenAIError(503, "no workers", code="no_workers", retry_after_s=2)
+    backend.submit_error = ApiError(503, "no workers", code="no_workers", retry_after_s=2)
     r = http.post("/v1/chat/completions", json=CHAT)
     assert_error(r, 503)
     assert r.headers["retry-after"] == "2"

@@ -6,7 +6,7 @@ import pytest
 from gateway_fakes import BOS, CharTokenizer
 from pydantic import ValidationError
 
-from tokenyard.services.gateway.errors import OpenAIError
+from tokenyard.api_errors import ApiError
 from tokenyard.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tokenyard.services.gateway.translate import prepare_chat, prepare_completion
 
@@ -117,8 +117,8 @@ def test_top_k_zero_means_off():
     assert prepare_chat(chat(top_k=0), TOK, 256).params.top_k == -1
 
 
-def _error(fn, *args) -> OpenAIError:
-    with pytest.raises(OpenAIError) as info:
+def _error(fn, *args) -> ApiError:
+    with pytest.raises(ApiError) as info:
         fn(*args)
     return info.value
 

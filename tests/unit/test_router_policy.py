@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from tokenyard.facilities.tracker import WorkerThrottle
 from tokenyard.fleet import WorkerView
-from tokenyard.services.router.policy import FacilityState, PolicyConfig, RouteInput, choose
+from tokenyard.routing.policy import PolicyConfig, RouteInput, choose
 from tokenyard.v1 import serving_pb2 as pb
 
 NOW = 100.0
@@ -190,10 +191,10 @@ def test_full_decode_pool_keeps_the_request_on_the_prefill_worker():
 
 def test_drained_racks_are_skipped_and_all_drained_says_so():
     workers = table(worker("p1", "prefill"), worker("p2", "prefill"), worker("d1", "decode"))
-    facilities = {"p1": FacilityState("drain", retry_after_s=20)}
+    facilities = {"p1": WorkerThrottle("drain", retry_after_s=20)}
     out = choose(workers, req(10), NOW, facilities=facilities)
     assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p2"
-    facilities["p2"] = FacilityState("drain", retry_after_s=40)
+    facilities["p2"] = WorkerThrottle("drain", retry_after_s=40)
     out = choose(workers, req(10), NOW, facilities=facilities)
     assert isinstance(out, pb.RouteError)
     assert out.code == pb.RouteError.ALL_DRAINED and out.retry_after_s == 40
@@ -204,14 +205,14 @@ def test_drained_decode_worker_gets_no_new_sequences():
         worker("p1", "prefill"), worker("d1", "decode"), worker("d2", "decode", running=5)
     )
     always = PolicyConfig(disaggregation="always")  # which decode worker, not whether
-    out = choose(workers, req(), NOW, facilities={"d1": FacilityState("drain")}, config=always)
+    out = choose(workers, req(), NOW, facilities={"d1": WorkerThrottle("drain")}, config=always)
     assert isinstance(out, pb.Placement) and out.decode_worker_id == "d2"
 
 
 def test_derate_cap_counts_as_load():
     # Equal running counts; p1's rack caps it at 2 sequences, so p1 looks full.
     workers = table(worker("p1", "prefill", running=2), worker("p2", "prefill", running=2))
-    out = choose(workers, req(10), NOW, facilities={"p1": FacilityState("derate", seq_cap=2)})
+    out = choose(workers, req(10), NOW, facilities={"p1": WorkerThrottle("derate", seq_cap=2)})
     assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p2"
 
 
@@ -243,7 +244,7 @@ def test_ties_go_to_the_smallest_id():
 def test_derate_cost_penalty_sends_equal_work_to_the_healthy_rack():
     # p1 sorts first on ties; its rack's derate penalty must tip the choice to p2.
     workers = table(worker("p1", "prefill", running=1), worker("p2", "prefill", running=1))
-    derated = {"p1": FacilityState("derate", seq_cap=8, cost_penalty=0.5)}
+    derated = {"p1": WorkerThrottle("derate", seq_cap=8, cost_penalty=0.5)}
     out = choose(workers, req(10), NOW, facilities=derated)
     assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p2"
     out = choose(workers, req(10), NOW)
@@ -253,7 +254,7 @@ def test_derate_cost_penalty_sends_equal_work_to_the_healthy_rack():
 def test_derated_worker_still_serves_when_it_is_the_better_one():
     # The penalty is a cost, not a ban: a much busier healthy worker still loses.
     workers = table(worker("p1", "prefill"), worker("p2", "prefill", running=8))
-    derated = {"p1": FacilityState("derate", seq_cap=8, cost_penalty=0.5)}
+    derated = {"p1": WorkerThrottle("derate", seq_cap=8, cost_penalty=0.5)}
     out = choose(workers, req(10), NOW, facilities=derated)
     assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p1"
 
@@ -266,9 +267,9 @@ def test_drained_worker_gets_nothing_even_when_idle():
         worker("d2", "decode", running=7),
     )
     facilities = {
-        "p1": FacilityState("drain"),
-        "d1": FacilityState("drain"),
-        "p2": FacilityState("derate", seq_cap=8, cost_penalty=0.5),
+        "p1": WorkerThrottle("drain"),
+        "d1": WorkerThrottle("drain"),
+        "p2": WorkerThrottle("derate", seq_cap=8, cost_penalty=0.5),
     }
     always = PolicyConfig(disaggregation="always")  # which decode worker, not whether
     out = choose(workers, req(), NOW, facilities=facilities, config=always)
@@ -353,7 +354,7 @@ def test_every_worker_drained_is_a_route_error():
 def test_power_pressure_shares_new_work_out_by_headroom_not_all_to_one_rack() -> None:
     """A load weight (not a fixed penalty): the cooler rack takes more, not everything."""
     from tokenyard.fleet import FleetView
-    from tokenyard.services.router.policy import FacilityState, PolicyConfig, RouteInput, choose
+    from tokenyard.routing.policy import PolicyConfig, RouteInput, choose
     from tokenyard.v1 import serving_pb2 as pb
 
     fleet = FleetView()
@@ -361,7 +362,7 @@ def test_power_pressure_shares_new_work_out_by_headroom_not_all_to_one_rack() ->
         fleet.on_heartbeat(pb.WorkerHeartbeat(worker_id=wid, role="both", max_num_seqs=32,
                                               num_blocks=100, num_free_blocks=100,
                                               heartbeat_interval_ms=1000), 0.0)  # fmt: skip
-    facilities = {"both-hot": FacilityState(load_weight=3.0), "both-cool": FacilityState()}
+    facilities = {"both-hot": WorkerThrottle(load_weight=3.0), "both-cool": WorkerThrottle()}
     placed = []
     for i in range(40):
         p = choose(fleet.workers, RouteInput(str(i), "", 16), 0.5, facilities=facilities,

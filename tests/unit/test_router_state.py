@@ -5,8 +5,8 @@ from __future__ import annotations
 from tokenyard.bus.nats import Bus
 from tokenyard.facilities.tracker import RackStateTracker
 from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes
+from tokenyard.routing.policy import PolicyConfig
 from tokenyard.services.router.handler import RouterHandler
-from tokenyard.services.router.policy import PolicyConfig
 from tokenyard.services.router.state import BlockIndex
 from tokenyard.v1 import serving_pb2 as pb
 from tokenyard.v1.facilities_pb2 import RackState, RackStateKind

@@ -9,10 +9,12 @@ from contextlib import contextmanager
 
 from fastapi import APIRouter
 
-from tokenyard.services.facilities.api.deps import Admin, Control, Monitor
-from tokenyard.services.facilities.api.errors import ApiError
+from tokenyard.api_deps import Admin
+from tokenyard.api_errors import ApiError
+from tokenyard.facilities.faults import FaultIn
+from tokenyard.services.facilities.api.deps import Control, Monitor
 from tokenyard.services.facilities.api.racks import rack_out
-from tokenyard.services.facilities.api.schemas import DrainIn, FaultIn, FaultsOut, RackOut
+from tokenyard.services.facilities.api.schemas import DrainIn, FaultsOut, RackOut
 from tokenyard.services.facilities.control import ControlError
 
 router = APIRouter(prefix="/v1/admin/racks", tags=["admin"], dependencies=[Admin])

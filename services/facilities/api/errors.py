@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape, {"error": {message, type, param, code}}, as the gateway answers."""
+"""The facilities API's errors: the one ApiError (tokenyard.api_errors), with this API's own
+`type` names, and invalid bodies as a 422 naming the field."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from tokenyard.api_errors import ErrorDetail, ErrorResponse
+from tokenyard.api_errors import ApiError, install_error_handler
 
-ERROR_TYPES = {
+TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
@@ -18,36 +19,20 @@ ERROR_TYPES = {
 }
 
 
-class ApiError(HTTPException):
-    def __init__(
-        self, status: int, message: str, *, code: str | None = None, param: str | None = None
-    ) -> None:
-        super().__init__(status, message)
-        self.code = code
-        self.param = param
-
-
-def _response(
-    status: int, message: str, code: str | None = None, param: str | None = None
-) -> JSONResponse:
-    detail = ErrorDetail(
-        message=message, type=ERROR_TYPES.get(status, "api_error"), param=param, code=code
-    )
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(
-        ErrorResponse(error=detail).model_dump(), status_code=status, headers=headers
-    )
+def type_of(status: int) -> str:
+    return TYPES.get(status, "api_error")
 
 
 def install(app: FastAPI) -> None:
+    install_error_handler(app, type_of)
+
     @app.exception_handler(HTTPException)
     async def on_http(_request: Request, exc: HTTPException) -> JSONResponse:
-        code = getattr(exc, "code", None)
-        param = getattr(exc, "param", None)
-        return _response(exc.status_code, str(exc.detail), code, param)
+        return ApiError(exc.status_code, str(exc.detail)).response(type_of)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return _response(422, str(first.get("msg")), "invalid_value", param)
+        error = ApiError(422, str(first.get("msg")), code="invalid_value", param=param)
+        return error.response(type_of)

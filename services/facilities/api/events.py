@@ -7,9 +7,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
+from tokenyard.api_errors import ApiError
 from tokenyard.db.facilities import StateEvent
 from tokenyard.services.facilities.api.deps import Monitor, Store
-from tokenyard.services.facilities.api.errors import ApiError
 from tokenyard.services.facilities.api.racks import End, Limit, Start, time_range
 from tokenyard.services.facilities.api.schemas import EventList, EventOut, ReadingOut
 

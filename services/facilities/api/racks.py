@@ -8,8 +8,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
+from tokenyard.api_errors import ApiError
 from tokenyard.services.facilities.api.deps import Monitor, Rack, Store
-from tokenyard.services.facilities.api.errors import ApiError
 from tokenyard.services.facilities.api.schemas import RackList, RackOut, ReadingList, ReadingOut
 from tokenyard.services.facilities.monitor import RackMonitor, RackRuntime
 from tokenyard.services.facilities.store import to_datetime

@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-StateName = Literal["normal", "derate", "drain"]
-FaultKind = Literal["pump_failure", "chiller_failure", "power_cap", "dead_sensor"]
+from tokenyard.facilities.faults import FaultKind
+from tokenyard.facilities.policy import StateName
 
 
 class ReadingOut(BaseModel):
@@ -63,13 +63,6 @@ class EventOut(BaseModel):
 
 class EventList(BaseModel):
     events: list[EventOut]
-
-
-class FaultIn(BaseModel):
-    kind: FaultKind
-    power_cap_kw: float | None = Field(
-        default=None, gt=0, description="for kind=power_cap: the lowered cap"
-    )
 
 
 class DrainIn(BaseModel):

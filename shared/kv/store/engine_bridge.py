@@ -3,11 +3,10 @@
 The helpers use only :class:`tokenyard.kv.engine_port.KVEngine` and must run their engine
 calls on the thread that drives the engine (between two ``step()`` calls):
 
-- :func:`offload_prefix` stores the full blocks of a prefilled request (a held
-  prefill-only request, from ``export_sequence``) under their content hashes.
 - :func:`snapshot_stored_blocks` copies out blocks the engine just named (its "stored"
   KV events) so they can be written through to the service while the engine runs on;
-  :func:`offload_snapshot` sends them.
+  :func:`offload_snapshot` sends them. :func:`offload_prefix` does both for a held
+  prefill-only request's prompt, under the same salted hashes.
 - :func:`fetch_prefix` finds the longest cached prefix of a prompt, lands it in blocks the
   engine reserved, and has the engine name them in its prefix cache, so the next
   ``add_request`` with that prompt computes only the rest.
@@ -35,14 +34,6 @@ def _pool(engine: KVEngine) -> tuple[KVLayout, torch.Tensor]:
     return layout, pool
 
 
-async def offload_prefix(engine: KVEngine, client: KVCacheClient, request_id: str) -> int:
-    """Store a held request's full prompt blocks; returns how many were stored."""
-    layout, pool = _pool(engine)
-    exported = engine.export_sequence(request_id)
-    hashes = prefix_block_hashes(exported.prompt_token_ids, layout.block_size)
-    return await client.put_blocks(layout, hashes, pool, exported.block_ids[: len(hashes)])
-
-
 def snapshot_stored_blocks(engine: KVEngine, hashes: list[int]) -> tuple[list[int], torch.Tensor]:
     """The hashes still cached by the engine and a copy of their blocks (a small pool).
 
@@ -62,6 +53,18 @@ async def offload_snapshot(
     if not hashes:
         return 0
     return await client.put_blocks(layout, hashes, snapshot, list(range(len(hashes))))
+
+
+async def offload_prefix(
+    engine: KVEngine, client: KVCacheClient, request_id: str, cache_salt: str = ""
+) -> int:
+    """Store a held request's full prompt blocks under their salted hashes, by the worker's
+    own write-through path (snapshot, then send); returns how many were stored."""
+    layout, _ = _pool(engine)
+    prompt = engine.export_sequence(request_id).prompt_token_ids
+    hashes = prefix_block_hashes(prompt, layout.block_size, salted_root(cache_salt))
+    found, snapshot = snapshot_stored_blocks(engine, hashes)
+    return await offload_snapshot(client, layout, found, snapshot)
 
 
 async def _direct(fn: Callable[..., Any], *args: Any) -> Any:

@@ -15,7 +15,7 @@ A prefill-capable worker (role prefill or both), or a decode worker that announc
 ``local_prefill`` (it runs whole requests routed to it), runs the prompt: the best by
 prefix overlap and load. Whether a prefill worker also
 decodes (aggregated) or hands the sequence to a decode worker (disaggregated) is a cost
-model (``tokenyard.services.router.cost``, conditional disaggregation): hand off only when
+model (``tokenyard.routing.cost``, conditional disaggregation): hand off only when
 the decode worker's predicted inter-token latency, over the request's output, saves more
 than the hand-off costs. The predictions come from each worker's measured step times,
 running sequences and queued prompt tokens (heartbeats). ``PolicyConfig.disaggregation``
@@ -28,24 +28,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tokenyard.facilities.tracker import UNKNOWN, WorkerThrottle
 from tokenyard.fleet import DEFAULT_MISSED_HEARTBEATS, WorkerView
-from tokenyard.services.router import cost
+from tokenyard.routing import cost
 from tokenyard.v1 import serving_pb2 as pb
-
-
-@dataclass(frozen=True)
-class FacilityState:
-    """One worker's rack as the facilities service sees it."""
-
-    state: Literal["normal", "derate", "drain"] = "normal"
-    seq_cap: int = 0  # derate: at most this many concurrent sequences (0 = no cap)
-    retry_after_s: int = 30
-    # Derate: subtracted from the score, so among equals the healthy rack's worker wins
-    # even before the derated one fills up (in units of a full worker, like busy).
-    cost_penalty: float = 0.0
-    # Near its power cap (the facilities' power_pressure): the worker's load counts this
-    # many times, so new work spreads over the racks in proportion to their headroom.
-    load_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -72,7 +58,8 @@ class PolicyConfig:
     overloaded_retry_after_s: int = 1
 
 
-NORMAL = FacilityState()
+# A worker on no rack the facilities service knows is placed as on a normal one.
+NORMAL = UNKNOWN
 
 
 def choose(
@@ -80,7 +67,7 @@ def choose(
     request: RouteInput,
     now: float,
     *,
-    facilities: Mapping[str, FacilityState] | None = None,
+    facilities: Mapping[str, WorkerThrottle] | None = None,
     config: PolicyConfig | None = None,
 ) -> pb.Placement | pb.RouteError:
     config = config or PolicyConfig()
@@ -127,7 +114,7 @@ def _place(
     prefill: WorkerView,
     live: list[WorkerView],
     request: RouteInput,
-    facilities: Mapping[str, FacilityState],
+    facilities: Mapping[str, WorkerThrottle],
     config: PolicyConfig,
 ) -> pb.Placement:
     cached = request.cached_blocks.get(prefill.worker_id, 0) * prefill.block_size
@@ -176,7 +163,7 @@ def _place(
     )
 
 
-def _cap(w: WorkerView, facility: FacilityState) -> int:
+def _cap(w: WorkerView, facility: WorkerThrottle) -> int:
     caps = [c for c in (w.max_num_seqs, w.seq_cap, facility.seq_cap) if c > 0]
     return min(caps) if caps else 1
 
@@ -184,7 +171,7 @@ def _cap(w: WorkerView, facility: FacilityState) -> int:
 def _best(
     candidates: list[WorkerView],
     request: RouteInput,
-    facilities: Mapping[str, FacilityState],
+    facilities: Mapping[str, WorkerThrottle],
     config: PolicyConfig,
 ) -> WorkerView | None:
     """The candidate with the highest score among those with room, or None."""
@@ -199,7 +186,7 @@ def _best(
     return min(scored, key=lambda s: (-s[0], s[1]))[2]
 
 
-def free_score(w: WorkerView, facility: FacilityState, config: PolicyConfig) -> float | None:
+def free_score(w: WorkerView, facility: WorkerThrottle, config: PolicyConfig) -> float | None:
     """The part of a worker's score that does not depend on the request (its whole score for
     a prompt it holds nothing of): minus its busy share, KV use and facilities penalty.
     None when it has no room. Higher is better."""
@@ -219,7 +206,5 @@ def _overlap_score(w: WorkerView, request: RouteInput, config: PolicyConfig) -> 
     return config.overlap_weight * share
 
 
-def _error(
-    code: pb.RouteError.Code.ValueType, message: str, retry_after_s: int = 0
-) -> pb.RouteError:
+def _error(code: pb.RouteError.Code, message: str, retry_after_s: int = 0) -> pb.RouteError:
     return pb.RouteError(code=code, message=message, retry_after_s=retry_after_s)
