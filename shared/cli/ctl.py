@@ -32,6 +32,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from tokenyard.facilities.faults import FAULT_KINDS
 from tokenyard.grpc_security import GrpcSecurity, open_channel
 from tokenyard.kv.layout import KVLayout, layout_to_proto
 from tokenyard.v1 import control_pb2 as cpb
@@ -39,7 +40,6 @@ from tokenyard.v1 import control_pb2_grpc, kv_pb2
 
 DEFAULT_FACILITIES = "127.0.0.1:50075"
 TIMEOUT_S = 10.0
-FAULTS = ("pump_failure", "chiller_failure", "power_cap", "dead_sensor")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fac.add_parser("racks", help="every rack's state, faults and cap")
     fault = fac.add_parser("fault", help="inject a fault")
     fault.add_argument("rack")
-    fault.add_argument("kind", choices=FAULTS)
+    fault.add_argument("kind", choices=FAULT_KINDS)
     fault.add_argument("--power-cap-kw", type=float, default=0.0)
     for action in ("clear", "undrain"):
         fac.add_parser(action).add_argument("rack")
