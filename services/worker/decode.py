@@ -63,7 +63,3 @@ class DecodeHandler:
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
-
-    async def hand_over_running(self) -> None:
-        """Move every sequence still running here to another live decode worker."""
-        await self.w.handoffs.hand_over_running()

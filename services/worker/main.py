@@ -169,8 +169,7 @@ async def shutdown(
         await decode.stop_taking()
     if not await streams.wait_idle(worker.settings.drain_timeout_s):
         log.warning("handing back %d unfinished requests", len(streams.running))
-        if decode is not None:
-            await decode.hand_over_running()
+        await worker.handoffs.hand_over_running()  # the hand-offs taken here, to a live peer
         await streams.hand_back_all()
     await asyncio.sleep(0)  # let the job tasks ack or nak
     if prefill is not None:
