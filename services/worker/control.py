@@ -45,7 +45,7 @@ def undrain(worker: WorkerBase) -> None:
 
 def busy(worker: WorkerBase) -> bool:
     """Requests running here, jobs being worked on, or prefilled blocks awaiting a pull."""
-    return bool(worker.streams or worker.jobs or worker.kv.num_held)
+    return worker.streams.busy() or bool(worker.kv.num_held)
 
 
 async def wait_drained(worker: WorkerBase, timeout_s: float) -> bool:
@@ -70,7 +70,7 @@ async def status(worker: WorkerBase) -> cpb.WorkerStatus:
         drain_reason=worker.drain_reason,
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
-        num_requests=len(worker.streams),
+        num_requests=len(worker.streams.running),
         num_blocks=total,
         num_free_blocks=stats.num_free_blocks,
         kv_used=1.0 - stats.num_free_blocks / total if total else 0.0,
@@ -126,9 +126,10 @@ class ControlServer:
         if port == 0:
             raise OSError(f"worker control cannot bind {s.host}:{s.control_port}")
         await self._server.start()
-        self.worker.control_endpoint = host_endpoint(s.advertised_host, port)
-        log.info("worker %s control on %s", self.worker.worker_id, self.worker.control_endpoint)
-        return self.worker.control_endpoint
+        endpoint = host_endpoint(s.advertised_host, port)
+        self.worker.presence.control_endpoint = endpoint  # the heartbeats carry it
+        log.info("worker %s control on %s", self.worker.worker_id, endpoint)
+        return endpoint
 
     async def stop(self, grace: float = 1.0) -> None:
         if self._server is not None:

@@ -198,7 +198,7 @@ class EngineLoop:
         outputs = self.engine.step()
         events = self.engine.drain_kv_events()
         seconds = time.perf_counter() - started
-        tokens = int(getattr(self.engine, "last_step_tokens", len(outputs)))
+        tokens = self.engine.last_step_tokens
         stats = self.engine.stats()
         return StepResult(outputs, events, self.engine.has_unfinished(), seconds, tokens, stats)
 

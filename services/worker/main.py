@@ -86,7 +86,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
 
 class Readiness:
     """The worker's /ready: 200 only when it can really take work now. Starting and
-    stopping say so; then NATS, the engine (WorkerBase.not_ready) and, asked of JetStream
+    stopping say so; then NATS, the engine (Presence.not_ready) and, asked of JetStream
     live, the consumer its prefill jobs come through."""
 
     def __init__(self) -> None:
@@ -98,7 +98,7 @@ class Readiness:
         reason = self.flag()
         if reason is not None or self.worker is None:
             return reason or "starting"
-        if reason := self.worker.not_ready():
+        if reason := self.worker.presence.not_ready():
             return reason
         return await self.prefill.queue.check() if self.prefill is not None else None
 
@@ -162,15 +162,15 @@ async def shutdown(
     worker: WorkerBase, prefill: PrefillHandler | None, decode: DecodeHandler | None
 ) -> None:
     """Stop taking work, finish what we can, hand back the rest, leave no held blocks."""
-    log.info("worker %s stopping: finishing %d requests", worker.worker_id, len(worker.streams))
+    streams = worker.streams
+    log.info("worker %s stopping: finishing %d requests", worker.worker_id, len(streams.running))
     worker.stopping.set()
     if decode is not None:
         await decode.stop_taking()
-    if not await worker.wait_idle(worker.settings.drain_timeout_s):
-        log.warning("handing back %d unfinished requests", len(worker.streams))
-        if decode is not None:
-            await decode.hand_over_running()
-        await worker.hand_back_all()
+    if not await streams.wait_idle(worker.settings.drain_timeout_s):
+        log.warning("handing back %d unfinished requests", len(streams.running))
+        await worker.handoffs.hand_over_running()  # the hand-offs taken here, to a live peer
+        await streams.hand_back_all()
     await asyncio.sleep(0)  # let the job tasks ack or nak
     if prefill is not None:
         await prefill.remove_own_consumer_if_empty()

@@ -53,11 +53,11 @@ class PrefillHandler:
             worker.worker_id,
             pb.PrefillJob,
             self,
-            alive=worker.peer_alive,
+            alive=worker.presence.peer_alive,
             stopping=worker.stopping,
             accepting=worker.accepting,
         )
-        worker.readiness_checks.append(self.queue.problem)
+        worker.presence.readiness_checks.append(self.queue.problem)
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         await self.cache.start()
@@ -76,7 +76,7 @@ class PrefillHandler:
         if delivery.adopted or delivery.attempt > 1:
             log.info("job %s redelivered (delivery %d)", job.request_id, delivery.attempt)
         # A redelivery of a job still running here waits for it, never re-adds it.
-        done = await self.w.run_once(job.request_id, lambda: self.run_job(job))
+        done = await self.w.streams.run_once(job.request_id, lambda: self.run_job(job))
         return Outcome.DONE if done else Outcome.HAND_BACK  # handed back: a live worker takes it
 
     async def give_up(self, delivery: Delivery[pb.PrefillJob], error: Exception) -> None:
@@ -92,7 +92,7 @@ class PrefillHandler:
     async def run_job(self, job: pb.PrefillJob) -> bool:
         """Run a job; False = hand it back (we are stopping), True = done (ack it)."""
         rid = job.request_id
-        if self.w.is_cancelled(rid):
+        if self.w.streams.is_cancelled(rid):
             return True
         aggregated = job.decode_worker_id in ("", self.w.worker_id) or job.params.max_tokens == 1
         prompt = list(job.prompt_token_ids)
@@ -124,63 +124,5 @@ class PrefillHandler:
             return False
         if reason != "prefilled":
             return True
-        await self._hand_off(job, stream.cached_tokens or 0)
+        await self.w.handoffs.send(job, stream.cached_tokens or 0)
         return True
-
-    async def _hand_off(self, job: pb.PrefillJob, cached_tokens: int) -> None:
-        rid = job.request_id
-        exported = await self.w.loop.call(self.w.engine.export_sequence, rid)
-        if self.w.is_cancelled(rid):
-            await self.w.kv.end_hold(rid, "cancelled")
-            return
-        endpoint = self.w.kv.offer(rid, list(exported.block_ids))
-        handoff = pb.DecodeHandoff(
-            request_id=rid,
-            model=job.model,
-            prompt_token_ids=exported.prompt_token_ids,
-            output_token_ids=exported.output_token_ids,
-            params=job.params,
-            prefill_worker_id=self.w.worker_id,
-            kv_endpoint=endpoint,
-            src_block_ids=exported.block_ids,
-            num_cached_tokens=cached_tokens,
-            arrival_unix_ns=job.arrival_unix_ns,
-            gateway_id=job.gateway_id,
-        )
-        with _tracer.start_as_current_span(
-            "handoff",
-            attributes={REQUEST_ID: rid, "tokenyard.decode_worker": job.decode_worker_id},
-        ) as span:
-            accepted = await self._send(job.decode_worker_id, handoff)
-            span.set_attribute("tokenyard.accepted", accepted)
-        if not endpoint or not accepted:
-            await self.w.kv.end_hold(rid, "not pulled")
-        if not accepted and self.w.is_cancelled(rid):
-            return
-        if not accepted:
-            log.warning(
-                "decode worker %s did not take %s; decoding it here", job.decode_worker_id, rid
-            )
-            await self.w.decode_here(handoff)
-
-    async def _send(self, decode_worker_id: str, handoff: pb.DecodeHandoff) -> bool:
-        try:
-            ack = await self.bus.request(
-                subjects.decode_jobs(decode_worker_id),
-                handoff,
-                pb.HandoffAck,
-                timeout=self.settings.handoff_timeout_s,
-            )
-        except Exception as exc:  # no responders, timeout, connection trouble: decode here
-            log.info(
-                "hand-off of %s to %s failed: %s",
-                handoff.request_id,
-                decode_worker_id,
-                type(exc).__name__,
-            )
-            return False
-        if not ack.accepted:
-            log.info(
-                "decode worker %s refused %s: %s", decode_worker_id, handoff.request_id, ack.message
-            )
-        return ack.accepted

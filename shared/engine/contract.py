@@ -63,6 +63,12 @@ class Engine(Handoff, KVEngine, Protocol):
 
     def step(self) -> list[RequestOutput]: ...
 
+    @property
+    def last_step_tokens(self) -> int:
+        """Tokens the last step computed (prefill chunks and decodes): what the worker's
+        step timing fits its cost per token on."""
+        ...
+
     def has_unfinished(self) -> bool: ...
 
     def abort(self, request_id: str) -> bool:

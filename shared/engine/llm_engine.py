@@ -22,6 +22,7 @@ from tokenyard.engine.block_manager import BlockManager
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.contract import Prompt
 from tokenyard.engine.guided import CLOSE_MAX_TOKENS, Guide, PendingMasks
+from tokenyard.engine.handoff import SequenceHandoff
 from tokenyard.engine.logits_processors import apply_processors
 from tokenyard.engine.memory import build_model_and_pool
 from tokenyard.engine.model_runner import ModelRunner, StepLogits
@@ -39,6 +40,7 @@ from tokenyard.engine.scheduler import ScheduledSeq, Scheduler
 from tokenyard.engine.sequence import Sequence, Status
 from tokenyard.engine.spec.speculator import build_speculator
 from tokenyard.engine.stop import StopChecker
+from tokenyard.kv import engine_port
 from tokenyard.kv.layout import KVLayout
 from tokenyard.lifecycle import trim_heap
 from tokenyard.models.loader import LoadedModel, load_model
@@ -115,6 +117,16 @@ class LLMEngine:
             self.memory.draft_kv_cache_bytes = draft.kv_cache_bytes
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        self.handoff = SequenceHandoff(
+            self.seqs,
+            self._arrivals,
+            self.block_manager,
+            self.scheduler,
+            self.guide,
+            attach_output_state=self._attach_output_state,
+            check_length=self._check_length,
+            vocab_size=self.model_config.vocab_size,
+        )
         self.last_step_tokens = 0  # tokens the last step computed (prefill chunks + decodes)
         del loaded
         gc.collect()  # the loaded checkpoint and the model's intermediate copies
@@ -380,30 +392,13 @@ class LLMEngine:
                 chosen_logprobs(logits[:n], targets, [seq.params.prompt_logprobs] * n)
             )
 
-    # --- disaggregation ------------------------------------------------------------------
+    # --- the hand-off (tokenyard.engine.handoff) -------------------------------------------
 
     def export_sequence(self, request_id: str) -> ExportedSequence:
-        seq = self.seqs[request_id]
-        if seq.status != Status.HELD:
-            raise ValueError(f"request {request_id!r} is not a finished prefill-only request")
-        n_prompt_blocks = self.block_manager.blocks_needed(seq.num_prompt_tokens)
-        return ExportedSequence(
-            request_id=request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            block_ids=seq.block_table[:n_prompt_blocks],
-            num_computed_tokens=seq.num_prompt_tokens,
-            params=seq.params,
-        )
+        return self.handoff.export_sequence(request_id)
 
     def release(self, request_id: str) -> None:
-        """Free a held prefill-only request's blocks (after its KV was pulled, or on timeout)."""
-        seq = self.seqs.get(request_id)
-        if seq is None or seq.status != Status.HELD:
-            return
-        del self.seqs[request_id]
-        self.block_manager.free_sequence(seq)
-        seq.status = Status.FINISHED
+        self.handoff.release(request_id)
 
     def import_sequence(
         self,
@@ -412,80 +407,26 @@ class LLMEngine:
         output_token_ids: list[int],
         params: SamplingParams,
     ) -> list[int]:
-        """Blocks for a handed-off prompt's KV; the sequence waits for commit_import()."""
-        if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids or not output_token_ids:
-            raise ValueError("an imported sequence needs its prompt and at least its first token")
-        # NOTE: a hand-off comes off the bus, not through add_request's checks: an id past the
-        # vocabulary would fail inside a later step and take every other sequence with it.
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in (*prompt_token_ids, *output_token_ids)):
-            raise ValueError(f"token ids must be in [0, {vocab})")
-        self._check_length(len(prompt_token_ids))
-        seq = Sequence(request_id, prompt_token_ids, params, arrival=next(self._arrivals))
-        self.block_manager.allocate_fresh(
-            seq, self.block_manager.blocks_needed(len(prompt_token_ids))
-        )
-        seq.num_computed_tokens = len(prompt_token_ids)
-        seq.status = Status.IMPORTING
-        self._attach_output_state(seq)
-        seq.token_ids.extend(output_token_ids)
-        self.guide.attach(seq)  # replays the output tokens through the grammar
-        assert seq.detokenizer is not None and seq.stop_checker is not None
-        seq.text, _ = seq.stop_checker.feed(seq.detokenizer.push(output_token_ids), final=False)
-        self.seqs[request_id] = seq
-        return list(seq.block_table)
+        return self.handoff.import_sequence(request_id, prompt_token_ids, output_token_ids, params)
 
     def commit_import(self, request_id: str, kv_ok: bool) -> None:
-        seq = self.seqs[request_id]
-        assert seq.status == Status.IMPORTING
-        if kv_ok:
-            self.block_manager.register_computed(seq)
-            self.scheduler.add_running(seq)
-        else:  # the transfer failed: recompute the prompt (and the first token) here
-            self.block_manager.free_sequence(seq)
-            self.scheduler.add(seq)
+        self.handoff.commit_import(request_id, kv_ok)
 
     # --- the KV-cache service's calls (tokenyard.kv.engine_port) ---------------------------
 
     def cached_block_ids(self, hashes: list[int]) -> list[tuple[int, int]]:
-        cached = self.block_manager.cached
-        return [(h, cached[h]) for h in hashes if h in cached]
+        return engine_port.cached_block_ids(self.block_manager.cached, hashes)
 
     def num_cached_prefix_blocks(self, hashes: list[int]) -> int:
-        # From any thread: dict lookups only (atomic under the GIL), never an iteration.
-        cached = self.block_manager.cached
-        return next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
+        return engine_port.num_cached_prefix_blocks(self.block_manager.cached, hashes)
 
     def reserve_prefix(
         self, request_id: str, token_ids: list[int], cache_salt: str = ""
     ) -> list[int]:
-        """Blocks for a prefix of whole blocks; :meth:`commit_prefix` names or drops them."""
-        if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if not token_ids or len(token_ids) % self.block_size:
-            raise ValueError(f"a prefix is whole blocks of {self.block_size} tokens")
-        seq = Sequence(
-            request_id,
-            token_ids,
-            SamplingParams(max_tokens=1, cache_salt=cache_salt),
-            arrival=next(self._arrivals),
-        )
-        self.block_manager.allocate_fresh(seq, self.block_manager.blocks_needed(len(token_ids)))
-        seq.num_computed_tokens = len(token_ids)
-        seq.status = Status.IMPORTING  # never scheduled; abort() frees it like an import
-        self.seqs[request_id] = seq
-        return list(seq.block_table)
+        return self.handoff.reserve_prefix(request_id, token_ids, cache_salt)
 
     def commit_prefix(self, request_id: str, kv_ok: bool) -> None:
-        seq = self.seqs.pop(request_id)
-        assert seq.status == Status.IMPORTING
-        if kv_ok:
-            # Named, then freed: unreferenced but findable, like a finished request's blocks.
-            self.block_manager.register_computed(seq)
-        self.block_manager.free_sequence(seq)
-        seq.status = Status.FINISHED
+        self.handoff.commit_prefix(request_id, kv_ok)
 
 
 def _start_ranks(config: EngineConfig, loaded: LoadedModel) -> TensorParallelRanks | None:

@@ -4,10 +4,15 @@ The engine (tokenyard.engine.llm_engine) depends on kv for its pool layout; the 
 move blocks between an engine's pool and the KV-cache service (kv/store/engine_bridge.py)
 depend only on this Protocol, so the two packages do not import each other. Every call but
 `num_cached_prefix_blocks` must run on the thread that drives the engine, between two steps.
+
+The two prefix-cache lookups are implemented here, over the cache's index (block hash ->
+block id); the reservations are the engine's (tokenyard.engine.handoff.SequenceHandoff), since
+they are sequences of its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -61,3 +66,16 @@ class KVEngine(Protocol):
     def commit_prefix(self, request_id: str, kv_ok: bool) -> None:
         """kv_ok: name the blocks in the prefix cache (free but findable); else drop them."""
         ...
+
+
+def cached_block_ids(cached: Mapping[int, int], hashes: list[int]) -> list[tuple[int, int]]:
+    """(hash, block id) for each of ``hashes`` in the prefix cache's index ``cached``."""
+    return [(h, cached[h]) for h in hashes if h in cached]
+
+
+def num_cached_prefix_blocks(cached: Mapping[int, int], hashes: list[int]) -> int:
+    """How many of ``hashes``, from the first, ``cached`` holds.
+
+    NOTE: called from any thread (KVEngine.num_cached_prefix_blocks): dict lookups only,
+    atomic under the GIL, never an iteration of ``cached``, which a step may be changing."""
+    return next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))

