@@ -1,6 +1,6 @@
 """The gateway's side of the serving path on NATS: route, enqueue, stream the tokens back, cancel.
 
-    stream = await backend.submit(rid, model, prompt_ids, params)  # raises OpenAIError (503, ...)
+    stream = await backend.submit(rid, model, prompt_ids, params)  # raises ApiError (503, ...)
     async for chunk in stream: ...                                 # ordered TokenChunks
     await backend.cancel(rid, "client disconnected")               # all the way down
 
@@ -22,12 +22,12 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from tokenyard.api_errors import ApiError
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.fleet import FleetView
 from tokenyard.fleet.resume import resume_on_live_worker
 from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes, salted_root
-from tokenyard.services.gateway.errors import OpenAIError
 from tokenyard.services.gateway.responses import ChunkOrderer
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.v1 import serving_pb2 as pb
@@ -84,21 +84,21 @@ class Backend(Protocol):
     async def cancel(self, rid: str, reason: str) -> None: ...
 
 
-def route_error(error: pb.RouteError, retry_after_s: int) -> OpenAIError:
+def route_error(error: pb.RouteError, retry_after_s: int) -> ApiError:
     code = pb.RouteError.Code.Name(error.code).lower()
     retry = error.retry_after_s or retry_after_s
     if error.code == pb.RouteError.UNKNOWN_MODEL:
-        return OpenAIError(
+        return ApiError(
             404, error.message or "unknown model", param="model", code="model_not_found"
         )
     message = error.message or "no worker can take this request now"
-    return OpenAIError(503, message, code=code, retry_after_s=retry)
+    return ApiError(503, message, code=code, retry_after_s=retry)
 
 
-def chunk_error(error: pb.Error) -> OpenAIError:
+def chunk_error(error: pb.Error) -> ApiError:
     status = {pb.Error.INVALID_REQUEST: 400, pb.Error.OVERLOADED: 503, pb.Error.CANCELLED: 503}
     name = pb.Error.Code.Name(error.code).lower()
-    return OpenAIError(status.get(error.code, 500), error.message or name, code=name)
+    return ApiError(status.get(error.code, 500), error.message or name, code=name)
 
 
 class NatsTokenStream:
@@ -184,7 +184,7 @@ class NatsTokenStream:
 
     def _check_deadline(self, now: float) -> None:
         if self._deadline is not None and now > self._deadline:
-            raise OpenAIError(
+            raise ApiError(
                 504,
                 f"the request ran past the server's deadline of "
                 f"{self._settings.request_timeout_s:.0f} s; ask for fewer tokens (max_tokens)",
@@ -194,7 +194,7 @@ class NatsTokenStream:
     async def _check_stall(self, now: float) -> None:
         silent = now - self._last_chunk
         if silent > self._settings.idle_timeout_s:
-            raise OpenAIError(
+            raise ApiError(
                 504, f"no tokens for {silent:.0f} s: the request timed out", code="timeout"
             )
         if not self._fleet.is_dead(self._worker, now):
@@ -230,8 +230,8 @@ class NatsTokenStream:
         self._worker = taker
         self._last_chunk = time.monotonic()
 
-    def _lost(self, why: str) -> OpenAIError:
-        return OpenAIError(
+    def _lost(self, why: str) -> ApiError:
+        return ApiError(
             503,
             f"worker {self._worker} stopped sending heartbeats; {why}",
             code="worker_lost",
@@ -275,7 +275,7 @@ class NatsBackend:
 
     def _bus(self) -> Bus:
         if not self.connected():
-            raise OpenAIError(
+            raise ApiError(
                 503,
                 "the gateway is not connected to NATS",
                 code="bus_unavailable",
@@ -398,14 +398,14 @@ class NatsBackend:
         try:
             reply = await self._ask_router(bus, request)
         except NoRespondersError:
-            raise OpenAIError(
+            raise ApiError(
                 503,
                 "no router is running: no workers can be reached",
                 code="no_workers",
                 retry_after_s=retry,
             ) from None
         except (NatsTimeoutError, TimeoutError):
-            raise OpenAIError(
+            raise ApiError(
                 503, "the router did not answer in time", code="router_timeout", retry_after_s=retry
             ) from None
         if reply.WhichOneof("result") != "placement":

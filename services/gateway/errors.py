@@ -14,9 +14,6 @@ from tokenyard.api_errors import ApiError, install_error_handler
 
 log = logging.getLogger(__name__)
 
-# NOTE: the gateway's old name for the one error type; backend.py still raises it by this name.
-OpenAIError = ApiError
-
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)

@@ -53,9 +53,6 @@ class StackConfig:
     shared_weights: bool = True
     # The niceness of every process but the workers when the workers run on the CPU (0 =
     # all equal). A worker's torch threads spin at each parallel region's end, so another
-    # process that takes a core for a moment stalls the whole step: on a 2-core Xeon, a
-    # process busy 0.2 ms of every 2.2 cut the engine's throughput at 32 requests by 11% at
-    # equal niceness, 6% at nice 10, 0% at 19; the stack at 32 requests gained 2-4% with
-    # its other services at nice 10 (three alternating pairs). 10 rather than 19: the
-    # gateway still needs its share to stream the tokens.
+    # process that takes a core for a moment stalls the whole step; 10 rather than 19: the
+    # gateway still needs its share to stream the tokens (docs/benchmarks.md).
     side_nice: int = 10

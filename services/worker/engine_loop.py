@@ -64,9 +64,8 @@ def engine_thread() -> ThreadPoolExecutor:
     and our CPU kernels') gives each thread that opens a parallel region a team of helper
     threads of its own. Loading on one thread and stepping on another leaves two teams, more
     threads than cores, and libgomp then stops spin-waiting between parallel regions: every
-    one of a step's hundreds of small matmuls waits for a futex wake-up. A 32-row bf16 + int4
-    decode step with two threads took 138 ms stepped on another thread than the load's,
-    94 ms on the same one (88 ms on the main thread alone)."""
+    one of a step's hundreds of small matmuls waits for a futex wake-up: a decode step ran
+    about 1.5x slower stepped on another thread than the load's (docs/benchmarks.md)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
 
@@ -96,9 +95,8 @@ class EngineLoop:
         """Run ``fn`` on the engine thread, before any step not yet begun.
 
         NOTE: the loop queues the next step as soon as a step ends (see :meth:`run`), so a
-        call that simply queued behind it waited for the step running and the next one:
-        under 32 requests, each new request's add_request waited ~1.5 steps, and a prefix
-        fetch from the KV-cache service (two calls) 180-250 ms. Calls wait in a queue of
+        call that simply queued behind it waited for the step running and the next one, and
+        a new request's add_request or a prefix fetch paid for both. Calls wait in a queue of
         their own, which the next step empties before it starts, and a job per call empties
         it when no step comes. A call whose caller was cancelled before it began never runs."""
         return await asyncio.wrap_future(self._queue_call(fn, *args, **kwargs))

@@ -103,9 +103,8 @@ class PrefillHandler:
         def offload() -> None:
             # With the first token, while the sequence still holds its prompt's blocks, not
             # when it ends: a closed-loop client's next request arrives as one ends, and the
-            # copy-out and upload then competed with its prefill (c=1 TTFT p50 66.6 against
-            # 59.4 ms with no KV-cache service, 2-core Xeon). In the background: the copy-out
-            # waits for a step boundary.
+            # copy-out and upload then competed with its prefill, slowing its first token
+            # (docs/benchmarks.md). In the background: the copy-out waits for a step boundary.
             self.cache.offload_soon(
                 rid, prompt, skip_tokens=fetched, cache_salt=job.params.cache_salt
             )

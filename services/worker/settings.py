@@ -80,23 +80,21 @@ class WorkerSettings(BaseSettings):
     # as one read-only file (tokenyard.engine.shared_weights); empty = private memory.
     shared_weights_dir: str = ""
     # Private CPU weights: keep the dense copies in oneDNN's packed layout where that pays
-    # (QuantizedLinear.prepack: a 32-row bf16 step measured 1.35x faster, results equal to
-    # the bit; fp32 on AVX2-only CPUs 1.19x). False: plain tensors.
+    # (QuantizedLinear.prepack: faster steps, results equal to the bit; docs/benchmarks.md).
+    # False: plain tensors.
     prepack_weights: bool = True
     # The shared KV-cache service (host:port); empty = off. Prefill fetches a prompt's
     # cached prefix from it and writes newly computed full blocks through to it.
     kvcache_endpoint: str = ""
     kvcache_timeout_s: float = 5.0
     # Whether the local prefix cache may fill the whole KV pool (all of it resident) rather
-    # than reuse its oldest cached block first. Until 4 December only without a KV-cache
-    # service (which keeps the blocks anyway); but a prefix fetched back from the service
-    # waits for the engine thread twice, and on a 2-core AMX host the stack's TTFT p50 at 32
-    # requests (prompts seen in an earlier run) was 701 ms with the small local cache and
-    # 361 ms with the grown one, resident memory the same at the run's end (2.18 GiB PSS).
+    # than reuse its oldest cached block first, with or without a KV-cache service: a prefix
+    # fetched back from the service waits for the engine thread twice, so a local hit is
+    # much cheaper, at the same resident memory once the pool has filled (docs/benchmarks.md).
     prefix_cache_grows_pool: bool = True
     # Make the KV pool's pages resident at start (with prefix_cache_grows_pool, which fills
-    # the pool within a few dozen requests anyway): a never-used block's first write faulted
-    # its pages in, 2.5-2.9 ms of a 158-token prefill on a 2-core Zen 4.
+    # the pool within a few dozen requests anyway): a never-used block's first write
+    # faulted its pages in during a prefill (docs/benchmarks.md).
     prefault_kv_pool: bool = True
     # JetStream: a job unacked this long is redelivered; we send in-progress acks meanwhile.
     job_ack_wait_s: float = 3.0
