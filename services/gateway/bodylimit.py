@@ -3,6 +3,10 @@
 A declared Content-Length over the limit is refused at once; a chunked body is counted as
 it arrives and refused at the first byte past the limit. Plain ASGI, like CountRequests,
 so handlers still see their client disconnect.
+
+NOTE: FastAPI answers any exception raised while it reads a body with its own 400 ("error
+parsing the body"), so the app's answer to a body cut off here is dropped and replaced by
+the 413, rather than relying on BodyTooLarge reaching this middleware.
 """
 
 from __future__ import annotations
@@ -41,27 +45,31 @@ class LimitBody:
         if declared is not None and declared > self.max_bytes:
             return await self._refuse(scope, receive, send)
         seen = 0
-        started = False
+        started = exceeded = False
 
         async def counted() -> Message:
-            nonlocal seen
+            nonlocal seen, exceeded
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    exceeded = True
                     raise BodyTooLarge()
             return message
 
         async def watch_start(message: Message) -> None:
             nonlocal started
+            if exceeded and not started:
+                return  # the app's answer to a body it could not read: the 413 replaces it
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
             await self.app(scope, counted, watch_start)
-        except BodyTooLarge:
-            if started:
+        except Exception:
+            if started or not exceeded:
                 raise
+        if exceeded and not started:
             await self._refuse(scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:

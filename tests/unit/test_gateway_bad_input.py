@@ -123,3 +123,22 @@ async def test_a_chunked_body_is_cut_off_at_the_limit():
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 413
     assert len(reads) == 2  # the third chunk was never asked for
     assert json.loads(sent[1]["body"])["error"]["code"] == "request_too_large"
+
+
+def test_a_chunked_body_over_the_limit_is_413_through_the_app(http, backend):
+    """No Content-Length: FastAPI's own body parsing must not turn the cut-off into a 400."""
+    limit = fake_state(backend).settings.max_body_bytes
+
+    def chunks():
+        for _ in range(limit // 65536 + 2):
+            yield b" " * 65536
+
+    r = http.post("/v1/chat/completions", content=chunks(), headers=HEADERS)
+    assert r.status_code == 413, r.text
+    assert r.json()["error"] == {
+        "message": f"the request body is larger than {limit} bytes",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "request_too_large",
+    }
+    assert backend.submitted == []
