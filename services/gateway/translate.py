@@ -6,7 +6,7 @@ what to fix; nothing a client sends can reach the workers in a shape they would 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -27,6 +27,10 @@ from tokenyard.services.gateway.structured import (
 from tokenyard.v1 import serving_pb2 as pb
 
 _UINT64 = 1 << 64
+# A token stands for at most this many bytes of text: the longest tokens of common
+# vocabularies (runs of spaces or dashes) are under 100. A prompt with more bytes than
+# max_model_len times this can never fit, and is refused before it is tokenized.
+MAX_BYTES_PER_TOKEN = 128
 
 
 class Tokenizer(Protocol):
@@ -121,6 +125,28 @@ def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> l
         return tokenizer.encode(prompt) if prompt else []
     # A flat list past the check above is token ids (or empty).
     return list(cast(list[int], prompt))
+
+
+def _prompt_texts(request: CompletionRequest) -> list[str]:
+    """The prompt's text (none for token ids): what tokenizing it would read."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    return [p for p in prompt if isinstance(p, str)]
+
+
+def check_prompt_size(texts: Iterable[str], max_model_len: int, param: str) -> None:
+    """Refuse a prompt whose text cannot fit in the context, without tokenizing it."""
+    if not max_model_len:
+        return
+    size = sum(len(text.encode()) for text in texts)
+    if size > max_model_len * MAX_BYTES_PER_TOKEN:
+        raise invalid(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{size} bytes of text, more than {max_model_len} tokens can hold",
+            param,
+            "context_length_exceeded",
+        )
 
 
 def check_prompt(
@@ -241,6 +267,7 @@ def prepare_chat(
     check_choices(request.n, None, request.stream)
     logprobs = chat_logprobs(request)
     guided, tool_names = chat_guidance(request)
+    check_prompt_size(map(message_text, request.messages), max_model_len, "messages")
     prompt_ids = chat_prompt_ids(request, tokenizer)
     check_prompt(prompt_ids, max_model_len, "messages")
     requested = request.max_completion_tokens or request.max_tokens
@@ -306,6 +333,7 @@ def prepare_completion(
     if request.echo and request.logprobs is not None:
         raise invalid("echo with logprobs is not supported (no prompt logprobs)", "echo")
     best_of = check_choices(request.n, request.best_of, request.stream)
+    check_prompt_size(_prompt_texts(request), max_model_len, "prompt")
     prompt_ids = completion_prompt_ids(request, tokenizer)
     check_prompt(prompt_ids, max_model_len, "prompt", tokenizer.vocab_size)
     max_tokens = resolve_max_tokens(request.max_tokens, len(prompt_ids), max_model_len, default_cap)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request, Response
@@ -28,8 +29,13 @@ async def create_chat_completion(
     body: ChatCompletionRequest, state: State, caller: Caller, request: Request
 ) -> Response:
     state.check_model(body.model)
-    prepared = prepare_chat(
-        body, state.tokenizer, state.max_model_len(), state.settings.default_max_tokens
+    # Tokenizing a long prompt takes a while: off the event loop, which serves every stream.
+    prepared = await asyncio.to_thread(
+        prepare_chat,
+        body,
+        state.tokenizer,
+        state.max_model_len(),
+        state.settings.default_max_tokens,
     )
     await admit_prepared(state, caller, prepared)
     fmt = ChatFormat(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request, Response
@@ -25,8 +26,13 @@ async def create_completion(
     body: CompletionRequest, state: State, caller: Caller, request: Request
 ) -> Response:
     state.check_model(body.model)
-    prepared = prepare_completion(
-        body, state.tokenizer, state.max_model_len(), state.settings.default_max_tokens
+    # Tokenizing a long prompt takes a while: off the event loop, which serves every stream.
+    prepared = await asyncio.to_thread(
+        prepare_completion,
+        body,
+        state.tokenizer,
+        state.max_model_len(),
+        state.settings.default_max_tokens,
     )
     await admit_prepared(state, caller, prepared)
     fmt = CompletionFormat(
