@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import secrets
 from dataclasses import dataclass
 from typing import Annotated
@@ -27,10 +29,16 @@ Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 @dataclass(frozen=True)
 class Identity:
-    """Who is asking: `name` keys the rate limits; `key` is set for a key from SQL."""
+    """Who is asking: `name` keys the rate limits; `key` is set for a key from SQL.
+
+    `tenant` is the cache namespace the caller is always inside: "key:<tenant>" for a key
+    from SQL, "static:<sha256 of the key>" for a static key (each its own), None on an open
+    gateway. The prefixes keep the two kinds apart whatever a tenant is named.
+    """
 
     name: str
     key: KeyInfo | None = None
+    tenant: str | None = None
 
 
 def authenticate(state: State, credentials: Credentials, request: Request) -> Identity:
@@ -43,7 +51,9 @@ def authenticate(state: State, credentials: Credentials, request: Request) -> Id
         return Identity(f"ip:{request.client.host if request.client else 'unknown'}")
     given = credentials.credentials if credentials else ""
     if any(secrets.compare_digest(given, key) for key in static):
-        return Identity(f"key:{given}")
+        return Identity(
+            f"key:{given}", tenant=f"static:{hashlib.sha256(given.encode()).hexdigest()}"
+        )
     info = store.verify(given) if store is not None and given else None
     if info is None:
         raise ApiError(
@@ -51,7 +61,7 @@ def authenticate(state: State, credentials: Credentials, request: Request) -> Id
             "Incorrect API key provided. Pass a valid key as 'Authorization: Bearer <key>'.",
             code="invalid_api_key",
         )
-    return Identity(f"key:{info.prefix}", info)
+    return Identity(f"key:{info.prefix}", info, tenant=f"key:{info.tenant}")
 
 
 def too_many(message: str, wait_s: float) -> ApiError:
@@ -71,20 +81,23 @@ async def admit(state: State, caller: Annotated[Identity, Depends(authenticate)]
 
 
 def cache_salt(caller: Identity, requested: str | None) -> str:
-    """The salt a request's prefix hashes start from: the key's tenant first (one tenant
-    can never name another's namespace), then whatever the request adds."""
-    tenant = f"tenant:{caller.key.tenant}" if caller.key else ""
-    return "|".join(part for part in (tenant, requested or "") if part)
+    """The salt a request's prefix hashes start from: the caller's tenant, then whatever the
+    request adds. Written as a JSON pair, one string per (tenant, salt): no request can spell
+    another tenant's salt, and no two pairs meet (as "a|b" + "c" and "a" + "b|c" did)."""
+    if caller.tenant is None and not requested:
+        return ""  # an open gateway's shared namespace, as the workers' default
+    return json.dumps([caller.tenant or "", requested or ""])
 
 
 async def admit_prepared(state: GatewayState, caller: Identity, prepared: Prepared) -> None:
     """What depends on who asks, once the prompt is known: the cache salt, and tokens per
-    minute, charged up front: the prompt plus what may be generated."""
+    minute, charged up front: the prompt (computed once) plus what every sequence may
+    generate (`n` choices, or `best_of` when more are generated than returned)."""
     prepared.params.cache_salt = cache_salt(caller, prepared.cache_salt)
     tpm = caller.key.tokens_per_minute if caller.key else None
     if tpm is None:
         return
-    cost = len(prepared.prompt_ids) + prepared.params.max_tokens
+    cost = len(prepared.prompt_ids) + prepared.best_of * prepared.params.max_tokens
     wait = await state.minute_limits.take(f"tpm:{caller.name}", tpm, cost)
     if wait is not None:
         raise too_many(

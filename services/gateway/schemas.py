@@ -25,6 +25,8 @@ from tokenyard.api_errors import ErrorDetail, ErrorResponse  # noqa: F401  (part
 # a larger value would be a 500 at serialization instead of a 400 here.
 UINT32_MAX = 2**32 - 1
 INT32_MAX = 2**31 - 1
+# vLLM's bound on `seed` (a C long); the protobuf's uint64 takes it modulo 2^64.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # List and string sizes: generous for real use, small enough that one body cannot make the
 # gateway tokenize or the workers match megabytes of text.
 MAX_MESSAGES = 2048
@@ -95,7 +97,7 @@ class SamplingFields(_Body):
     stop: Stop = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     user: Name | None = None
     logit_bias: (
         Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)]

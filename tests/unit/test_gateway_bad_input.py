@@ -142,3 +142,46 @@ def test_a_chunked_body_over_the_limit_is_413_through_the_app(http, backend):
         "code": "request_too_large",
     }
     assert backend.submitted == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("seed", 2**70),
+        ("seed", 2**63),
+        ("seed", -(2**63) - 1),
+        ("n", 0),
+        ("n", 129),
+        ("max_tokens", 0),
+        ("max_completion_tokens", 2**32),
+        ("top_k", -2),
+        ("top_logprobs", 21),
+        ("min_tokens", -1),
+        ("min_tokens", 2**32),
+    ],
+)
+def test_integer_fields_out_of_vllms_bounds_are_400_naming_the_field(http, backend, field, value):
+    r = http.post("/v1/chat/completions", json={**CHAT, field: value, "logprobs": True})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["type"] == "invalid_request_error"
+    assert backend.submitted == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("best_of", 0), ("best_of", 129), ("logprobs", 21), ("logprobs", -1), ("seed", 2**70)],
+)
+def test_completion_integer_fields_out_of_bounds_are_400(http, backend, field, value):
+    body = {"model": CHAT["model"], "prompt": "hi", field: value}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    assert backend.submitted == []
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63)])
+def test_seeds_at_the_int64_bounds_are_taken(http, backend, seed):
+    r = http.post("/v1/chat/completions", json={**CHAT, "seed": seed, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert backend.submitted[0][3].seed == seed % 2**64
