@@ -107,7 +107,9 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: encode_batch, not encode: the batch call releases the GIL while it works, so
+        # a long prompt tokenized on a thread leaves the gateway's event loop free; same ids.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_as_text(self, text: str) -> list[int]:
         """Encode with special-token text ("<|im_start|>") as the plain characters it is."""
@@ -115,7 +117,7 @@ class Tokenizer:
             # A copy that never parses special tokens: toggling the shared one is not thread-safe.
             self._text_backend = Backend.from_str(self.backend.to_str())
             self._text_backend.encode_special_tokens = True
-        return self._text_backend.encode(text, add_special_tokens=False).ids
+        return self._text_backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_chat(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
         """The chat template's prompt ids, where only the template makes role markers: a

@@ -287,3 +287,31 @@ def test_role_markers_typed_into_a_message_stay_text(ours):
     )
     # The shared tokenizer still parses special tokens where the template writes them.
     assert ours.encode("<|im_start|>", add_special_tokens=False) == [start]
+
+
+@pytest.mark.parametrize("encode", ["encode", "encode_as_text"])
+def test_a_long_encode_on_a_thread_lets_other_threads_run(ours, encode):
+    """The gateway tokenizes on a thread: the call must release the GIL while it works, or
+    the event loop stalls for the whole call. The main thread ticks while another encodes;
+    its longest wait must be a small part of the encode's duration, not all of it."""
+    import threading
+    import time
+
+    text = "The quick brown fox jumps over the lazy dog, again and again. " * 12_000
+    done = threading.Event()
+    took: list[float] = []
+
+    def work() -> None:
+        start = time.perf_counter()
+        getattr(ours, encode)(text)
+        took.append(time.perf_counter() - start)
+        done.set()
+
+    thread = threading.Thread(target=work)
+    last, longest = time.perf_counter(), 0.0
+    thread.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    thread.join()
+    assert longest < took[0] / 2, (longest, took[0])
