@@ -5,8 +5,8 @@
 
 // Each row's index of its largest value, the first of equals, as torch's max(dim=-1) gives
 // it (a NaN wins, the first one); logits: contiguous float32 [B, V]. One pass per row in
-// vectors, rows split between threads: torch's max over 32 x 49,152 logits took 1.0 ms of
-// a 28 ms decode step on a 2-core Xeon.
+// vectors, rows split between threads: torch's max over a batch's logits was a measurable
+// share of a decode step (docs/benchmarks.md).
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
                   logits.size(1) > 0,

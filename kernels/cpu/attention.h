@@ -73,8 +73,7 @@ void softmax_rows(float* scores, int64_t rows, int64_t ctx) {
     int64_t t = 0;
 #if defined(TY_VEC)
     // The maximum in vectors: a scalar max is a chain of dependent instructions (the
-    // compiler may not reorder it). 32 sequences of 240 tokens, 30 layers in cache (2-core
-    // Zen 4): 9.2 -> 4.4 ms.
+    // compiler may not reorder it); half the time (docs/benchmarks.md).
     vf vmx_acc = vset(mx);
     for (; t + kW <= ctx; t += kW) vmx_acc = vmax(vmx_acc, vload(si + t));
     mx = vhmax(vmx_acc);
@@ -136,9 +135,9 @@ constexpr int64_t kMaxGroup = 8;  // query heads per KV head that the vector pat
 // Asks for the next block's rows of this KV head while the current block is being read: the
 // rows are strided (the other KV heads lie between them), which hardware prefetchers miss.
 // Into L2 (T1), not L1: a block's rows are more lines than L1 can have in flight, and
-// with T0 a core read the pool no faster than with no prefetch at all. 32 sequences of 240
-// tokens, 30 layers cold (2-core Zen 4): 13 -> 8.4 ms; 8 of 600: 8.3 -> 5.7 ms. Prefetching
-// whole token rows (every KV head's part) or two to eight blocks ahead was slower.
+// with T0 a core read the pool no faster than with no prefetch at all. Prefetching whole
+// token rows (every KV head's part) or two to eight blocks ahead was slower
+// (docs/benchmarks.md).
 template <typename scalar_t>
 inline void prefetch_rows(const scalar_t* rows, int64_t n, int64_t stride, int64_t row_bytes) {
   for (int64_t r = 0; r < n; ++r) {
@@ -153,11 +152,10 @@ inline void prefetch_rows(const scalar_t* rows, int64_t n, int64_t stride, int64
 // dimension's two values, and vdpbf16ps multiplies it by the pair of probabilities, rounded to
 // bf16 (as flash attention rounds them before its second matmul), summing in fp32. The fp32
 // path took a conversion of each row and an FMA per key and head for every 16 dimensions; this
-// takes one instruction per key pair and head for every 16. 32 sequences of 225 tokens, 30
-// layers, 2-core Zen 4: 3.2-3.4 against 4.4-4.9 ms with the pool in cache, but 9.6-10.8
-// against 10.3-12.0 from memory (a 212 MB pool), where the reads are the limit; a 32-sequence
-// decode step 44.1-44.4 against 45.0-45.7 ms (p50). G: the query heads per KV head when known
-// at compile time (0: it.group), so that the accumulators stay in registers.
+// takes one instruction per key pair and head for every 16: faster with the pool in cache,
+// a little faster from memory, where the reads are the limit (docs/benchmarks.md). G: the
+// query heads per KV head when known at compile time (0: it.group), so that the
+// accumulators stay in registers.
 template <int NV, int G>
 void attend_values_bf16(const DecodeItem<at::BFloat16>& it) {
   constexpr int NC = NV / 2;  // vectors of 32 bf16 in a row
@@ -226,8 +224,8 @@ void attend_values_bf16(const DecodeItem<at::BFloat16>& it) {
 // dimensions in each 32-bit lane (16 keys a vector), so that a tile of rows scores 16 keys per
 // vdpbf16ps with no sum across lanes, and its values in pairs of keys for the second product,
 // as attend_values_bf16 takes them (the probabilities rounded to bf16, sums in fp32; the sum
-// of the exponentials divides the output once). SmolLM2's 30 layers, a fresh prompt, 2-core
-// Zen 4: 160 tokens 4.1 against 7.7 ms as rows, 600 tokens 54 against 88.
+// of the exponentials divides the output once). A half to three fifths of the rows path's
+// time for a fresh prompt (docs/benchmarks.md).
 struct SpanHead {
   const uint32_t* kt;  // [ceil(ctx / 16)][head_dim / 2][16]: key 16b + l's pair dp at [b][dp][l]
   const uint32_t* vp;  // [ceil(ctx / 2)][head_dim]: (v[2t][d], v[2t + 1][d]) at [t][d]
@@ -603,8 +601,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_layer, con
 
 // A prefill span's first n keys and values from the pool, widened to `like`'s dtype: [2, n,
 // num_kv_heads, head_dim], for torch's fused attention beside a pool narrower than the
-// activations (fp8: torch's own float8 -> bf16 conversion cost 116 us for 128 rows of the
-// default model, 34 ms of a 512-token prefill step).
+// activations (fp8: torch's own float8 -> bf16 conversion was a large share of a prefill
+// step, docs/benchmarks.md).
 static at::Tensor gather_kv_rows(const at::Tensor& kv_layer, const at::Tensor& block_ids, int64_t n,
                                  const at::Tensor& like) {
   check_pool(kv_layer);
@@ -691,7 +689,7 @@ bool span_available() {
 #endif
 }
 
-// The heads span_attention takes (tokenyard.models.attention.span_fits says the same).
+// The heads span_attention takes (tokenyard.models.kernel_choice.span_fits asks the same, from constants.h).
 static bool span_fits(int64_t heads, int64_t kv_heads, int64_t head_dim) {
   return span_head_dim(head_dim) && kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= kSpanMaxGroup;
 }

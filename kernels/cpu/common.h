@@ -35,8 +35,7 @@ namespace {
 // worker's own event loop) preempt one of the engine's two threads now and then, and with
 // fixed shares the other then waits at the region's end for the whole of the preempted
 // thread's share; here only for the run it is in. Runs, not single items: handed one item a
-// call, linear_i16's one-row tiles compiled to slower code (SmolLM2's 120 layers at one row:
-// 3.9 against 3.2 ms).
+// call, linear_i16's one-row tiles compiled to slower code (docs/benchmarks.md).
 template <typename Fn>
 void parallel_items(int64_t n, Fn&& fn, const std::vector<int64_t>& first = {}) {
   const int64_t threads = first.empty() ? std::min<int64_t>(at::get_num_threads(), n)

@@ -13,9 +13,8 @@
 // add_rms_norm, the q/k/v projection, rotary, write_kv, the attention (attend_layer), the
 // output projection, add_rms_norm, gate/up, silu_and_mul and down, then the final norm; the
 // same kernels in the same order as tokenyard.models.llama's layers call them one by one
-// (its twin, equal to the bit), without the Python between them. Between one step's 330
-// kernel calls the layers' Python cost 5.7 ms of a 32-row decode step of SmolLM2 (31.9 ms)
-// on a 2-core Xeon with AMX.
+// (its twin, equal to the bit), without the Python between them: between a step's few
+// hundred kernel calls the layers' Python cost about a sixth of a decode step (docs/benchmarks.md).
 //
 // x: [T, hidden], the embedded rows; slots as write_kv takes them; block_tables,
 // context_lens, kernel_rows, span_blocks and spans: the step's attention as attend_layer
@@ -90,7 +89,7 @@ static at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const a
     }
 #if defined(TY_DOT_BF16) && !defined(TY_AMX)
     if (q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
-        span_fits(q.size(1), keys.size(1), q.size(2))) {  // span_kernel
+        span_fits(q.size(1), keys.size(1), q.size(2))) {  // kernel_choice.SPAN_ATTENTION
       out.narrow(0, start, n).copy_(run_span_attention(q.narrow(0, start, n), keys, values, scale));
       continue;
     }

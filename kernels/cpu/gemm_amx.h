@@ -125,8 +125,8 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
   const int64_t G = K / kGroup, blocks = N / kOutBlock, tile_bytes = 16 * pair_bytes<Signed>();
   const int64_t stride = K * static_cast<int64_t>(sizeof(at::BFloat16));
   // Steps of up to 32 rows (decode) take one block of outputs at a time: widening is most of
-  // their time, and with two blocks it ran slower (SmolLM2's 30 layers at 8 rows: 8.3-8.8 ms
-  // against 6.5-6.9); bigger steps pair the blocks (512 rows: 54-58 ms against 60-74).
+  // their time, and with two blocks they ran slower; bigger steps pair the blocks, faster
+  // there (docs/benchmarks.md).
   const bool paired = Silu || M > 2 * kAmxRows;
   // A unit's second block: the next one, or (Silu) the up block of the gate block's columns.
   const int64_t partner = Silu ? blocks / 2 : 1, y_width = Silu ? N / 2 : N;
@@ -157,12 +157,10 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
       // The next unit's weights (its blocks' packed bytes, scales and zeros each lie
       // contiguous) are asked for into L2 a share per group while this unit runs: during
       // its later passes, which read only tiles already widened, or during its one pass in
-      // steps of up to 32 rows. The next unit then widens from the cache, not from memory.
-      // SmolLM2's 30 layers, int4, in the model: 174 rows 28.0-28.4 ms against 29.5-30.2,
-      // 64 rows 12.5-12.8 against 13.5-13.9, 32 rows 12.6-13.1 against 14.0-14.4, 8 rows
-      // 8.8-9.3 against 10.3-10.6 (the output projection included). Widening the next
-      // unit's tiles ahead instead, during the later passes, was 10-15% faster with the
-      // weights in cache and 15-20% slower in the model.
+      // steps of up to 32 rows. The next unit then widens from the cache, not from memory
+      // (5-15% faster in the model). Widening the next unit's tiles ahead instead, during
+      // the later passes, won with the weights in cache and lost in the model
+      // (docs/benchmarks.md).
       const int64_t nu = unit + 1 < end ? unit + 1 : after;  // the thread's next unit
       const bool ahead = nu >= 0;
       // (Silu: its gate block here, its up block, `partner` blocks on, through the *_up's.)
@@ -266,7 +264,7 @@ void gemm_amx(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, con
 // outputs, then N / 2 up) and the result is silu_and_mul's [M, N / 2] bf16, equal to the bit
 // to silu_and_mul(linear_amx(x)): each unit pairs a gate block with its up block (two blocks
 // a unit, as steps of more than 32 rows run anyway) and the [M, N] projection is never
-// written out (the measurement is at quantize.SILU_FUSED_ABOVE).
+// written out (constants.SILU_FUSED_ABOVE says where that pays).
 static at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero, bool fp32_out, bool silu = false) {
 #if defined(TY_AMX)

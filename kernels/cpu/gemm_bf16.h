@@ -19,10 +19,8 @@ namespace {
 // its rows; while a block's later tiles run from L2, the next block's weights are fetched
 // into L2 a line per pair (the first tile reads memory at about the rate the others compute).
 // Each row's sums run over K in one order whatever the step holds, so a row's result never
-// depends on the other rows. SmolLM2's projection shapes as 210 distinct layers (cold), 2
-// threads, against oneDNN's packed bf16 matmul: 8 rows 6.9 against 13.6 ms, 16 rows 9.8
-// against 16.6, 32 rows 17.1 against 25.0, 150 rows 71.6 against 81.1, 512 rows 238 against
-// 254.
+// depends on the other rows. Faster than oneDNN's packed bf16 matmul at every row count
+// measured, twice as fast at decode sizes (docs/benchmarks.md).
 constexpr int kPairRows = 8;
 constexpr int kPairBlocks = 3;
 constexpr int64_t kPairPanel = 192;  // rows whose activations stay in L2 while the blocks go by

@@ -154,8 +154,8 @@ void i16_tile(const int16_t* x, int64_t K, const float* xsum, const float* xs, c
 // instruction, 32 multiply-adds, one a cycle on a 2-core Zen 4, as many as vdpbf16ps. A block
 // of 16 outputs is one zmm: a pair's two operands (outputs 0-7, then 8-15) side by side, the
 // same packed layout as the AVX2 tile reads, and each row's activation pair is broadcast
-// from memory into the instruction. Up to 16 rows share each widened weight vector (8: 16
-// rows 11.8-13.1 ms, 24 rows 18.7 for SmolLM2's 30 layers; 16: 11.6 and 16.6).
+// from memory into the instruction. Up to 16 rows share each widened weight vector (as fast
+// as 8 at 16 rows, faster at 24: docs/benchmarks.md).
 constexpr int64_t kRowTileVnni = 16;
 
 // A pair of inputs for 16 outputs as 32 words: int32 lane i holds output i's two weights.

@@ -24,8 +24,8 @@ void int8_gemv_chunk(const float* x, int64_t K, const int8_t* q, const float* sc
     float acc[MB] = {};
     int64_t k = 0;
 #if defined(TY_VEC)
-    // Without the vector loop, the scalar one below took 15.8 ms for SmolLM2's output
-    // projection at batch 1 on an AVX2 CPU, against 4.3 ms for torch's int8 kernel.
+    // The vector loop: the scalar one below alone took 3.7 times torch's int8 kernel's
+    // time (docs/benchmarks.md).
     vf a0[MB], a1[MB];
     for (int m = 0; m < MB; ++m) a0[m] = a1[m] = vzero();
     for (; k + 2 * kW <= K; k += 2 * kW) {
@@ -73,8 +73,8 @@ void int8_gemv(const float* x, int64_t M, int64_t K, const int8_t* q, const floa
 // low nibbles are the group's weights 0-15 and high nibbles 16-31; w = q * scale + zero, one
 // fp32 scale and zero per (row, group). Each group is unpacked and scaled once per chunk of
 // up to kChunk4 rows, then multiplied into every row of the chunk: torch's int4 kernel
-// unpacks once per four rows (a 2-core AVX2 EPYC: 11 ms for four rows of SmolLM2's 30
-// layers, 24 ms for eight, 48 for sixteen).
+// unpacks once per four rows, and its time doubles with each doubling of the rows
+// (docs/benchmarks.md).
 constexpr int64_t kChunk4 = 8;
 
 template <int MB>
@@ -123,8 +123,7 @@ void int4_gemm_chunk(const float* x, int64_t K, const uint8_t* q, const float* s
 // they are. The groups alternate between two accumulators per row, so that with one or two
 // rows the additions do not all wait on each other; every chunk size does the same (a row's
 // sums, in the same order, whatever its neighbours: deterministic mode relies on it).
-// SmolLM2's 30 layers on a 2-core AVX512-BF16 EPYC, against torch's int4 kernel: 1 row 4.4
-// against 4.7 ms, 8 rows 12.1 against 15.5, 16 rows 17.2 against 22.6.
+// Faster than torch's int4 kernel from 1 row on (docs/benchmarks.md).
 template <int MB>
 void int4_gemm_chunk_bf16(const at::BFloat16* x, int64_t K, const uint8_t* q, const float* scale, const float* zero,
                           float* out, int64_t N, int64_t begin, int64_t end) {

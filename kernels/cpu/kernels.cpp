@@ -12,8 +12,9 @@
 //   decoder_layers.h  decoder_layers: a step through every layer in one call of the above
 //
 // NOTE: one translation unit, the families included here rather than compiled apart: one
-// compiler run (a translation unit each would repeat torch's headers, the slow part of a
-// build on two cores), and every kernel inlines its helpers as before the split.
+// compiler run, about a minute on two cores (a translation unit each would parse torch's
+// headers again), and the compiled kernels are those of the single file they came from
+// (decoder_layers inlines the other families' helpers as before).
 #include "common.h"
 
 #include "attention.h"
