@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml setup.py scripts/system-deps.sh
 
 # The CPU kernels compile once (about a minute on two cores) into torch's extension cache,
 # here rather than inside the first test or worker that needs them.
-$(KERNELS): $(STAMP) kernels/cpu/paged_attention.cpp
+$(KERNELS): $(STAMP) $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h) kernels/cpu/constants.py
 	$(PY) -m tokenyard.kernels.cpu
 	touch $@
 

@@ -22,5 +22,9 @@ def _packages() -> tuple[list[str], dict[str, str]]:
 
 
 packages, package_dir = _packages()
-# The CPU kernels' C++ source travels with the package: it is compiled on first use.
-setup(packages=packages, package_dir=package_dir, package_data={"tokenyard.kernels.cpu": ["*.cpp"]})
+# The CPU kernels' C++ sources travel with the package: they are compiled on first use.
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    package_data={"tokenyard.kernels.cpu": ["*.cpp", "*.h"]},
+)

@@ -2,7 +2,7 @@
 
 `ops()` returns the built module, or None where it cannot be built (no compiler, no ninja)
 or where TOKENYARD_CPU_KERNELS=0; callers then take the pure-torch twin, which the tests
-compare these kernels against. The first build takes about 30 s on two cores, into
+compare these kernels against. The first build takes about a minute on two cores, into
 ~/.cache/tokenyard/kernels (or $TOKENYARD_KERNELS_DIR); later processes load the object
 directly, in milliseconds.
 """
@@ -14,18 +14,22 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
-import platform
 import threading
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
+
+from tokenyard import platforms
+from tokenyard.kernels.cpu import constants
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_HERE = Path(__file__).parent
+# The one translation unit the build compiles (kernels.cpp includes every family's header).
+_MAIN = _HERE / "kernels.cpp"
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -77,25 +81,20 @@ def ops_for(t: torch.Tensor) -> ModuleType | None:
     return ops() if t.device.type == "cpu" else None
 
 
-def _cpu_tag() -> str:
-    """A short hash of the CPU's feature flags: the kernels are built with -march=native, so a
-    cache shared between machines (a container image) must not hand one CPU another's build."""
-    try:
-        flags = next(
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        flags = platform.machine()
-    return hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
+def _sources() -> str:
+    """Every C++ file the build reads, and the generated constants.h, as one text: the key of
+    the build's content-hashed name."""
+    files = sorted(_HERE.glob("*.h")) + [_MAIN]
+    return "\0".join([*(f.name + "\0" + f.read_text() for f in files), constants.header()])
 
 
-def _name(source: str) -> str:
-    """One name per (source, flags, CPU, torch): a built object is never stale, only absent."""
+def _name(sources: str) -> str:
+    """One name per (sources, flags, CPU, torch): a built object is never stale, only absent.
+    The kernels are built with -march=native, so a cache shared between machines (a container
+    image) must not hand one CPU another's build: hence the CPU's flags in the key."""
     import torch
 
-    key = "\0".join([source, *_CFLAGS, _cpu_tag(), torch.__version__])
+    key = "\0".join([sources, *_CFLAGS, platforms.cpu().tag(), torch.__version__])
     return "tokenyard_cpu_kernels_" + hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
 
 
@@ -107,8 +106,7 @@ def _cache_dir(name: str) -> Path:
 
 
 def _build() -> ModuleType | None:
-    source = _SOURCE.read_text()
-    name = _name(source)
+    name = _name(_sources())
     build_dir = _cache_dir(name)
     try:
         built = build_dir / f"{name}.so"
@@ -126,13 +124,15 @@ def _build() -> ModuleType | None:
         from torch.utils.cpp_extension import load_inline
 
         build_dir.mkdir(parents=True, exist_ok=True)
-        log.info("building the CPU kernels in %s (about 30 s, once)", build_dir)
+        (build_dir / "constants.h").write_text(constants.header())
+        log.info("building the CPU kernels in %s (about a minute, once)", build_dir)
         return load_inline(
             name=name,
-            cpp_sources=[source],
+            cpp_sources=[_MAIN.read_text()],
             functions=_FUNCTIONS,
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(_HERE), str(build_dir)],
             build_directory=str(build_dir),
             verbose=False,
         )

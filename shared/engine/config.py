@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenyard import platforms
 from tokenyard.engine.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -18,7 +17,7 @@ if TYPE_CHECKING:
 
 def auto_dtype(device: str) -> str:
     """The faster activation dtype for ``device``: see ``EngineConfig.dtype``."""
-    if device.startswith("cuda") or cpu_has_native_bf16():
+    if device.startswith("cuda") or platforms.cpu().native_bf16:
         return "bfloat16"
     return "float32"
 
@@ -45,53 +44,6 @@ def kv_cache_dtype_for(kv_cache_dtype: str, dtype: str, device: str) -> str:
             "(float8_e4m3fn) beside bfloat16 or float32"
         )
     return kv_cache_dtype
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags, from /proc/cpuinfo read once per process (every quantized
-    layer asks at construction); empty where it cannot be read."""
-    try:
-        return frozenset(flags_in(Path("/proc/cpuinfo").read_text()))
-    except OSError:
-        return frozenset()
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 dot-product instructions.
-
-    Without them a bf16 matmul is emulated: measured on a 2-core AVX-512 machine without
-    avx512_bf16, SmolLM2's projections at 32 rows took 9.2 ms in bf16 against 2.2 ms in fp32.
-    """
-    return bool(cpu_flags() & NATIVE_BF16_FLAGS)
-
-
-def cpu_has_amx() -> bool:
-    """Whether this CPU multiplies bf16 tiles (Intel AMX): oneDNN's matmuls, and torch's
-    fused attention built on them, then outrun our vector kernels on a step of many rows."""
-    return "amx_bf16" in cpu_flags()
-
-
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86, x86, Arm
-
-
-def native_bf16_in(cpuinfo: str) -> bool:
-    """Whether /proc/cpuinfo's text names a bf16 dot-product instruction set."""
-    return bool(flags_in(cpuinfo) & NATIVE_BF16_FLAGS)
-
-
-def flags_in(cpuinfo: str) -> set[str]:
-    """The first CPU's feature flags in /proc/cpuinfo's text (x86 "flags", Arm "Features")."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
-
-
-def cpu_has_avx512() -> bool:
-    """Whether this CPU has AVX-512 (our C++ kernels' widest path; without it, AVX2's)."""
-    return "avx512f" in cpu_flags()
 
 
 @dataclass
@@ -191,16 +143,15 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if kind == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
+            gpu = platforms.gpu()
+            if not gpu.available:
                 raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
             last = int(index or 0) + self.tensor_parallel_size - 1
-            if last >= torch.cuda.device_count():
+            if last >= gpu.count:
                 raise ValueError(
                     f"device {self.device!r} with tensor_parallel_size "
                     f"{self.tensor_parallel_size} needs CUDA device {last}: only "
-                    f"{torch.cuda.device_count()} CUDA devices"
+                    f"{gpu.count} CUDA devices"
                 )
 
     def _check_tensor_parallel(self) -> None:

@@ -14,7 +14,6 @@ import torch
 from tokenyard.engine.scheduler import ScheduledSeq
 from tokenyard.models.attention import AttnMetadata, PrefillSpan
 from tokenyard.models.llama import LlamaForCausalLM
-from tokenyard.models.quantize import prompt_step
 
 
 @dataclass
@@ -37,7 +36,7 @@ class InputSpan:
     token_ids: list[int]
     start: int  # the position of the first
     block_table: list[int]  # covers every position up to start + len(token_ids)
-    prompt: bool = False  # the span holds prompt tokens (quantize.prompt_step)
+    prompt: bool = False  # the span holds prompt tokens (AttnMetadata.prompt_step)
 
 
 @dataclass
@@ -123,8 +122,7 @@ class ModelRunner:
             input_ids, positions, meta = _to_device(
                 self.kv_cache.device, input_ids, positions, meta
             )
-        with prompt_step(any(span.prompt for span in spans)):
-            return self.model(input_ids, positions, meta, self.kv_cache), ends
+        return self.model(input_ids, positions, meta, self.kv_cache), ends
 
 
 def _span(s: ScheduledSeq) -> InputSpan:
@@ -167,6 +165,7 @@ def _prepare(
         num_decode=len(decode_tables),
         prefills=prefills,
         block_size=bs,
+        prompt_step=any(span.prompt for span in spans),
     )
     if decode_tables:
         width = max(len(t) for t in decode_tables)
@@ -200,5 +199,6 @@ def _to_device(
             for p in meta.prefills
         ],
         block_size=meta.block_size,
+        prompt_step=meta.prompt_step,
     )
     return move(input_ids), move(positions), moved

@@ -14,17 +14,16 @@ On a CPU the cache write and the attention run in C++ kernels (`tokenyard.kernel
 that walk the block tables in place. There a prefill chunk's rows attend as rows of their
 own, each over its context up to its own position (`AttnMetadata.kernel_rows`), in the same
 call as the decoding rows: no gathered keys, no mask, no [n, context] score matrix in
-memory. On CPUs with AMX, prompt chunks and other prefill spans of `SDPA_MIN_ROWS` rows or
-more go to torch's fused attention instead (`F.scaled_dot_product_attention`), whose tiles run on AMX;
-on CPUs with AVX512-BF16 and no AMX, to our own kernel for spans (`span_attention`), which
-scores a tile of rows against 16 keys per instruction (`span_kernel`). The torch code here
-is the kernels' twin, used where they cannot be built and compared against them in the
-tests.
+memory. Prompt chunks and other prefill spans of `SDPA_MIN_ROWS` rows or more go instead
+to the span kernel `kernel_choice.choose_span_attention` picks for the pool and the model:
+on CPUs with AMX torch's fused attention (`F.scaled_dot_product_attention`), whose tiles
+run on AMX; on CPUs with AVX512-BF16 and no AMX our own `span_attention`, which scores a
+tile of rows against 16 keys per instruction. The torch code here is the kernels' twin,
+used where they cannot be built and compared against them in the tests.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -32,17 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenyard.kernels import cpu as cpu_kernels
-
-# Prefill chunks of at least this many rows attend in torch's fused kernel where the CPU has
-# AMX and the pool is bf16 (`sdpa_prefill`). Measured on a 2-core Xeon with amx_bf16, the 30
-# layers of SmolLM2 (our kernel against torch's): a fresh 128-token chunk 7.3 against 3.7
-# ms, 512 tokens 95 against 29, 64 tokens after a 512-token prefix 24 against 8.3, 16 tokens
-# after 512 6.1 against 5.5. Shorter spans of a draft's tokens to verify stay in our kernel;
-# prompt spans go there at any length, so that a prompt's tail after a prefix-cache hit
-# attends as its cold prefill did (with the AMX int4 kernel, whose rows never depend on each
-# other, the two then give the same logits to the bit; through our kernel the tail's
-# rounding flipped a near-tied greedy answer).
-SDPA_MIN_ROWS = 16
+from tokenyard.models import kernel_choice
+from tokenyard.models.kernel_choice import SDPA, SDPA_MIN_ROWS
 
 
 @dataclass
@@ -58,12 +48,13 @@ class PrefillSpan:
 class CpuSplit:
     """A CPU step's attention (AttnMetadata.cpu_split): the rows `rows` (None: every row of
     the step; empty: none) attend in our kernel over `tables` and `lens`, and `spans` in
-    torch's fused attention (`sdpa_prefill`)."""
+    `span_kernel` (kernel_choice.SDPA or SPAN_ATTENTION; None where there are none)."""
 
     rows: torch.Tensor | None
     tables: torch.Tensor
     lens: torch.Tensor
     spans: list[PrefillSpan]
+    span_kernel: str | None = None
 
 
 @dataclass
@@ -75,6 +66,9 @@ class AttnMetadata:
     decode_context_lens: torch.Tensor | None = None  # [B] tokens each decode row attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
     block_size: int = 16
+    # The step carries prompt tokens (any span's): every quantized layer with a dense copy
+    # then uses it, whatever the row count (LinearKernel.dense_step).
+    prompt_step: bool = False
     _cpu_splits: dict[tuple[torch.dtype, tuple[int, int, int]], CpuSplit] = field(
         default_factory=dict, repr=False
     )
@@ -119,7 +113,7 @@ class AttnMetadata:
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """`t` [T, heads, head_dim] as the CPU kernels take it: each row's heads side by side,
     the rows any stride apart. q, k and v split from the fused projection already are; a
-    copy of each cost 9 us a call, 90 calls a step (0.8 ms of a 32-sequence step)."""
+    copy of each, 90 calls a step, cost a few percent of a decode step (docs/benchmarks.md)."""
     if t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.stride(0) >= t.shape[1] * t.shape[2]:
         return t
     return t.contiguous()
@@ -203,53 +197,29 @@ def to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-@functools.cache
-def sdpa_prefill(dtype: torch.dtype) -> bool:
-    """Whether prefill chunks attend in torch's fused kernel: AMX tiles beside a bf16 pool,
-    or an fp8 one whose keys and values are widened to bf16 for it."""
-    from tokenyard.engine.config import cpu_has_amx
-
-    return dtype in (torch.bfloat16, torch.float8_e4m3fn) and cpu_has_amx()
-
-
-@functools.cache
-def span_kernel(dtype: torch.dtype) -> bool:
-    """Whether prefill spans attend in our `span_attention` (a bf16 pool on a CPU with
-    AVX512-BF16 and no AMX, where torch's fused attention runs far slower in bf16). Against
-    the span's rows through decode attention, SmolLM2's 30 layers on a 2-core Zen 4: a fresh
-    160-token prompt's attention 4.1 against 7.7 ms, 600 tokens 54 against 88; the whole
-    160-token prefill 89.6 against 94.0 ms, 600 tokens 386 against 420."""
-    from tokenyard.engine.config import cpu_has_amx
-
-    if dtype != torch.bfloat16 or cpu_has_amx():
-        return False
-    kernels = cpu_kernels.ops()
-    return kernels is not None and bool(kernels.span_available())
-
-
-def span_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether `span_attention` takes a model of these heads (its C++ checks, stated once
-    more here so that a model it cannot take keeps its spans' rows in decode attention)."""
-    return head_dim in (64, 128) and heads % kv_heads == 0 and heads // kv_heads <= 8
+def prefill_span_kernel(pool_dtype: torch.dtype, heads: tuple[int, int, int]) -> str | None:
+    """Where this machine's prefill spans attend beside such a pool, for such a model."""
+    return kernel_choice.choose_span_attention(pool_dtype, heads, kernel_choice.capabilities())
 
 
 def _cpu_split(
     meta: AttnMetadata, pool_dtype: torch.dtype, heads: tuple[int, int, int]
 ) -> CpuSplit:
     fused = []
-    if sdpa_prefill(pool_dtype) or (span_kernel(pool_dtype) and span_fits(*heads)):
+    kernel = prefill_span_kernel(pool_dtype, heads)
+    if kernel is not None:
         fused = [s for s in meta.prefills if s.prompt or s.num_tokens >= SDPA_MIN_ROWS]
     if not fused:
         return CpuSplit(None, *meta.kernel_rows, [])
     rest = [s for s in meta.prefills if not (s.prompt or s.num_tokens >= SDPA_MIN_ROWS)]
     if not (meta.num_decode or rest):
         none = torch.empty(0, dtype=torch.long)
-        return CpuSplit(none, none.view(0, 1), none, fused)
+        return CpuSplit(none, none.view(0, 1), none, fused, kernel)
     idx = torch.cat(
         [torch.arange(meta.num_decode)]
         + [torch.arange(s.start, s.start + s.num_tokens) for s in rest]
     )
-    return CpuSplit(idx, *meta.rows_of(rest), fused)
+    return CpuSplit(idx, *meta.rows_of(rest), fused, kernel)
 
 
 def _attend_fused(
@@ -261,9 +231,10 @@ def _attend_fused(
     split: CpuSplit,
     scale: float,
 ) -> torch.Tensor:
-    """The CPU step with `split.spans` in torch's fused attention (`span_attention` where
-    `span_kernel`), the other rows (decode rows, short spans) in one call of our kernel. The
-    pool is written already. The kernels' decoder_layers does the same in C++ (attend_layer)."""
+    """The CPU step with `split.spans` in torch's fused attention or `span_attention`
+    (split.span_kernel), the other rows (decode rows, short spans) in one call of our kernel.
+    The pool is written already. The kernels' decoder_layers does the same in C++
+    (attend_layer)."""
     out = torch.empty_like(q)
     idx = split.rows
     if idx is not None and idx.numel():
@@ -276,7 +247,7 @@ def _attend_fused(
             keys, values = _span_keys_values(span, k, v, kv_layer)
         else:  # a narrower pool (fp8): the span's rows as written, widened in one pass
             keys, values = kernels.gather_kv(kv_layer, span.block_ids, span.context_len, q)
-        if not sdpa_prefill(kv_layer.dtype):  # then the spans are span_kernel's (_cpu_split)
+        if split.span_kernel != SDPA:
             out[rows] = kernels.span_attention(q[rows], keys, values, scale)
             continue
         fresh = span.context_len == span.num_tokens  # then a plain causal mask

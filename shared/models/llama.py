@@ -22,7 +22,7 @@ from tokenyard.models.fused import add_rms_norm, rotary_
 from tokenyard.models.mlp import MLP
 from tokenyard.models.module import LeanModule
 from tokenyard.models.moe import SparseMoeBlock
-from tokenyard.models.quantize import QuantizedLinear, fp32_linear, prompt_step_active
+from tokenyard.models.quantize import QuantizedLinear, fp32_linear, project
 
 
 class RMSNorm(LeanModule):
@@ -104,7 +104,7 @@ class Attention(LeanModule):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = project(self.qkv_proj, x, meta.prompt_step)
         rope.apply_(
             qkv, positions, self.num_heads + self.num_kv_heads
         )  # q and k heads lie side by side
@@ -114,7 +114,7 @@ class Attention(LeanModule):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # kv_cache: [num_blocks, num_layers, 2, block_size, H_kv, D]; this layer's view.
         o = paged_attention(q, k, v, kv_cache[:, self.layer_idx], meta, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return project(self.o_proj, o.reshape(t, self.num_heads * self.head_dim), meta.prompt_step)
 
 
 class DecoderLayer(LeanModule):
@@ -142,7 +142,7 @@ class DecoderLayer(LeanModule):
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, rope, meta, kv_cache)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, meta.prompt_step), residual
 
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
@@ -181,7 +181,7 @@ class LlamaForCausalLM(LeanModule):
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         assert self.rope is not None, "load_weights() first"
-        plan = self._fused_plan(x, kv_cache)
+        plan = self._fused_plan(x, kv_cache, meta.prompt_step)
         if plan is not None:
             kernels, (weights, kinds) = cpu_kernels.ops(), plan
             assert kernels is not None
@@ -215,7 +215,7 @@ class LlamaForCausalLM(LeanModule):
         return self.norm(x, residual)[0]
 
     def _fused_plan(
-        self, x: torch.Tensor, kv_cache: torch.Tensor
+        self, x: torch.Tensor, kv_cache: torch.Tensor, prompt: bool
     ) -> tuple[list[torch.Tensor], list[int]] | None:
         """What the kernels' `decoder_layers` takes for this step (every layer's weights
         and its projections' kernels), or None: the layers run one by one. It runs any step
@@ -228,12 +228,14 @@ class LlamaForCausalLM(LeanModule):
             return None
         if x.device.type != "cpu" or kv_cache.dim() != 6 or cpu_kernels.ops() is None:
             return None
-        key = (x.shape[0], prompt_step_active())
+        key = (x.shape[0], prompt)
         if key not in self._fused_plans:
-            self._fused_plans[key] = self._build_fused_plan(x.shape[0])
+            self._fused_plans[key] = self._build_fused_plan(*key)
         return self._fused_plans[key]
 
-    def _build_fused_plan(self, rows: int) -> tuple[list[torch.Tensor], list[int]] | None:
+    def _build_fused_plan(
+        self, rows: int, prompt: bool
+    ) -> tuple[list[torch.Tensor], list[int]] | None:
         weights: list[torch.Tensor] = []
         kinds: list[int] = []
         for layer in self.layers:
@@ -245,7 +247,7 @@ class LlamaForCausalLM(LeanModule):
             weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for proj in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 kernel = (
-                    proj.step_kernel(rows)
+                    proj.step_kernel(rows, prompt)
                     if isinstance(proj, QuantizedLinear) and proj.bias is None
                     else None
                 )

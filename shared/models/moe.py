@@ -48,19 +48,19 @@ class SparseMoeBlock(LeanModule):
         self.tokens_per_expert = torch.zeros(experts, dtype=torch.long, device="cpu")
         self.batch_invariant = False  # deterministic mode: gates scored row by row
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
+    def forward(self, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]; `prompt` as MLP.forward takes it."""
         weights, ids = self.route(x)  # [T, k] each
         self.tokens_per_expert += torch.bincount(ids.flatten(), minlength=len(self.experts))
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            y = self.expert(e)(x[rows]) * weights[rows, slot, None]
+            y = self.expert(e)(x[rows], prompt) * weights[rows, slot, None]
             out.index_add_(0, rows, y)
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None
             gate = torch.sigmoid(self._scores(x, self.shared_expert_gate))  # [T, 1]
-            out += gate * self.shared_expert(x)
+            out += gate * self.shared_expert(x, prompt)
         return out
 
     def _scores(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenyard.planner.catalog import DTYPE_BYTES, MODELS, ModelSpec
 from tokenyard.planner.roofline import Deployment
+
+if TYPE_CHECKING:
+    from tokenyard.models.kernel_choice import LinearKernel
 
 SHIPPED = {"dtype": "auto", "quantization": "int4"}  # what `tokenyard up` runs
 DEFAULT_MODEL = "smollm2-135m"
@@ -168,30 +172,24 @@ def weight_only_rows(dtype: str) -> int:
     weight-only kernel; 0 where that kernel runs every row count and no dense copy is kept
     (fp32 layers on AVX2-only CPUs: int16 activations). On AMX CPUs (bf16), the decode rows
     that take linear_i16 rather than linear_amx, which widens the weights every step."""
-    import torch
-
-    from tokenyard.models.quantize import (
-        AMX_I16_ROWS,
-        dense_above_rows,
-        integer_only,
-        pairs_kernel,
-    )
-
-    if widens_weights(dtype):
-        return AMX_I16_ROWS[4]
-    kind = getattr(torch, dtype)
-    if integer_only(kind):
-        return 0
-    return dense_above_rows(4, kind, pairs=pairs_kernel(kind))
+    kernel = _int4_kernel(dtype)
+    if kernel.amx_above is not None:
+        return kernel.amx_above
+    return kernel.dense_above if kernel.dense is not None else 0
 
 
 def widens_weights(dtype: str) -> bool:
     """Whether steps above weight_only_rows widen the int4 weights every step (AMX)."""
+    return _int4_kernel(dtype).amx_above is not None
+
+
+def _int4_kernel(dtype: str) -> LinearKernel:
+    """What a typical int4 layer (whole blocks, a dense copy allowed) runs on this machine."""
     import torch
 
-    from tokenyard.models.quantize import amx_kernel
+    from tokenyard.models.kernel_choice import LinearSpec, choose_linear_kernel
 
-    return amx_kernel(getattr(torch, dtype))
+    return choose_linear_kernel(LinearSpec(getattr(torch, dtype), 4, True, True))
 
 
 def default_model() -> ModelSpec:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from tokenyard import platforms
 from tokenyard.planner.catalog import Hardware
 
 log = logging.getLogger(__name__)
@@ -74,19 +75,9 @@ def matmul_tflops(n: int = 1024, repeats: int = 5, dtype: str | None = None) -> 
 
 
 def cpu_kind() -> str:
-    """Which of our engine's kernel families runs on this CPU, the key its calibration is
-    kept under: "amx" (bf16, linear_amx), "avx512_bf16" (bf16, linear_bf16 and linear_i16's
-    VNNI tile: a Zen 4), "avx512" (fp32 on AVX-512), "avx2" (fp32, the int16 kernels), or
-    "other"."""
-    from tokenyard.engine.config import cpu_flags, cpu_has_amx
-
-    if cpu_has_amx():
-        return "amx"
-    flags = cpu_flags()
-    for flag, kind in (("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"), ("avx2", "avx2")):
-        if flag in flags:
-            return kind
-    return "other"
+    """The key this CPU's calibration is kept under: which of our engine's kernel families
+    runs here (`tokenyard.platforms.CpuInfo.kind`)."""
+    return platforms.cpu().kind
 
 
 def _read(path: Path) -> dict[str, dict]:

@@ -13,7 +13,7 @@ from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm import _result
 from tokenyard.engine.llm_engine import LLMEngine
 from tokenyard.engine.sampling_params import SamplingParams
-from tokenyard.models import quantize
+from tokenyard.models import kernel_choice
 
 TOL = 1e-3  # as tests/integration/test_engine_vs_hf.py
 KINDS = {
@@ -117,12 +117,12 @@ def test_quantized_moe_stays_close_to_fp32(checkpoint, monkeypatch):
     long enough (147 tokens, about 74 rows per expert with 2 of 4 chosen) that every
     expert's share of the prefill is above the int4 kernel's row limit (32 on an AVX2-only
     CPU). Pinned to that dense-copy path: CPUs with AVX2 only keep no dense copy and run
-    the prefill on the int4 weights too (quantize.i16_kernel), and so do bf16 layers on CPUs
-    with AMX (quantize.amx_kernel), where these flat random models flip first tokens by
+    the prefill on the int4 weights too (kernel_choice.i16_kernel), and so do bf16 layers on
+    CPUs with AMX (kernel_choice.amx_kernel), where these flat random models flip first tokens by
     quantization alone; those kernels are checked against their dequantized weights in
     tests/unit/test_quantize.py."""
-    monkeypatch.setattr(quantize, "i16_kernel", lambda dtype=torch.float32: False)
-    monkeypatch.setattr(quantize, "amx_kernel", lambda dtype=torch.bfloat16: False)
+    monkeypatch.setattr(kernel_choice, "i16_kernel", lambda dtype, caps: False)
+    monkeypatch.setattr(kernel_choice, "amx_kernel", lambda dtype, caps: False)
     _, hf_model, folder = checkpoint
     long = prompts(3, shortest=40)
     engine = make_engine(folder, dtype="auto", quantization="int4")

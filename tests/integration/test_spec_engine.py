@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenyard import LLM
-from tokenyard.engine.config import cpu_has_native_bf16
+from tokenyard import LLM, platforms
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.models.loader import default_model_path
 
@@ -165,7 +164,7 @@ def test_greedy_equals_plain_decoding_exactly_in_deterministic_mode(make_engine)
 # the decode row on an AVX512-BF16 EPYC (the same token chosen, top two 0.25 apart): 0.35
 # there. The test also measures how far the same rows move between batches of different
 # sizes on this machine and allows that instead when larger.
-BF16_ROW_TOL = 0.35 if cpu_has_native_bf16() else 0.25
+BF16_ROW_TOL = 0.35 if platforms.cpu().native_bf16 else 0.25
 
 
 def _logprob_gap(ref: list[list], got: list[list]) -> float:

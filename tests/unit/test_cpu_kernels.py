@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenyard import platforms
 from tokenyard.kernels import cpu as cpu_kernels
-from tokenyard.models import attention
+from tokenyard.models import attention, kernel_choice
 from tokenyard.models.attention import AttnMetadata, PrefillSpan, attend, paged_attention
+from tokenyard.models.kernel_choice import SDPA, SPAN_ATTENTION
 
 NUM_BLOCKS, NUM_LAYERS, BLOCK, H_KV, D = 40, 3, 16, 3, 64
 
@@ -350,9 +352,9 @@ def test_long_prefill_chunks_in_torchs_fused_attention_match_our_kernel(
     all in our kernel; each row lands where it belongs."""
     q, k, v, meta_args, before = _mixed_step(dtype)
     outs, pools = [], []
-    monkeypatch.setattr(attention, "span_kernel", lambda dtype: False)  # rows, as on AMX
     for fused in (True, False):
-        monkeypatch.setattr(attention, "sdpa_prefill", lambda dtype, fused=fused: fused)
+        kernel = SDPA if fused else None  # as on AMX: torch's fused attention, or rows
+        monkeypatch.setattr(attention, "prefill_span_kernel", lambda dtype, heads, k=kernel: k)
         pool = _pool(pool_dtype, seed=13)
         outs.append(paged_attention(q, k, v, pool[:, 1], AttnMetadata(**meta_args), D**-0.5))
         pools.append(pool)
@@ -395,9 +397,9 @@ def test_a_short_prompt_span_attends_in_torchs_fused_kernel_where_long_ones_do(o
         return sdpa(query, *args, **kwargs)
 
     outs = []
-    monkeypatch.setattr(attention, "span_kernel", lambda dtype: False)  # rows, as on AMX
     for fused in (True, False):
-        monkeypatch.setattr(attention, "sdpa_prefill", lambda dtype, fused=fused: fused)
+        kernel = SDPA if fused else None  # as on AMX: torch's fused attention, or rows
+        monkeypatch.setattr(attention, "prefill_span_kernel", lambda dtype, heads, k=kernel: k)
         monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted)
         outs.append(paged_attention(q, k, v, _pool(torch.bfloat16, seed=15)[:, 1], meta(), D**-0.5))
     assert fused_rows == [rows]  # the prompt span only, and only where the fused path is on
@@ -451,8 +453,11 @@ def test_a_model_the_span_kernel_cannot_take_keeps_its_spans_rows(span_ops, monk
     """span_attention takes head_dim 64 or 128 and up to 8 query heads per KV head; another
     model's prompt chunks stay rows of decode attention (torch's fused attention is the
     slow one without AMX)."""
-    monkeypatch.setattr(attention, "sdpa_prefill", lambda dtype: False)  # as without AMX
-    monkeypatch.setattr(attention, "span_kernel", lambda dtype: True)
+    zen4 = {"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}  # AVX512-BF16 without AMX
+    caps = kernel_choice.Capabilities(
+        platforms.CpuInfo(frozenset(zen4)), kernel_choice.capabilities().built, 2
+    )
+    monkeypatch.setattr(kernel_choice, "capabilities", lambda: caps)
 
     def spans(heads: tuple[int, int, int]) -> int:
         meta = AttnMetadata(
@@ -472,7 +477,6 @@ def test_prefill_spans_in_our_span_kernel_match_their_rows(span_ops, monkeypatch
     span_attention against the same step with every row through decode attention; the
     decode rows and the short chunk are the same computation both times."""
     q, k, v, meta_args, before = _mixed_step(torch.bfloat16)
-    monkeypatch.setattr(attention, "sdpa_prefill", lambda dtype: False)
     calls: list[int] = []
     real = span_ops.span_attention
 
@@ -483,7 +487,8 @@ def test_prefill_spans_in_our_span_kernel_match_their_rows(span_ops, monkeypatch
     monkeypatch.setattr(span_ops, "span_attention", counted)
     outs = []
     for spans in (True, False):
-        monkeypatch.setattr(attention, "span_kernel", lambda dtype, spans=spans: spans)
+        kernel = SPAN_ATTENTION if spans else None  # AVX512-BF16 without AMX, or rows
+        monkeypatch.setattr(attention, "prefill_span_kernel", lambda dtype, heads, k=kernel: k)
         pool = _pool(torch.bfloat16, seed=13)
         outs.append(paged_attention(q, k, v, pool[:, 1], AttnMetadata(**meta_args), D**-0.5))
     assert calls == [40, 20]  # the two long chunks, only where the span kernel is on

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from tokenyard.kernels import cpu as cpu_kernels
+from tokenyard.kernels.cpu.constants import KERNEL_AMX
 from tokenyard.models.attention import AttnMetadata, PrefillSpan
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.llama import LlamaForCausalLM
-from tokenyard.models.quantize import KERNEL_AMX, prompt_step, quantize
+from tokenyard.models.quantize import quantize
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 3, 4, 2, 64, 16
 HIDDEN, INTERMEDIATE, VOCAB = HEADS * HEAD_DIM, 512, 96
@@ -111,7 +112,7 @@ def test_decoder_layers_equal_the_layers_one_by_one(kernels):
     for dtype, mode in CASES:
         model = _model(dtype, mode)
         for rows in (1, 3, 6, 17, 40):
-            if model._build_fused_plan(rows) is None:
+            if model._build_fused_plan(rows, False) is None:
                 continue  # this CPU runs these layers through torch's kernels
             ids, positions, meta, pool = _decode_step(rows, dtype, seed=rows)
             (fused, fused_pool), (layers, layers_pool) = _both(model, ids, positions, meta, pool)
@@ -121,44 +122,44 @@ def test_decoder_layers_equal_the_layers_one_by_one(kernels):
             assert torch.equal(fused, layers), (dtype, mode, rows)
             assert torch.equal(fused_pool, layers_pool), (dtype, mode, rows)
             assert not torch.equal(fused_pool, pool)  # this step's keys and values went in
-            ran.append((dtype, mode, rows, model._build_fused_plan(rows)[1][0]))
+            ran.append((dtype, mode, rows, model._build_fused_plan(rows, False)[1][0]))
     if not ran:
         pytest.skip("no quantized layout here runs the kernels decoder_layers takes")
 
 
 def test_a_prompt_step_in_per_token_rows_takes_the_prompt_kernels(kernels):
-    """Deterministic mode's prompt tokens come as decode rows inside prompt_step: the plan is
+    """Deterministic mode's prompt tokens come as decode rows of a prompt step: the plan is
     kept apart from a decode step's of the same size (on AMX: linear_amx at any size)."""
     model = _model(torch.bfloat16, "int4")
-    if model._build_fused_plan(2) is None:
+    if model._build_fused_plan(2, False) is None:
         pytest.skip("bf16 int4 layers do not run decoder_layers' kernels here")
     ids, positions, meta, pool = _decode_step(2, torch.bfloat16, seed=7)
-    with prompt_step(True):
-        (fused, fused_pool), (layers, layers_pool) = _both(model, ids, positions, meta, pool)
-        prompt_kinds = model._build_fused_plan(2)
+    meta.prompt_step = True
+    (fused, fused_pool), (layers, layers_pool) = _both(model, ids, positions, meta, pool)
+    prompt_kinds = model._build_fused_plan(2, True)
     assert torch.equal(fused, layers) and torch.equal(fused_pool, layers_pool)
     assert set(model._fused_plans) == {(2, True)}
     assert prompt_kinds is not None
-    if model.layers[0].self_attn.qkv_proj.amx:
+    if model.layers[0].self_attn.qkv_proj.kernel.name == "amx":
         assert set(prompt_kinds[1]) == {KERNEL_AMX}
-        assert KERNEL_AMX not in model._build_fused_plan(2)[1]  # 2 decode rows: linear_i16
+        assert KERNEL_AMX not in model._build_fused_plan(2, False)[1]  # 2 decode rows: linear_i16
 
 
 def test_layers_the_fused_path_does_not_take(kernels):
     model = _model(torch.bfloat16, "int4")
     ids, positions, meta, pool = _decode_step(4, torch.bfloat16)
     model.fused_layers = False
-    assert model._fused_plan(model.embed_tokens(ids), pool) is None  # switched off
+    assert model._fused_plan(model.embed_tokens(ids), pool, False) is None  # switched off
     biased = _model(torch.bfloat16, "int4", bias=True)
-    assert biased._build_fused_plan(4) is None  # q/k/v biases: the layers run one by one
+    assert biased._build_fused_plan(4, False) is None  # q/k/v biases: layers run one by one
     unquantized = LlamaForCausalLM(_config(), max_positions=1024)
-    assert unquantized._build_fused_plan(4) is None  # plain nn.Linear layers
+    assert unquantized._build_fused_plan(4, False) is None  # plain nn.Linear layers
 
 
 def _fused_case(rows: int) -> tuple[LlamaForCausalLM, torch.dtype] | None:
     for dtype, mode in CASES:
         model = _model(dtype, mode)
-        if model._build_fused_plan(rows) is not None:
+        if model._build_fused_plan(rows, False) is not None:
             return model, dtype
     return None
 
@@ -169,7 +170,7 @@ def test_decoder_layers_refuse_what_does_not_fit(kernels):
         pytest.skip("no quantized layout here runs the kernels decoder_layers takes")
     model, dtype = case
     ids, positions, meta, pool = _decode_step(2, dtype)
-    weights, kinds = model._build_fused_plan(2)
+    weights, kinds = model._build_fused_plan(2, False)
     x = model.embed_tokens(ids)
     no_rows = torch.empty(0, dtype=torch.long)
 
@@ -260,10 +261,10 @@ def test_mixed_steps_equal_the_layers_one_by_one(kernels, pool):
         pool_dtype = dtype if pool == "model" else torch.float8_e4m3fn
         model = _model(dtype, mode)
         ids, positions, meta, kv = _mixed_step(pool_dtype)
-        with prompt_step(True):
-            if model._build_fused_plan(len(ids)) is None:
-                continue
-            (fused, fused_pool), (layers, layers_pool) = _both(model, ids, positions, meta, kv)
+        meta.prompt_step = True
+        if model._build_fused_plan(len(ids), True) is None:
+            continue
+        (fused, fused_pool), (layers, layers_pool) = _both(model, ids, positions, meta, kv)
         assert torch.isfinite(fused.float()).all()
         assert torch.equal(fused, layers), (dtype, mode, pool)
         assert torch.equal(fused_pool.view(torch.uint8), layers_pool.view(torch.uint8))

@@ -262,11 +262,12 @@ def test_the_cpu_calibration_is_kept_per_kind_of_cpu(
 ):
     """Each kind of CPU (the kernels our engine runs there) reads its own entry and writes
     its own, keeping the others; a kind with none reads the AVX2 one and says so."""
-    import tokenyard.engine.config as config
+    from tokenyard import platforms
     from tokenyard.planner import cpu
 
-    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(config, "cpu_has_amx", lambda: amx)
+    machine = platforms.CpuInfo(frozenset(flags))
+    assert machine.amx is amx
+    monkeypatch.setattr(platforms, "cpu", lambda: machine)
     assert cpu.cpu_kind() == kind
     path = tmp_path / "cal.yaml"
     with pytest.raises(FileNotFoundError, match="planner_cpu.py"):

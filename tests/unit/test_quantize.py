@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenyard import platforms
 from tokenyard.kernels import cpu as cpu_kernels
+from tokenyard.models import kernel_choice as kc
 from tokenyard.models import quantize as q
 from tokenyard.models.quantize import QuantizedLinear, dequantized, quantize
 
@@ -18,9 +20,23 @@ def no_i16(request, monkeypatch):
     would take the int16-activation kernel, and other than AMX ones, where bf16 layers would
     take linear_amx; the `i16` and `amx` tests at the end turn them on."""
     if not {"i16", "i16_policy"} & set(request.fixturenames):
-        monkeypatch.setattr(q, "i16_kernel", lambda dtype=torch.float32: False)
+        monkeypatch.setattr(kc, "i16_kernel", lambda dtype, caps: False)
     if "amx" not in request.fixturenames:
-        monkeypatch.setattr(q, "amx_kernel", lambda dtype=torch.bfloat16: False)
+        monkeypatch.setattr(kc, "amx_kernel", lambda dtype, caps: False)
+
+
+def _cpu(monkeypatch, flags=None, add=(), remove=()) -> None:
+    """This process's CPU as one with `flags` (by default its own), plus `add`, less `remove`."""
+    base = platforms.cpu().flags if flags is None else frozenset(flags)
+    cpu = platforms.CpuInfo((base | set(add)) - set(remove))
+    monkeypatch.setattr(platforms, "cpu", lambda: cpu)
+
+
+def _caps(flags) -> kc.Capabilities:
+    """This machine's kernels and threads on a CPU of `flags`."""
+    return kc.Capabilities(
+        platforms.CpuInfo(frozenset(flags)), kc.capabilities().built, torch.get_num_threads()
+    )
 
 
 def _linear(out_features=48, in_features=64, bias=True, seed=0):
@@ -40,7 +56,7 @@ def test_quantized_linear_matches_float_within_quantization_error(bits, max_rel)
     # the kernel computes exactly its dequantized weight times x (up to bf16 activations)
     assert torch.allclose(small, x @ dequantized(layer).T + linear.bias, atol=2e-2)
     # a step of many rows takes the dense weight: the float result, bit for bit
-    big = torch.randn(layer.dense_above + 1, 64)
+    big = torch.randn(layer.kernel.dense_above + 1, 64)
     assert torch.equal(layer(big), linear(big))
 
 
@@ -172,11 +188,9 @@ def test_deterministic_mode_needs_a_row_wise_kernel():
 def test_the_int4_dense_switch_follows_the_thread_count_and_the_cpu(
     monkeypatch, kernel, flags, own
 ):
-    import tokenyard.engine.config as config
-
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
-    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(q, "own_int4_kernel", lambda: own)
+    _cpu(monkeypatch, flags)
+    assert platforms.cpu().native_bf16
+    monkeypatch.setattr(kc, "own_int4_kernel", lambda caps: own)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -185,20 +199,19 @@ def test_the_int4_dense_switch_follows_the_thread_count_and_the_cpu(
         two = QuantizedLinear(_linear().to(torch.bfloat16), 4)
     finally:
         torch.set_num_threads(before)
-    assert one.dense_above == q.DENSE_ABOVE_ROWS[kernel + "_one_thread"][4]
-    assert two.dense_above == q.DENSE_ABOVE_ROWS[kernel][4]
+    one_above, two_above = one.kernel.dense_above, two.kernel.dense_above
+    assert one_above == kc.DENSE_ABOVE_ROWS[kernel + "_one_thread"][4]
+    assert two_above == kc.DENSE_ABOVE_ROWS[kernel][4]
     # without AMX a second thread speeds the dense matmul less than the int4 kernel; with
     # AMX the other way round (the 30 layers at 1 row: dense 19 -> 10 ms, int4 5.8 -> 3.5)
     if kernel == "bf16_amx":
-        assert one.dense_above > two.dense_above
+        assert one_above > two_above
     else:
-        assert one.dense_above < two.dense_above
+        assert one_above < two_above
     assert one.own_int4 == two.own_int4 == own
 
 
-def test_our_int4_kernel_is_chosen_by_the_cpus_bf16_instructions(monkeypatch):
-    import tokenyard.engine.config as config
-
+def test_our_int4_kernel_is_chosen_by_the_cpus_bf16_instructions():
     if cpu_kernels.ops() is None:
         pytest.skip("the CPU kernels are not built here")
     for flags, ours in [
@@ -207,48 +220,46 @@ def test_our_int4_kernel_is_chosen_by_the_cpus_bf16_instructions(monkeypatch):
         ({"avx512_bf16", "amx_bf16"}, False),
         ({"bf16"}, False),
     ]:
-        monkeypatch.setattr(config, "cpu_flags", lambda f=flags: frozenset(f))
-        monkeypatch.setattr(config, "cpu_has_native_bf16", lambda f=flags: bool(f))
-        assert q.own_int4_kernel() is ours, flags
+        assert platforms.CpuInfo(frozenset(flags)).native_bf16 is bool(flags)
+        assert kc.own_int4_kernel(_caps(flags)) is ours, flags
 
 
 def test_the_dense_switch_follows_the_dense_copys_dtype_and_the_cpu(monkeypatch):
-    import tokenyard.engine.config as config
-
-    monkeypatch.setattr(config, "cpu_has_avx512", lambda: True)
+    _cpu(monkeypatch, add={"avx512f"})
     fp32 = QuantizedLinear(_linear().float(), 4)
-    assert fp32.dense_above == q.DENSE_ABOVE_ROWS["fp32"][4]
-    monkeypatch.setattr(config, "cpu_has_avx512", lambda: False)
+    assert fp32.kernel.dense_above == kc.DENSE_ABOVE_ROWS["fp32"][4]
+    _cpu(monkeypatch, remove={"avx512f"})
     # AVX2: our int8 kernel beats the fp32 matmul up to 32 rows (the output projection)
-    assert QuantizedLinear(_linear().float(), 8).dense_above == 32 > q.DENSE_ABOVE_ROWS["fp32"][8]
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
+    int8 = QuantizedLinear(_linear().float(), 8)
+    assert int8.kernel.dense_above == 32 > kc.DENSE_ABOVE_ROWS["fp32"][8]
+    _cpu(monkeypatch, remove={"avx512f"} | platforms.NATIVE_BF16_FLAGS)
     emulated = QuantizedLinear(_linear().to(torch.bfloat16), 4)
     # an emulated bf16 matmul loses to int4 at every decode batch: only prefill steps use it
-    assert emulated.dense_above > fp32.dense_above
-    x = torch.randn(emulated.dense_above, emulated.in_features, dtype=torch.bfloat16)
+    above = emulated.kernel.dense_above
+    assert above > fp32.kernel.dense_above
+    x = torch.randn(above, emulated.in_features, dtype=torch.bfloat16)
     # at the threshold itself the int4 kernel still runs; one row more takes the dense copy
     assert torch.equal(emulated(x), emulated._quantized_mm(x) + emulated.bias)
-    more = torch.randn(emulated.dense_above + 1, emulated.in_features, dtype=torch.bfloat16)
+    more = torch.randn(above + 1, emulated.in_features, dtype=torch.bfloat16)
     assert torch.equal(emulated(more), F.linear(more, emulated.dense, emulated.bias))
 
 
 def test_auto_dtype_follows_the_device_and_the_cpu(monkeypatch):
     import tokenyard.engine.config as config
 
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
+    _cpu(monkeypatch, {"avx2", "avx512f"})
     assert config.EngineConfig(dtype="auto").dtype == "float32"
     assert config.auto_dtype("cuda") == "bfloat16"
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    _cpu(monkeypatch, {"avx2", "avx512f", "avx512_bf16"})
     assert config.EngineConfig(dtype="auto").dtype == "bfloat16"
 
 
 def test_native_bf16_is_read_from_the_cpu_flags():
-    import tokenyard.engine.config as config
-
     for flags, native in (("fpu avx2 avx512f", False), ("fpu avx512f avx512_bf16", True)):
-        assert config.native_bf16_in(f"processor\t: 0\nflags\t\t: {flags}\n") is native
-    assert config.flags_in("processor\t: 0\nflags\t\t: fpu avx2 fma\n") == {"fpu", "avx2", "fma"}
-    assert config.flags_in("no flags here") == set()
+        assert platforms.native_bf16_in(f"processor\t: 0\nflags\t\t: {flags}\n") is native
+    text = "processor\t: 0\nflags\t\t: fpu avx2 fma\n"
+    assert platforms.flags_in(text) == {"fpu", "avx2", "fma"}
+    assert platforms.flags_in("no flags here") == set()
 
 
 needs_bf16_packing = pytest.mark.skipif(
@@ -264,7 +275,8 @@ def test_a_prepacked_dense_copy_gives_the_same_results_to_the_bit(bits):
     packed = QuantizedLinear(linear, bits)
     assert packed.prepack() and packed.dense.is_mkldnn
     assert not packed.prepack()  # once is enough
-    for rows in (1, plain.dense_above, plain.dense_above + 1, 32, 300):
+    above = plain.kernel.dense_above
+    for rows in (1, above, above + 1, 32, 300):
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
         assert torch.equal(packed(x), plain(x)), rows
     x3 = torch.randn(2, 20, 64, dtype=torch.bfloat16)  # a batch of sequences: any leading dims
@@ -273,15 +285,13 @@ def test_a_prepacked_dense_copy_gives_the_same_results_to_the_bit(bits):
 
 
 def test_an_fp32_dense_copy_is_packed_only_on_avx2_cpus(monkeypatch):
-    import tokenyard.engine.config as config
-
-    monkeypatch.setattr(config, "cpu_has_avx512", lambda: True)
+    _cpu(monkeypatch, add={"avx512f"})
     assert not QuantizedLinear(_linear(bias=False), 4).prepack()  # MKL's fp32 is kept there
-    monkeypatch.setattr(config, "cpu_has_avx512", lambda: False)
+    _cpu(monkeypatch, remove={"avx512f"})
     plain = QuantizedLinear(_linear(bias=False), 4)
     packed = QuantizedLinear(_linear(bias=False), 4)
     assert packed.prepack() and packed.dense.is_mkldnn
-    for rows in (plain.dense_above + 1, 32, 300):  # the dense path; fewer rows run int4
+    for rows in (plain.kernel.dense_above + 1, 32, 300):  # the dense path; fewer run int4
         x = torch.randn(rows, 64)
         y = packed(x)
         assert y.dtype == torch.float32 and y.shape == (rows, 48)
@@ -316,7 +326,7 @@ def own_int4(monkeypatch):
     """int4 layers built in our kernel's layout, whatever this CPU would choose."""
     if cpu_kernels.ops() is None:
         pytest.skip("CPU kernels not built here")
-    monkeypatch.setattr(q, "own_int4_kernel", lambda: True)
+    monkeypatch.setattr(kc, "own_int4_kernel", lambda caps: True)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
@@ -374,7 +384,7 @@ def _built(kernel: str, reason: str) -> pytest.MarkDecorator:
 
 def _i16_for(monkeypatch, dtype: torch.dtype) -> None:
     """Layers of `dtype`, and only those, take the int16-activation kernel."""
-    monkeypatch.setattr(q, "i16_kernel", lambda d=torch.float32: d == dtype)
+    monkeypatch.setattr(kc, "i16_kernel", lambda d, caps: d == dtype)
 
 
 needs_i16 = _built("i16_available", "the int16-activation kernel needs our kernels built with AVX2")
@@ -398,7 +408,7 @@ def test_the_int16_activation_kernel_computes_its_dequantized_weight(i16, bits):
     linear = _linear(out_features=96, in_features=128, bias=True)
     layer = QuantizedLinear(linear, bits)
     # int4 a nibble per weight, int8 a byte: [blocks of 16 outputs, groups, pairs, bytes]
-    assert layer.i16 and layer.dense is None
+    assert layer.kernel.blocked and layer.dense is None
     assert layer.qweight.shape == (6, 4, 16, 16 if bits == 4 else 32)
     w = dequantized(layer)
     assert (w - linear.weight).abs().max() < (0.02 if bits == 8 else 0.15)  # its own grid
@@ -473,8 +483,6 @@ def test_the_int16_activation_kernel_refuses_a_malformed_layout(i16):
 
 
 def test_the_int16_activation_kernel_is_chosen_on_avx2_only_cpus(i16_policy, monkeypatch):
-    import tokenyard.engine.config as config
-
     if cpu_kernels.ops() is None or not cpu_kernels.ops().i16_available():
         pytest.skip("the int16-activation kernel needs our kernels built with AVX2")
     for avx512, bf16, chosen in [
@@ -482,25 +490,21 @@ def test_the_int16_activation_kernel_is_chosen_on_avx2_only_cpus(i16_policy, mon
         (True, False, False),  # AVX-512 without bf16: its own fp32 paths (unmeasured)
         (True, True, False),
     ]:
-        monkeypatch.setattr(config, "cpu_has_avx512", lambda a=avx512: a)
-        monkeypatch.setattr(config, "cpu_has_native_bf16", lambda b=bf16: b)
-        assert q.i16_kernel() is chosen, (avx512, bf16)
+        flags = {"avx2"} | ({"avx512f"} if avx512 else set()) | ({"avx512_bf16"} if bf16 else set())
+        assert kc.i16_kernel(torch.float32, _caps(flags)) is chosen, (avx512, bf16)
     vnni = bool(cpu_kernels.ops().i16_vnni())
     for flags, chosen in [
         ({"avx512f", "avx512_bf16"}, vnni),  # bf16 layers: where the VNNI tile is built
         ({"avx512f", "avx512_bf16", "amx_bf16"}, False),  # AMX: oneDNN's tiles and torch's int4
         ({"avx512f"}, False),  # no native bf16: bf16 layers are emulated, fp32 runs
     ]:
-        monkeypatch.setattr(config, "cpu_flags", lambda f=flags: frozenset(f))
-        assert q.i16_kernel(torch.bfloat16) is chosen, flags
-    monkeypatch.setattr(config, "cpu_has_avx512", lambda: False)
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
-    assert QuantizedLinear(_linear(bias=False), 4).i16
-    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert not QuantizedLinear(_linear(bias=False).to(torch.bfloat16), 4).i16  # no native bf16
-    assert not QuantizedLinear(
-        _linear(out_features=40, bias=False), 8
-    ).i16  # not 16 outputs a block
+        assert kc.i16_kernel(torch.bfloat16, _caps(flags)) is chosen, flags
+    _cpu(monkeypatch, {"avx2"})
+    assert QuantizedLinear(_linear(bias=False), 4).kernel.blocked
+    bf16 = QuantizedLinear(_linear(bias=False).to(torch.bfloat16), 4)
+    assert not bf16.kernel.blocked  # no native bf16
+    odd = QuantizedLinear(_linear(out_features=40, bias=False), 8)
+    assert not odd.kernel.blocked  # not 16 outputs a block
 
 
 needs_vnni = _built(
@@ -511,10 +515,8 @@ needs_vnni = _built(
 @pytest.fixture
 def i16_bf16(monkeypatch):
     """A Zen 4's policy: bf16 layers take the int16 kernel for small steps (no AMX)."""
-    import tokenyard.engine.config as config
-
     _i16_for(monkeypatch, torch.bfloat16)
-    monkeypatch.setattr(config, "cpu_has_amx", lambda: False)
+    _cpu(monkeypatch, remove={"amx_bf16"})
 
 
 needs_pairs = _built("pairs_available", "linear_bf16 needs our kernels built with AVX512-BF16")
@@ -571,15 +573,16 @@ def test_bf16_layers_run_linear_i16_for_small_steps_and_linear_bf16_above(i16_bf
     every prompt step, linear_i16 below; each row's result is its own, bit for bit."""
     linear = _linear(out_features=96, in_features=128, bias=False).to(torch.bfloat16)
     layer = QuantizedLinear(linear, bits)
-    assert layer.i16 and layer.dense is None and layer.pairs is not None
+    assert layer.kernel.blocked and layer.dense is None and layer.pairs is not None
     assert torch.equal(q.unpack_pairs(layer.pairs), linear.weight)
     table = "bf16_pairs" + ("_one_thread" if torch.get_num_threads() == 1 else "")
-    assert layer.dense_above == q.DENSE_ABOVE_ROWS[table][bits]  # earlier tests may pin 1
-    x = (torch.randn(layer.dense_above + 9, 128) * 3).to(torch.bfloat16)
+    above = layer.kernel.dense_above
+    assert above == kc.DENSE_ABOVE_ROWS[table][bits]  # earlier tests may pin 1
+    x = (torch.randn(above + 9, 128) * 3).to(torch.bfloat16)
     big = layer(x)
     ops = cpu_kernels.ops()
     assert torch.equal(big, ops.linear_bf16(x, layer.pairs, False))  # above: linear_bf16
-    small = x[: layer.dense_above]
+    small = x[:above]
     y = layer(small)
     zeros = layer.zeros if bits == 4 else None
     assert y.dtype == torch.bfloat16
@@ -589,8 +592,7 @@ def test_bf16_layers_run_linear_i16_for_small_steps_and_linear_bf16_above(i16_bf
     assert err < 1e-2, err  # bf16 output rounding; the products are int16-exact
     for i in range(small.shape[0]):
         assert torch.equal(layer(small[i : i + 1]), y[i : i + 1]), i
-    with q.prompt_step(True):
-        assert torch.equal(layer(small[:2]), big[:2])  # prompt rows: the dense copy
+    assert torch.equal(layer(small[:2], prompt=True), big[:2])  # prompt rows: the dense copy
     if bits == 8:  # the output projection's logits: the kernels' fp32 sums, either side
         assert torch.equal(q.fp32_linear(layer, x), ops.linear_bf16(x, layer.pairs, True))
         logits = q.fp32_linear(layer, small)
@@ -608,7 +610,8 @@ def test_int4_against_8_bit_activations_is_a_choice(i16, monkeypatch):
     layer16 = QuantizedLinear(linear, 4)
     monkeypatch.setenv("TOKENYARD_INT4_ACTIVATIONS", "int8")
     layer = QuantizedLinear(linear, 4)
-    assert not layer16.act8 and layer.i16 and layer.act8 and layer.qweight.shape == (6, 4, 8, 64)
+    assert layer16.kernel.layout == "i16" and layer.kernel.layout == "i8"
+    assert layer.qweight.shape == (6, 4, 8, 64)
     levels = q.unpack_i8(layer.qweight)
     assert torch.equal(levels, q.unpack_i16(layer16.qweight))  # the same grid, re-laid
     scale, zero = (q.unpack_i16_params(t) for t in (layer.scales, layer.zeros))
@@ -661,8 +664,8 @@ def test_amx_layers_compute_their_widened_weight(amx, bits):
     over blocks of outputs paired, an odd block count: 48 outputs) gives x times the weight
     AMX multiplies, with no dense copy; small decode steps take linear_i16."""
     layer = _amx_layer(bits)
-    assert layer.amx and layer.i16 and layer.dense is None
-    assert layer.i16_rows == q.AMX_I16_ROWS[bits]
+    assert layer.kernel.name == "amx" and layer.kernel.blocked and layer.dense is None
+    assert layer.kernel.amx_above == kc.AMX_I16_ROWS[bits]
     w = _amx_weight(layer)
     for rows in (1, 3, 5, 15, 16, 17, 31, 32, 33, 48, 70):
         x = (torch.randn(rows, 128) * 3).to(torch.bfloat16)
@@ -671,11 +674,11 @@ def test_amx_layers_compute_their_widened_weight(amx, bits):
         assert y.dtype == torch.bfloat16 and y.shape == (rows, 48)
         err = ((y.double() - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)).max().item()
         assert err < 8e-3, (rows, err)  # bf16 output rounding
-        with q.prompt_step(True):  # prompt rows take AMX at any count: the same sums in fp32
-            sums = layer._quantized_mm(x, fp32_out=True)
+        # prompt rows take AMX at any count: the same sums in fp32
+        sums = layer._quantized_mm(x, fp32_out=True, prompt=True)
         err = ((sums.double() - exact).abs().amax(dim=1) / exact.abs().amax(dim=1)).max().item()
         assert sums.dtype == torch.float32 and err < 1e-5, (rows, err)
-        if rows > layer.i16_rows:
+        if rows > layer.kernel.amx_above:
             assert torch.equal(y, sums.bfloat16())
 
 
@@ -688,7 +691,7 @@ def test_amx_prompt_steps_of_many_blocks_and_passes(amx, bits, threads):
     pass count, on one thread and two: the sums stay x times the weight."""
     linear = _linear(out_features=144, in_features=256, bias=False).to(torch.bfloat16)
     layer = QuantizedLinear(linear, bits, keep_dense=False)
-    assert layer.amx
+    assert layer.kernel.name == "amx"
     w = _amx_weight(layer)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -711,7 +714,7 @@ def test_amx_layers_compute_each_row_on_its_own(amx, bits):
     result does not depend on the other rows, bit for bit; prompt steps of a few rows take
     it too, so a prompt's tail after a prefix hit rounds as a cold prefill does."""
     layer = _amx_layer(bits, keep_dense=False)
-    assert layer.amx and layer.i16_rows == 0
+    assert layer.kernel.name == "amx" and layer.kernel.amx_above == 0
     x = (torch.randn(70, 128) * 3).to(torch.bfloat16)
     x[5] *= 100
     batch = layer(x)
@@ -720,8 +723,7 @@ def test_amx_layers_compute_each_row_on_its_own(amx, bits):
     for lo, hi in ((0, 3), (3, 40), (60, 70)):
         assert torch.equal(layer(x[lo:hi]), batch[lo:hi])
     shipped = _amx_layer(bits)  # the same weights, linear_i16 for a few decode rows
-    with q.prompt_step(True):
-        assert torch.equal(shipped(x[:3]), batch[:3])
+    assert torch.equal(shipped(x[:3], prompt=True), batch[:3])
     if bits == 8:  # the output projection's logits: the fp32 sums, not rounded to bf16
         logits = q.fp32_linear(layer, x)
         assert logits.dtype == torch.float32 and torch.equal(logits.bfloat16(), batch)
@@ -731,18 +733,17 @@ def test_amx_layers_compute_each_row_on_its_own(amx, bits):
 
 
 @needs_amx
-def test_amx_is_chosen_for_bf16_layers_on_amx_cpus(amx, monkeypatch):
-    import tokenyard.engine.config as config
-
-    assert q.amx_kernel(torch.bfloat16) and q.integer_only(torch.bfloat16)
-    assert not q.amx_kernel(torch.float32)
+def test_amx_is_chosen_for_bf16_layers_on_amx_cpus(amx):
+    caps = kc.capabilities()
+    assert kc.amx_kernel(torch.bfloat16, caps)
+    chosen = kc.choose_linear_kernel(kc.LinearSpec(torch.bfloat16, 4, True, True), caps)
+    assert chosen.name == "amx" and chosen.dense is None  # no dense copy
+    assert not kc.amx_kernel(torch.float32, caps)
     fp32 = QuantizedLinear(_linear(bias=False), 4)
-    assert not fp32.amx
-    assert not QuantizedLinear(
-        _linear(out_features=40, bias=False).to(torch.bfloat16), 8
-    ).amx  # not 16 outputs a block: the int8 GEMV, with a dense copy
-    monkeypatch.setattr(config, "cpu_has_amx", lambda: False)
-    assert not q.amx_kernel(torch.bfloat16)
+    assert fp32.kernel.name != "amx"
+    odd = QuantizedLinear(_linear(out_features=40, bias=False).to(torch.bfloat16), 8)
+    assert odd.kernel.name != "amx"  # not 16 outputs a block: the int8 GEMV, with a dense copy
+    assert not kc.amx_kernel(torch.bfloat16, _caps(caps.cpu.flags - {"amx_bf16"}))
 
 
 @needs_amx
@@ -775,7 +776,7 @@ def test_gate_up_silu_equals_the_two_kernels(amx, bits, threads):
     ops = cpu_kernels.ops()
     linear = _linear(out_features=320, in_features=256, bias=False).to(torch.bfloat16)
     layer = QuantizedLinear(linear, bits)
-    assert layer.amx
+    assert layer.kernel.name == "amx"
     qw, scales, zeros = layer.qweight, layer.scales, layer.zeros if bits == 4 else None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -787,7 +788,7 @@ def test_gate_up_silu_equals_the_two_kernels(amx, bits, threads):
             fused = ops.linear_amx_silu(x, qw, scales, zeros)
             assert fused.shape == (rows, 160) and fused.dtype == torch.bfloat16
             assert torch.equal(fused, separate), rows
-            chosen = q.gate_up_silu(layer, x)
+            chosen = q.gate_up_silu(layer, x, False)
             if rows > q.SILU_FUSED_ABOVE:
                 assert chosen is not None and torch.equal(chosen, separate), rows
             else:
@@ -795,8 +796,8 @@ def test_gate_up_silu_equals_the_two_kernels(amx, bits, threads):
     finally:
         torch.set_num_threads(before)
     fp32 = QuantizedLinear(_linear(out_features=320, in_features=256, bias=False), bits)
-    assert q.gate_up_silu(fp32, torch.randn(40, 256)) is None  # not an AMX layer
-    assert q.gate_up_silu(linear, torch.randn(40, 256).bfloat16()) is None  # not quantized
+    assert q.gate_up_silu(fp32, torch.randn(40, 256), False) is None  # not an AMX layer
+    assert q.gate_up_silu(linear, torch.randn(40, 256).bfloat16(), False) is None  # a float one
     with pytest.raises(RuntimeError, match="as many up blocks"):
         odd = QuantizedLinear(_linear(out_features=48, in_features=256, bias=False).bfloat16(), 4)
         ops.linear_amx_silu(x, odd.qweight, odd.scales, odd.zeros)
