@@ -115,13 +115,16 @@ def single_summary(times: list[float], start: float) -> dict:
 # --- our engine -----------------------------------------------------------------------------
 
 
-def run_ours(dtype: str, quantization: str | None, prompt_len: int = PROMPT_LEN) -> dict:
+def run_ours(
+    dtype: str, quantization: str | None, prompt_len: int = PROMPT_LEN, model: str | None = None
+) -> dict:
     from tokenyard.engine.config import EngineConfig
     from tokenyard.engine.llm_engine import LLMEngine
     from tokenyard.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(
         EngineConfig(
+            model=model,
             dtype=dtype,
             quantization=quantization,
             max_num_seqs=64,
@@ -152,7 +155,9 @@ def run_ours(dtype: str, quantization: str | None, prompt_len: int = PROMPT_LEN)
     return result
 
 
-def run_closed_loop(dtype: str, quantization: str | None, prompt_len: int, total: int) -> dict:
+def run_closed_loop(
+    dtype: str, quantization: str | None, prompt_len: int, total: int, model: str | None = None
+) -> dict:
     """Scenario (c): NUM_CONCURRENT requests in flight until ``total`` have run, each
     replaced as it finishes (a closed-loop client), on an engine with a worker's limits."""
     from tokenyard.engine.config import EngineConfig
@@ -162,6 +167,7 @@ def run_closed_loop(dtype: str, quantization: str | None, prompt_len: int, total
 
     engine = LLMEngine(
         EngineConfig(
+            model=model,
             dtype=dtype,
             quantization=quantization,
             max_num_seqs=WorkerSettings().max_num_seqs,
@@ -302,7 +308,13 @@ def memory_bandwidth_gbs() -> float:
     return best
 
 
-def worker(kind: str, threads: int, prompt_len: int = PROMPT_LEN, requests: int = 0) -> None:
+def worker(
+    kind: str,
+    threads: int,
+    prompt_len: int = PROMPT_LEN,
+    requests: int = 0,
+    model: str | None = None,
+) -> None:
     import torch
 
     torch.set_num_threads(threads)
@@ -310,10 +322,11 @@ def worker(kind: str, threads: int, prompt_len: int = PROMPT_LEN, requests: int 
         result = run_hf()
     elif kind.startswith("closed:"):
         _, dtype, quant = kind.split(":")
-        result = run_closed_loop(dtype, quant or None, prompt_len, requests or 2 * NUM_CONCURRENT)
+        total = requests or 2 * NUM_CONCURRENT
+        result = run_closed_loop(dtype, quant or None, prompt_len, total, model)
     else:
         _, dtype, quant = kind.split(":")
-        result = run_ours(dtype, quant or None, prompt_len)
+        result = run_ours(dtype, quant or None, prompt_len, model)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result))
 
@@ -343,10 +356,15 @@ def main() -> int:
         help="prompt tokens of our engine's requests (a --worker run; the table keeps 128)",
     )
     parser.add_argument("--requests", type=int, default=0, help="closed-loop total (scenario c)")
+    parser.add_argument(
+        "--model",
+        help="our engine's model in a --worker run: a .gguf file or an HF folder (default: "
+        "the default model; benchmarks/peers.py --shape passes a shape's folder)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.threads, args.prompt_len, args.requests)
+        worker(args.worker, args.threads, args.prompt_len, args.requests, args.model)
         return 0
     import torch
 

