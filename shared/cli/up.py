@@ -13,13 +13,17 @@ launcher (tokenyard.services.launch) is imported inside the functions that use i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
+import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenyard.bus.auth import redact
+from tokenyard.cli import running
 from tokenyard.cli.keys import default_keys_url
 from tokenyard.engine.config import auto_dtype, kv_cache_dtype_for
 from tokenyard.engine.spec.config import SpeculativeConfig
@@ -248,8 +252,14 @@ def _quantization_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenyard.services.launch.stack import LocalStack, StackError
+    from tokenyard.services.launch import preflight
+    from tokenyard.services.launch.stack import ConfigError, LocalStack, StackError
 
+    try:
+        config = config_from(args)
+        preflight.check(config)  # before anything starts
+    except (SystemExit, ConfigError) as exc:
+        return _config_error(exc)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -257,26 +267,58 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    stack = LocalStack(config_from(args))
+    stack = LocalStack(config)
+    failed = True
     try:
         stack.start()
         print(
             f"Starting Tokenyard (NATS {redact(stack.nats_url)}; logs in {stack.log_dir}) ...",
             flush=True,
         )
-        if not _wait_ready(stack, stop, args.ready_timeout):
-            return 130 if stop.is_set() else 1
-        _banner(stack)
-        while not stop.wait(0.5):
-            for name in stack.supervise():
-                print(f"{name} exited; restarted it (log: {stack.log_dir / name}.log)", flush=True)
+        ready = _wait_ready(stack, stop, args.ready_timeout)
+        failed = False
+        if not ready:  # stopped while starting
+            return 130
+        with _saved_for_ctl(stack):
+            _banner(stack)
+            while not stop.wait(0.5):
+                for name in stack.supervise():
+                    print(
+                        f"{name} exited; restarted it (log: {stack.log_dir / name}.log)", flush=True
+                    )
         print("\nStopping ...", flush=True)
         return 0
+    except ConfigError as exc:
+        return _config_error(exc)
     except StackError as exc:
         print(f"tokenyard up failed: {exc}", flush=True)
         return 1
     finally:
-        stack.stop()
+        stack.stop(keep_logs=failed)
+        if failed:
+            print(f"logs kept in {stack.log_dir}", file=sys.stderr, flush=True)
+
+
+def _config_error(exc: BaseException) -> int:
+    """One line, no traceback, exit code 2: the stack cannot start as asked."""
+    print(f"tokenyard up: {exc}", file=sys.stderr, flush=True)
+    return 2
+
+
+@contextlib.contextmanager
+def _saved_for_ctl(stack: LocalStack) -> Iterator[None]:
+    """The stack's control token and addresses in a file `tokenyard ctl` reads (mode 0600)."""
+    values = {
+        "gateway_url": stack.gateway_url,
+        "grpc_token": stack.grpc_token,
+        "facilities_control": stack.facilities_control,
+        "facilities_admin_token": stack.facilities_admin_token,
+    }
+    running.save(values)
+    try:
+        yield
+    finally:
+        running.remove(values)
 
 
 def _wait_ready(stack: LocalStack, stop: threading.Event, timeout: float) -> bool:
@@ -321,4 +363,8 @@ def _banner(stack: LocalStack) -> None:
         )
     if stack.console_url:
         print(f"console: {stack.console_url}  (admin token: {stack.console_admin_token})")
+    print(
+        f"Control (gRPC) token: {stack.grpc_token}  (`tokenyard ctl` reads it and the "
+        f"addresses from {running.path()} while this runs)"
+    )
     print("Ctrl-C stops everything.", flush=True)

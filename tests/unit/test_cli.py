@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -77,9 +79,58 @@ def test_up_without_a_facilities_inventory_says_why_and_starts_nothing(tmp_path)
     env = {**os.environ, "TOKENYARD_FACILITIES_INVENTORY_PATH": str(missing)}
     argv = [sys.executable, "-m", "tokenyard.cli", "up", "--port", "0"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1
-    assert f"{missing} does not exist" in done.stdout and "--no-facilities" in done.stdout
+    assert done.returncode == 2  # a configuration error
+    assert f"{missing} does not exist" in done.stderr and "--no-facilities" in done.stderr
     assert "Starting Tokenyard" not in done.stdout  # printed once every service is started
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["--model", "/nonexistent"], ["--model /nonexistent: no such file or folder"]),
+        (
+            ["--model", "Qwen/Qwen2.5-0.5B-Instruct"],
+            ["does not download from the Hugging Face Hub", "--model ./Qwen2.5-0.5B-Instruct"],
+        ),
+        (["--port", "TAKEN"], ["is not free", "pick another, e.g. --port "]),
+        (["--console-port", "TAKEN"], ["is not free", "--console-port "]),
+    ],
+)
+def test_up_refuses_a_bad_model_or_a_taken_port_in_one_line(argv, needles, taken_port):
+    argv = [a.replace("TAKEN", str(taken_port)) for a in argv]
+    command = [sys.executable, "-m", "tokenyard.cli", "up", *argv]
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and not done.stdout  # no traceback
+    assert all(n in done.stderr for n in needles), done.stderr
+    # Imports only (about 5 s on a loaded 2-core machine): no service was started.
+    assert time.monotonic() - started < 60
+
+
+def test_preflight_checks_the_model_folder_and_file(tmp_path):
+    from tokenyard.services.launch.config import ConfigError
+    from tokenyard.services.launch.preflight import check_model
+
+    text = tmp_path / "model.bin"
+    text.write_text("not a model")
+    with pytest.raises(ConfigError, match="not a .gguf file"):
+        check_model(str(text))
+    with pytest.raises(ConfigError, match="no config.json"):
+        check_model(str(tmp_path))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF but no more")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        check_model(str(broken))
+    check_model(None)  # the default model is installed
 
 
 def up_config(*argv: str):
