@@ -143,3 +143,19 @@ def test_json_object_bounds_numbers_at_any_depth():
     assert accepts(spec, '{"a": [1, 2.5, {"b": null, "c": "text"}], "d": true}')
     assert not accepts(spec, '{"a": [{"b": 11111111111111111111111}]}')
     assert not accepts(spec, "[1]")
+
+
+def test_whitespace_between_json_tokens_is_bounded_unless_the_schema_says_otherwise():
+    spec = schema(a={"type": "integer"})
+    assert accepts(spec, '{\n    "a": 1\n}')
+    assert not accepts(spec, "{" + " " * 25 + '"a": 1}')
+    own = {"x-guidance": {"whitespace_pattern": "[ ]+"}, "type": "object"}
+    assert accepts(GuidedSpec("json_schema", json.dumps(own)), "{" + " " * 40 + "}")
+
+
+def test_strings_are_bounded_unless_the_schema_bounds_them():
+    spec = schema(s={"type": "string"}, p={"type": "string", "pattern": "^a+$"})
+    assert accepts(spec, '{"s": "' + "x" * 4096 + '"}')
+    assert not accepts(spec, '{"s": "' + "x" * 4097 + '"}')
+    assert accepts(spec, '{"p": "' + "a" * 5000 + '"}')
+    assert not accepts(GuidedSpec("json_object"), '{"s": ["' + "x" * 4097 + '"]}')
