@@ -205,3 +205,79 @@ def test_up_and_keys_import_no_service_until_they_run():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_plan_help_shows_defaults_and_what_users_means(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "concurrent streams" in out and "(default: 1000)" in out
+    assert "(default: llama-3.1-70b)" in out and "(default: None)" not in out
+
+
+def test_plan_converts_daily_users_into_concurrent_streams(capsys):
+    from tokenyard.cli import plan
+
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    # 100,000 users x 10 requests a day, twice the mean in the busiest hour: 23.1 arrivals/s,
+    # each answer 256 tokens at 20 tokens/s = 12.8 s: 296.3 streams at once.
+    args = parser.parse_args(["--daily-users", "100000"])
+    assert plan.concurrent_users(args) == 297
+    assert plan.concurrent_users(parser.parse_args(["--users", "50"])) == 50
+    assert cli.main(["plan", "--daily-users", "100000", "--requests-per-user-day", "0"]) == 2
+    assert "--requests-per-user-day above 0" in capsys.readouterr().err
+
+
+def test_simulate_tables_fit_80_columns():
+    from rich.console import Console
+
+    from tokenyard.cli.simulate import show
+
+    run = {"pd_ratio": "12:36", "policy": "kv-aware+facilities", "goodput_req_s": 1234.567,
+           "ttft_p50_ms": 12345.67, "ttft_p99_ms": 123456.78, "itl_p50_ms": 123.45,
+           "itl_p99_ms": 1234.56, "prefix_hit_rate": 0.5951, "throttle_events": 12345,
+           "rack_peak_kw": 1234.56, "rejected": 123456}  # fmt: skip
+    report = {"model": "llama-3.1-70b", "gpus": 1000, "hardware": "h100", "tp": 4,
+              "workload": "shared-prefix", "runs": [run, {**run, "policy": "round-robin"}]}  # fmt: skip
+    console = Console(width=80, record=True)
+    show(report, console)
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    for value in ("kv-aware+facilities", "12:36", "123,457", "123.5", "0.595", "123456"):
+        assert value in text
+
+
+def test_up_saves_its_control_token_for_ctl_and_prints_it(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from tokenyard.cli import ctl, running, up
+
+    monkeypatch.setenv("TOKENYARD_RUN_FILE", str(tmp_path / "run" / "up.json"))
+    monkeypatch.delenv("TOKENYARD_GRPC_TOKEN", raising=False)
+    monkeypatch.delenv("TOKENYARD_FACILITIES_ADMIN_TOKEN", raising=False)
+    stack = SimpleNamespace(
+        gateway_url="http://127.0.0.1:8000",
+        grpc_token="grpc-secret",
+        facilities_url="",
+        facilities_control="127.0.0.1:50123",
+        facilities_admin_token="admin-secret",
+        console_url="",
+        fetch_model_id=lambda: "m",
+    )
+    with up._saved_for_ctl(stack):
+        assert (running.path().stat().st_mode & 0o777) == 0o600
+        up._banner(stack)
+        parser = argparse.ArgumentParser()
+        ctl.add_arguments(parser)
+        worker = parser.parse_args(["worker", "status", "127.0.0.1:1"])
+        assert ctl.security_for(worker).token == "grpc-secret"
+        racks = parser.parse_args(["facilities", "racks"])
+        assert ctl.security_for(racks).token == "admin-secret"
+        assert ctl.address_for(racks, running.load()) == "127.0.0.1:50123"
+        given = parser.parse_args(["--token", "mine", "worker", "status", "127.0.0.1:1"])
+        assert ctl.security_for(given).token == "mine"
+    assert "grpc-secret" in capsys.readouterr().out
+    assert not running.path().exists()  # removed with the stack
+    assert ctl.security_for(worker).token == ""
+    assert ctl.address_for(racks, running.load()) == ctl.DEFAULT_FACILITIES
