@@ -12,11 +12,14 @@ Strings get at most 4096 characters, and whitespace between tokens 24 at a time.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 
 from tokenyard.engine.sampling_params import GuidedSpec
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # typed, not exported
 
 # The largest bound llguidance turns into a range of digits: 9e18 is exact as a float and
 # below 2**63 (its range compiler refuses the int64 limits themselves).
@@ -29,7 +32,7 @@ STRING_MAX_LENGTH = 4096
 _STRING_BOUNDS = frozenset({"maxLength", "pattern", "format", "enum", "const"})
 # Whitespace between tokens: a newline and indentation, not a run to max_tokens. A schema's
 # own "x-guidance" whitespace_pattern replaces this default.
-JSON_DEFAULTS: llguidance.JsonCompileOptions = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,24}"}
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,24}"}
 # Keys whose values are JSON data, not subschemas: a bound added there would change the data.
 _DATA_KEYS = frozenset({"enum", "const", "default", "examples", "x-guidance"})
 
