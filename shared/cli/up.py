@@ -180,8 +180,12 @@ def config_from(args: argparse.Namespace) -> StackConfig:
 
     if (args.prefill is not None and args.prefill < 1) or (args.decode or 0) < 0:
         raise SystemExit("--prefill must be at least 1 and --decode at least 0")
-    if args.kvcache_mib < 1:
-        raise SystemExit("--kvcache-mib must be at least 1")
+    if args.kvcache_mib < 1 or (args.kv_cache_mib is not None and args.kv_cache_mib < 1):
+        raise SystemExit("--kvcache-mib and --kv-cache-mib must be at least 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise SystemExit("--gpu-memory-utilization must be above 0 and at most 1")
+    if args.ready_timeout <= 0:
+        raise SystemExit("--ready-timeout must be above 0 seconds")
     speculative = {}
     if args.speculative:
         try:

@@ -281,3 +281,17 @@ def test_up_saves_its_control_token_for_ctl_and_prints_it(tmp_path, monkeypatch,
     assert not running.path().exists()  # removed with the stack
     assert ctl.security_for(worker).token == ""
     assert ctl.address_for(racks, running.load()) == ctl.DEFAULT_FACILITIES
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--kv-cache-mib", "0"], "--kv-cache-mib must be at least 1"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be above 0"),
+        (["--ready-timeout", "0"], "--ready-timeout must be above 0"),
+    ],
+)
+def test_up_refuses_bad_numbers_before_it_starts(argv, needle, capsys):
+    assert cli.main(["up", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.splitlines()) == 1
