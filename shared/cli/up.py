@@ -272,16 +272,14 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     stack = LocalStack(config)
-    failed = True
+    keep_logs = False  # a failed stack's logs say why
     try:
         stack.start()
         print(
             f"Starting Tokenyard (NATS {redact(stack.nats_url)}; logs in {stack.log_dir}) ...",
             flush=True,
         )
-        ready = _wait_ready(stack, stop, args.ready_timeout)
-        failed = False
-        if not ready:  # stopped while starting
+        if not _wait_ready(stack, stop, args.ready_timeout):  # stopped while starting
             return 130
         with _saved_for_ctl(stack):
             _banner(stack)
@@ -292,15 +290,15 @@ def run(args: argparse.Namespace) -> int:
                     )
         print("\nStopping ...", flush=True)
         return 0
-    except ConfigError as exc:
+    except ConfigError as exc:  # a service that cannot run as configured; the line names its log
+        keep_logs = True
         return _config_error(exc)
     except StackError as exc:
-        print(f"tokenyard up failed: {exc}", flush=True)
+        keep_logs = True
+        print(f"tokenyard up failed: {exc}\nlogs kept in {stack.log_dir}", flush=True)
         return 1
     finally:
-        stack.stop(keep_logs=failed)
-        if failed:
-            print(f"logs kept in {stack.log_dir}", file=sys.stderr, flush=True)
+        stack.stop(keep_logs=keep_logs)
 
 
 def _config_error(exc: BaseException) -> int:
