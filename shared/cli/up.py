@@ -2,9 +2,11 @@
 
 An embedded nats-server (JetStream, temporary directory), the router, prefill and decode
 workers, the gateway, and the KV-cache and facilities services unless told not to. Ctrl-C (or
-SIGTERM) stops everything; children also die with this process (PR_SET_PDEATHSIG). A service
-that crashes is restarted with backoff (services/launch/supervise.py); one that keeps failing
-right after its start stops the stack with its log.
+SIGTERM) stops everything; children also die with this process (PR_SET_PDEATHSIG). Before
+anything starts, the model, the ports and the options are checked (services/launch/
+preflight.py): a problem is one line on stderr and exit code 2. A service that crashes is
+restarted with backoff (services/launch/supervise.py); one that keeps failing right after its
+start, or exits as misconfigured, stops the stack with one line naming its log.
 
 NOTE: the library imports no service at import time (services build on the library), so the
 launcher (tokenyard.services.launch) is imported inside the functions that use it.
