@@ -19,13 +19,12 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from tokenyard.lifecycle import CONFIG_EXIT
 from tokenyard.services.launch.procs import ChildProcess
 
 log = logging.getLogger(__name__)
 
 Action = Literal["wait", "restart", "give_up"]
-
-CONFIG_EXIT = 78  # a service's exit code for "cannot run as configured": never restarted
 
 
 @dataclass(frozen=True)
