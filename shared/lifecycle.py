@@ -1,5 +1,6 @@
-"""How every service process runs: until SIGINT or SIGTERM, then a graceful stop; and its
-heap handed back to the OS after loading or a busy spell."""
+"""How every service process runs: settings checked at start (a configuration error exits
+CONFIG_EXIT, which the launcher never restarts), until SIGINT or SIGTERM, then a graceful stop;
+and its heap handed back to the OS after loading or a busy spell."""
 
 from __future__ import annotations
 
@@ -7,7 +8,39 @@ import asyncio
 import contextlib
 import ctypes
 import signal
+import sys
 from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings
+
+# A service's exit code for "cannot run as configured" (sysexits' EX_CONFIG): a restart would
+# fail the same way, so the launcher gives up at once and shows the reason.
+CONFIG_EXIT = 78
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def exit_for_config(service: str, reason: str) -> NoReturn:
+    """Exit CONFIG_EXIT with one plain line of reason, the last line of stderr (the
+    launcher's log file), where the launcher's give-up message quotes it."""
+    sys.stderr.write(f"{service}: {reason}\n")
+    sys.stderr.flush()
+    raise SystemExit(CONFIG_EXIT)
+
+
+def settings_or_exit(cls: type[S], service: str, **values: Any) -> S:
+    """The service's settings from its environment, or CONFIG_EXIT naming the first bad one
+    (every error goes to stderr before it)."""
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        sys.stderr.write(f"{exc}\n")
+        first = exc.errors()[0]
+        prefix = str(cls.model_config.get("env_prefix", ""))
+        name = "_".join(str(part) for part in first["loc"]).upper()
+        exit_for_config(service, f"bad setting {prefix}{name}: {first['msg']}")
 
 
 def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> None:

@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 
-from pydantic import ValidationError
-
-from tokenyard.lifecycle import run_until_signalled
+from tokenyard.lifecycle import run_until_signalled, settings_or_exit
 from tokenyard.services.facilities.service import serve
 from tokenyard.services.facilities.settings import FacilitiesSettings
 
 
-async def main(stop: asyncio.Event) -> None:
-    await serve(FacilitiesSettings(), stop)  # type: ignore[call-arg]  # required fields come from the environment
+async def main(settings: FacilitiesSettings, stop: asyncio.Event) -> None:
+    await serve(settings, stop)
 
 
 if __name__ == "__main__":
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        run_until_signalled(main)
-    except ValidationError as exc:
-        sys.exit(f"facilities: bad settings (TOKENYARD_FACILITIES_*):\n{exc}")
+    settings = settings_or_exit(FacilitiesSettings, "facilities")
+    run_until_signalled(lambda stop: main(settings, stop))

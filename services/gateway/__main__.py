@@ -8,6 +8,7 @@ import math
 import uvicorn
 from fastapi import FastAPI
 
+from tokenyard.lifecycle import settings_or_exit
 from tokenyard.services.gateway.app import create_app
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.tracing import setup_tracing
@@ -28,7 +29,7 @@ def server_config(app: FastAPI, settings: GatewaySettings) -> uvicorn.Config:
 
 
 def main() -> None:
-    settings = GatewaySettings()
+    settings = settings_or_exit(GatewaySettings, "gateway")
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

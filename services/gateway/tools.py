@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tokenyard.engine.grammar import bounded
 from tokenyard.engine.sampling_params import GuidedSpec
 from tokenyard.services.gateway.errors import invalid
 
@@ -98,9 +99,7 @@ def call_grammar(fns: dict[str, dict[str, Any]], names: list[str], parallel: boo
         ]
     }
     calls = 'call ("\\n" call)*' if parallel else "call"
-    lark = (
-        f'start: {calls}\ncall: "{OPEN}\\n" body "\\n{CLOSE}"\nbody: %json {json.dumps(schema)}\n'
-    )
+    lark = f'start: {calls}\ncall: "{OPEN}\\n" body "\\n{CLOSE}"\nbody: %json {json.dumps(bounded(schema))}\n'
     return GuidedSpec("grammar", lark)
 
 

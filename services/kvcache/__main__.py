@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 
 from prometheus_client import REGISTRY
-from pydantic import ValidationError
 
 from tokenyard.http_server import ReadyFlag, ops_server
-from tokenyard.lifecycle import run_until_signalled
+from tokenyard.lifecycle import run_until_signalled, settings_or_exit
 from tokenyard.services.kvcache.metrics import StoreCollector
 from tokenyard.services.kvcache.server import serve
 from tokenyard.services.kvcache.settings import KVCacheSettings
@@ -35,8 +33,5 @@ if __name__ == "__main__":
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        settings = KVCacheSettings()
-    except ValidationError as exc:
-        sys.exit(f"kvcache: bad settings (TOKENYARD_KVCACHE_*):\n{exc}")
+    settings = settings_or_exit(KVCacheSettings, "kvcache")
     run_until_signalled(lambda stop: main(settings, stop))

@@ -1,4 +1,5 @@
-"""What a local stack is asked to run (StackConfig), and how it says it cannot (StackError)."""
+"""What a local stack is asked to run (StackConfig), and how it says it cannot (StackError;
+ConfigError when the request itself is wrong, found before anything starts)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ GATEWAY_ID = "gw-1"
 
 class StackError(RuntimeError):
     pass
+
+
+class ConfigError(StackError):
+    """The stack cannot start as configured (a missing model, a taken port, a bad option):
+    trying again would change nothing. Its message is one line that names the fix."""
 
 
 @dataclass

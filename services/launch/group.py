@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from tokenyard.services.launch.config import StackError
+from tokenyard.services.launch.config import ConfigError, StackError
 from tokenyard.services.launch.procs import ChildProcess
 from tokenyard.services.launch.supervise import GaveUp, RestartPolicy, Supervisor
 
@@ -53,11 +53,12 @@ class ServiceGroup:
     def supervise(self) -> list[str]:
         """Restart any service that died (NATS on its port and JetStream directory, so
         streams and consumers survive); returns the names restarted. A service that keeps
-        failing right after its start is a StackError, with its log."""
+        failing right after its start is a StackError, one that cannot run as configured a
+        ConfigError; either names the reason and the log."""
         try:
             return self.supervisor.poll(self.procs)
         except GaveUp as exc:
-            raise StackError(str(exc)) from None
+            raise (ConfigError if exc.config else StackError)(str(exc)) from None
 
     def describe_failures(self) -> str:
         parts = []

@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from tokenyard.services.launch.config import StackConfig, StackError
+from tokenyard.services.launch.config import ConfigError, StackConfig
 
 SHARED_MEMORY_DIR = "/dev/shm"
 
@@ -19,10 +19,10 @@ def gpu_placement(
     round-robin over groups of ``tp`` GPUs (a tensor-parallel worker's ranks take its first
     GPU and the ``tp - 1`` after it), each group's share split between its workers."""
     if num_gpus < 1:
-        raise StackError("device cuda asked for, but no CUDA GPU is visible")
+        raise ConfigError("device cuda asked for, but no CUDA GPU is visible")
     groups = num_gpus // tp
     if groups < 1:
-        raise StackError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {num_gpus} visible")
+        raise ConfigError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {num_gpus} visible")
     group = index % groups
     sharing = len(range(group, num_workers, groups))
     return f"cuda:{group * tp}", utilization / max(1, sharing)

@@ -28,23 +28,23 @@ from typing import Any
 
 from tokenyard.bus import auth
 from tokenyard.bus.embedded import free_port
-from tokenyard.services.launch.config import GATEWAY_ID, StackConfig, StackError
+from tokenyard.services.launch.config import GATEWAY_ID, ConfigError, StackConfig, StackError
 from tokenyard.services.launch.group import ServiceGroup
 from tokenyard.services.launch.nats import StackNats
 from tokenyard.services.launch.placement import Placement
 from tokenyard.services.launch.procs import ChildProcess
 from tokenyard.services.launch.supervise import Supervisor
 
-__all__ = ["LocalStack", "StackConfig", "StackError", "facilities_inventory"]
+__all__ = ["ConfigError", "LocalStack", "StackConfig", "StackError", "facilities_inventory"]
 
 
 def facilities_inventory() -> Path:
     """The operator's inventory (TOKENYARD_FACILITIES_INVENTORY_PATH), else the example one
-    shipped in a checkout; StackError when there is neither."""
+    shipped in a checkout; ConfigError when there is neither."""
     configured = os.environ.get("TOKENYARD_FACILITIES_INVENTORY_PATH")
     path = Path(configured) if configured else _example_inventory()
     if path is None or not path.exists():
-        raise StackError(
+        raise ConfigError(
             f"the facilities service needs an inventory, and {path or 'none'} does not exist: "
             "set TOKENYARD_FACILITIES_INVENTORY_PATH or start without facilities (--no-facilities)"
         )
@@ -317,15 +317,22 @@ class LocalStack:
 
     # --- stopping ------------------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Stop everything: services first (they drain to NATS), NATS last."""
+    def stop(self, *, keep_logs: bool = False) -> None:
+        """Stop everything: services first (they drain to NATS), NATS last. keep_logs: a
+        temporary log dir stays (a failed start's logs say why)."""
         self.services.stop()
         if self._redis is not None:
             self._redis.shutdown()
         if self.shared_weights_dir is not None:  # workers still mapping it keep their pages
             shutil.rmtree(self.shared_weights_dir, ignore_errors=True)
-        if self.config.log_dir is None:
+        if self.config.log_dir is None and not keep_logs:
             shutil.rmtree(self._tmp, ignore_errors=True)
+        elif self.config.log_dir is None:
+            for path in self._tmp.iterdir():
+                if path.is_dir() and path != self.log_dir:
+                    shutil.rmtree(path, ignore_errors=True)
+                elif path.is_file():
+                    path.unlink()
         else:
             shutil.rmtree(self._tmp / "jetstream", ignore_errors=True)
 

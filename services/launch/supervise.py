@@ -8,6 +8,8 @@ The policy is a pure function over one service's record, so tests script it with
 A run that lasted at least ``stable_after_s`` resets the count: a service that crashes
 once a day is restarted every time, one that dies at start is given up after
 ``max_fast_failures`` tries (its log says why, and nothing would change by trying again).
+A service that exits with CONFIG_EXIT (sysexits' EX_CONFIG: it cannot run as configured,
+e.g. its model is missing) is given up at once: a restart would fail the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from tokenyard.lifecycle import CONFIG_EXIT
 from tokenyard.services.launch.procs import ChildProcess
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ class Record:
     died_at: float | None = None  # set when a poll first sees it dead
     fast_failures: int = 0
     restarts: int = 0
+    exit_code: int | None = None  # of the last death
 
 
 def note_death(policy: RestartPolicy, record: Record, now: float) -> None:
@@ -53,7 +57,7 @@ def note_death(policy: RestartPolicy, record: Record, now: float) -> None:
 
 def decide(policy: RestartPolicy, record: Record, now: float) -> Action:
     assert record.died_at is not None, "decide() is for a dead service"
-    if record.fast_failures > policy.max_fast_failures:
+    if record.exit_code == CONFIG_EXIT or record.fast_failures > policy.max_fast_failures:
         return "give_up"
     if now - record.died_at < policy.backoff(record.fast_failures):
         return "wait"
@@ -61,7 +65,12 @@ def decide(policy: RestartPolicy, record: Record, now: float) -> Action:
 
 
 class GaveUp(RuntimeError):
-    """A service failed fast too many times in a row; the message names it and its log."""
+    """A service failed fast too many times in a row, or could not run as configured; the
+    message is one line: the service, the last line of its log (the reason) and the log."""
+
+    def __init__(self, message: str, *, config: bool = False) -> None:
+        super().__init__(message)
+        self.config = config  # it exited with CONFIG_EXIT
 
 
 class Supervisor:
@@ -89,15 +98,13 @@ class Supervisor:
         record = self.records.setdefault(proc.name, Record(started_at=now))
         if record.died_at is None:
             note_death(self.policy, record, now)
-            code = proc.proc.returncode if proc.proc else None
-            log.warning("%s exited (code %s); restart %d", proc.name, code, record.fast_failures)
+            record.exit_code = proc.proc.returncode if proc.proc else None
+            log.warning(
+                "%s exited (code %s); restart %d", proc.name, record.exit_code, record.fast_failures
+            )
         action = decide(self.policy, record, now)
         if action == "give_up":
-            raise GaveUp(
-                f"{proc.name} failed {record.fast_failures} times in a row, each within "
-                f"{self.policy.stable_after_s:.0f} s of starting; giving up. "
-                f"Its log ({proc.log_path}):\n{proc.log_tail(30)}"
-            )
+            raise GaveUp(self._give_up_line(proc, record), config=record.exit_code == CONFIG_EXIT)
         if action == "wait":
             return False
         proc.start()
@@ -105,3 +112,19 @@ class Supervisor:
         record.restarts += 1
         log.warning("%s restarted (pid %d)", proc.name, proc.pid)
         return True
+
+    def _give_up_line(self, proc: ChildProcess, record: Record) -> str:
+        reason = last_line(proc.log_tail(30)) or f"exit code {record.exit_code}"
+        if record.exit_code == CONFIG_EXIT:
+            return f"{proc.name} cannot start: {reason} (log: {proc.log_path})"
+        return (
+            f"{proc.name} failed {record.fast_failures} times in a row, each within "
+            f"{self.policy.stable_after_s:.0f} s of starting; giving up: {reason} "
+            f"(log: {proc.log_path})"
+        )
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line: a Python traceback's last line is the exception."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""

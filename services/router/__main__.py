@@ -10,7 +10,7 @@ from tokenyard.bus import subjects
 from tokenyard.bus.auth import redact
 from tokenyard.bus.nats import Bus
 from tokenyard.http_server import ops_server
-from tokenyard.lifecycle import run_until_signalled
+from tokenyard.lifecycle import run_until_signalled, settings_or_exit
 from tokenyard.routing.cost import CostConfig
 from tokenyard.routing.policy import PolicyConfig
 from tokenyard.services.router.handler import RouterHandler
@@ -69,7 +69,7 @@ async def _not_ready(bus: Bus) -> str | None:
 
 
 def main() -> None:
-    settings = RouterSettings()
+    settings = settings_or_exit(RouterSettings, "router")
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s router %(levelname)s %(message)s"
     )

@@ -4,20 +4,14 @@ until SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import logging
-import sys
 
-from pydantic import ValidationError
-
-from tokenyard.lifecycle import run_until_signalled
+from tokenyard.lifecycle import run_until_signalled, settings_or_exit
 from tokenyard.services.telemetry.service import serve
 from tokenyard.services.telemetry.settings import TelemetrySettings
 
 
 def main() -> None:
-    try:
-        settings = TelemetrySettings()
-    except ValidationError as exc:
-        sys.exit(f"telemetry: bad settings (TOKENYARD_TELEMETRY_*):\n{exc}")
+    settings = settings_or_exit(TelemetrySettings, "telemetry")
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s telemetry %(levelname)s %(message)s"
     )

@@ -21,7 +21,8 @@ from tokenyard.engine.contract import Engine
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.fleet.roles import ROLES, Role
 from tokenyard.http_server import ReadyFlag, ops_server
-from tokenyard.lifecycle import run_until_signalled
+from tokenyard.lifecycle import exit_for_config, run_until_signalled, settings_or_exit
+from tokenyard.models.errors import ModelLoadError
 from tokenyard.services.worker import control
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.decode import DecodeHandler
@@ -190,11 +191,15 @@ def parse_role(default: Role) -> dict[str, Any]:
 
 
 def main(default_role: Role) -> None:
-    settings = WorkerSettings(**parse_role(default_role))
+    settings = settings_or_exit(WorkerSettings, "worker", **parse_role(default_role))
     logging.basicConfig(
         level=settings.log_level,
         format=f"%(asctime)s {settings.role}:{settings.worker_id} %(levelname)s %(message)s",
     )
     setup_tracing(f"worker-{settings.role}")
 
-    run_until_signalled(lambda stop: serve(settings, stop))
+    try:
+        run_until_signalled(lambda stop: serve(settings, stop))
+    except ModelLoadError as exc:  # a missing or unreadable model: a restart cannot help
+        log.exception("cannot load the model")
+        exit_for_config(f"worker {settings.worker_id}", f"cannot load the model: {exc}")

@@ -13,8 +13,10 @@
     tokenyard ctl facilities undrain rack-a
 
 A worker's control address is in its log and its heartbeats (control_endpoint). The stack
-token is --token, else TOKENYARD_GRPC_TOKEN; facilities changes need the admin token
-(--admin-token, else TOKENYARD_FACILITIES_ADMIN_TOKEN). TLS comes from TOKENYARD_GRPC_TLS_*.
+token is --token, else TOKENYARD_GRPC_TOKEN, else the running `tokenyard up`'s (it saves its
+token and addresses for ctl: tokenyard.cli.running); facilities changes need the admin token
+(--admin-token, else TOKENYARD_FACILITIES_ADMIN_TOKEN, else the running `up`'s), and the
+facilities address defaults to the running `up`'s too. TLS comes from TOKENYARD_GRPC_TLS_*.
 Answers are printed as JSON; a refused call prints its gRPC status and exits 1.
 """
 
@@ -32,6 +34,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from tokenyard.cli import running
 from tokenyard.facilities.faults import FAULT_KINDS
 from tokenyard.grpc_security import GrpcSecurity, open_channel
 from tokenyard.kv.layout import KVLayout, layout_to_proto
@@ -43,7 +46,10 @@ TIMEOUT_S = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--token", help="the stack token (default: $TOKENYARD_GRPC_TOKEN)")
+    parser.add_argument(
+        "--token",
+        help="the stack token (default: $TOKENYARD_GRPC_TOKEN, else the running `tokenyard up`'s)",
+    )
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per call")
     targets = parser.add_subparsers(dest="target", required=True)
 
@@ -73,10 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     facilities = targets.add_parser("facilities", help="racks of the facilities service")
     facilities.add_argument(
-        "--addr", default=DEFAULT_FACILITIES, help=f"its gRPC address ({DEFAULT_FACILITIES})"
+        "--addr",
+        help=f"its gRPC address (default: the running `tokenyard up`'s, else {DEFAULT_FACILITIES})",
     )
     facilities.add_argument(
-        "--admin-token", help="the admin token (default: $TOKENYARD_FACILITIES_ADMIN_TOKEN)"
+        "--admin-token",
+        help="the admin token (default: $TOKENYARD_FACILITIES_ADMIN_TOKEN, else the running "
+        "`tokenyard up`'s)",
     )
     fac = facilities.add_subparsers(dest="action", required=True)
     fac.add_parser("racks", help="every rack's state, faults and cap")
@@ -144,15 +153,28 @@ def facilities_call(args: argparse.Namespace) -> Call:
     return call
 
 
-def security_for(args: argparse.Namespace) -> GrpcSecurity:
+def security_for(args: argparse.Namespace, saved: dict[str, str] | None = None) -> GrpcSecurity:
+    """The call's credentials: the options, else the environment, else the running `up`'s."""
+    saved = running.load() if saved is None else saved
     overrides: dict[str, Any] = {}
-    if args.token is not None:
-        overrides["token"] = args.token
+    token = args.token or os.environ.get("TOKENYARD_GRPC_TOKEN") or saved.get("grpc_token")
+    if token:
+        overrides["token"] = token
     if args.target == "facilities":
-        admin = args.admin_token or os.environ.get("TOKENYARD_FACILITIES_ADMIN_TOKEN")
+        admin = (
+            args.admin_token
+            or os.environ.get("TOKENYARD_FACILITIES_ADMIN_TOKEN")
+            or saved.get("facilities_admin_token")
+        )
         if admin:  # it opens reads too; the facilities service checks it per call
             overrides["token"] = admin
     return GrpcSecurity(**overrides)
+
+
+def address_for(args: argparse.Namespace, saved: dict[str, str]) -> str:
+    if args.target != "facilities" or args.addr:
+        return str(args.addr)
+    return saved.get("facilities_control") or DEFAULT_FACILITIES
 
 
 async def call(addr: str, security: GrpcSecurity, do: Call) -> Message:
@@ -165,8 +187,10 @@ async def call(addr: str, security: GrpcSecurity, do: Call) -> Message:
 
 def run(args: argparse.Namespace) -> int:
     calls = {"worker": worker_call, "kvcache": kvcache_call, "facilities": facilities_call}
+    saved = running.load()
+    security, addr = security_for(args, saved), address_for(args, saved)
     try:
-        reply = asyncio.run(call(args.addr, security_for(args), calls[args.target](args)))
+        reply = asyncio.run(call(addr, security, calls[args.target](args)))
     except grpc.aio.AioRpcError as exc:
         print(f"tokenyard ctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from rich.console import Console
@@ -13,7 +14,15 @@ from tokenyard.planner import catalog
 from tokenyard.planner.plan import Plan, PlanError, PlanSettings, Workload, make_plan
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, but not a default of no value ("None")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = DefaultsFormatter
     parser.add_argument(
         "--model", default="llama-3.1-70b", help=f"a preset: {', '.join(sorted(catalog.MODELS))}"
     )
@@ -22,23 +31,87 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         default="h100",
         help=f"accelerator: {', '.join([*sorted(catalog.HARDWARE), 'cpu'])}",
     )
-    parser.add_argument("--weights-dtype", default="bf16", choices=sorted(catalog.DTYPE_BYTES))
-    parser.add_argument("--kv-dtype", default="bf16", choices=sorted(catalog.DTYPE_BYTES))
-    parser.add_argument("--users", type=int, default=1000, help="concurrent conversations")
-    parser.add_argument("--tps-per-user", type=float, default=20.0)
-    parser.add_argument("--prompt-len", type=int, default=1024)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    parser.add_argument(
+        "--weights-dtype",
+        default="bf16",
+        choices=sorted(catalog.DTYPE_BYTES),
+        help="weights' storage type",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        default="bf16",
+        choices=sorted(catalog.DTYPE_BYTES),
+        help="KV cache's storage type",
+    )
+    parser.add_argument(
+        "--users",
+        type=int,
+        default=1000,
+        help="concurrent streams: answers being generated at the same moment, "
+        "each read at --tps-per-user (not daily users: see --daily-users)",
+    )
+    parser.add_argument(
+        "--daily-users",
+        type=int,
+        default=None,
+        metavar="N",
+        help="size for N users a day instead of --users: with "
+        "--requests-per-user-day, the busiest hour's concurrent streams "
+        "(Little's law: arrivals per second x seconds per answer)",
+    )
+    parser.add_argument(
+        "--requests-per-user-day",
+        type=float,
+        default=10.0,
+        metavar="R",
+        help="with --daily-users: requests each user sends a day",
+    )
+    parser.add_argument(
+        "--peak-factor",
+        type=float,
+        default=2.0,
+        help="with --daily-users: the busiest hour's arrivals over the day's mean",
+    )
+    parser.add_argument(
+        "--tps-per-user",
+        type=float,
+        default=20.0,
+        help="output tokens per second each stream must see",
+    )
+    parser.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=256, help="output tokens")
+    parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="time to first token")
     parser.add_argument("--itl-slo-ms", type=float, default=0.0, help="0: 1000 / --tps-per-user")
-    parser.add_argument("--prefix-hit-rate", type=float, default=0.0)
+    parser.add_argument(
+        "--prefix-hit-rate",
+        type=float,
+        default=0.0,
+        help="share of prompt tokens served from the prefix cache",
+    )
     # Explicit parameters override the preset's (or make a model of their own).
     for name in ("total-params", "active-params"):
-        parser.add_argument(f"--{name}", type=float, default=None, help="e.g. 70e9")
+        parser.add_argument(
+            f"--{name}", type=float, default=None, help="e.g. 70e9 (default: the preset's)"
+        )
     for name in ("layers", "hidden", "kv-heads", "head-dim"):
-        parser.add_argument(f"--{name}", type=int, default=None)
+        parser.add_argument(f"--{name}", type=int, default=None, help="(default: the preset's)")
     parser.add_argument("--coolant-delta-t", type=float, default=10.0, help="degrees C")
     parser.add_argument("--network-gbs", type=float, default=50.0,
                         help="prefill-to-decode KV transfer bandwidth, GB/s")  # fmt: skip
+
+
+def concurrent_users(args: argparse.Namespace) -> int:
+    """--users, or the concurrent streams that --daily-users send in the busiest hour."""
+    if args.daily_users is None:
+        return int(args.users)
+    if args.daily_users < 1 or args.requests_per_user_day <= 0 or args.peak_factor < 1:
+        raise ValueError(
+            "--daily-users needs at least 1 user, --requests-per-user-day above 0 and "
+            "--peak-factor at least 1"
+        )
+    arrivals_per_s = args.daily_users * args.requests_per_user_day / 86_400 * args.peak_factor
+    answer_s = args.output_len / args.tps_per_user
+    return max(1, math.ceil(arrivals_per_s * answer_s))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +134,7 @@ def model_from(args: argparse.Namespace) -> catalog.ModelSpec:
 
 def workload_from(args: argparse.Namespace) -> Workload:
     return Workload(
-        users=args.users,
+        users=concurrent_users(args),
         tps_per_user=args.tps_per_user,
         prompt_len=args.prompt_len,
         output_len=args.output_len,
@@ -91,6 +164,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
+        if args.daily_users is not None:
+            print(
+                f"{args.daily_users:,} users a day x {args.requests_per_user_day:g} requests, "
+                f"busiest hour x{args.peak_factor:g}: {concurrent_users(args):,} concurrent streams"
+            )
         show(plan)
     return 0
 

@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenyard.cli.plan import add_workload_arguments, model_from, workload_from
 from tokenyard.planner import catalog
@@ -24,6 +25,10 @@ from tokenyard.planner.roofline import Deployment
 from tokenyard.sim.fleet import FleetSpec, build_fleet
 from tokenyard.sim.simulator import POLICIES, SimConfig, Simulation
 from tokenyard.sim.workload import WorkloadSpec, from_bench, generate
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,12 +81,15 @@ def run(args: argparse.Namespace) -> int:
     except (PlanError, ValueError, FileNotFoundError) as exc:
         print(f"tokenyard simulate: {exc}", file=sys.stderr)
         return 2
-    if args.png:
-        plot(report, Path(args.png))
     if args.json:
         print(json.dumps(public(report), indent=2))
     else:
         show(report)
+    if args.png:
+        path = Path(args.png)
+        plot(report, path)
+        # stderr: stdout may be the JSON report.
+        print(f"chart written to {path.resolve()}", file=sys.stderr)
     return 0
 
 
@@ -163,30 +171,58 @@ def public(report: dict) -> dict:
                                for r in report["runs"]]}  # fmt: skip
 
 
-def show(report: dict) -> None:
+# The runs' figures in two tables, each under 80 columns: (heading, key of a run) per column.
+LATENCY_COLUMNS = (
+    ("P:D", "pd_ratio"),
+    ("policy", "policy"),
+    ("goodput\nreq/s", "goodput_req_s"),
+    ("TTFT p50\nms", "ttft_p50_ms"),
+    ("TTFT p99\nms", "ttft_p99_ms"),
+    ("ITL p50\nms", "itl_p50_ms"),
+    ("ITL p99\nms", "itl_p99_ms"),
+)
+FLEET_COLUMNS = (
+    ("P:D", "pd_ratio"),
+    ("policy", "policy"),
+    ("prefix\nhit rate", "prefix_hit_rate"),
+    ("throttle\nevents", "throttle_events"),
+    ("rack peak\nkW", "rack_peak_kw"),
+    ("rejected", "rejected"),
+)
+
+
+def show(report: dict, console: Console | None = None) -> None:
     from rich.console import Console
+
+    console = console or Console()
+    console.print(
+        f"{report['model']} on {report['gpus']} x {report['hardware']} (tp {report['tp']}), "
+        f"{report['workload']}"
+    )
+    console.print(_table("latency", LATENCY_COLUMNS, report["runs"]))
+    console.print(_table("fleet and power", FLEET_COLUMNS, report["runs"]))
+
+
+def _table(title: str, columns: tuple[tuple[str, str], ...], runs: list[dict]) -> Table:
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=f"{report['model']} on {report['gpus']} x {report['hardware']} "
-                        f"(tp {report['tp']}), {report['workload']}")  # fmt: skip
-    cols = (
-        "pd_ratio",
-        "policy",
-        "goodput_req_s",
-        "ttft_p50_ms",
-        "ttft_p99_ms",
-        "itl_p50_ms",
-        "itl_p99_ms",
-        "prefix_hit_rate",
-        "throttle_events",
-        "rack_peak_kw",
-        "rejected",
-    )
-    for c in cols:
-        table.add_column(c.replace("_", " "), justify="right")
-    for r in report["runs"]:
-        table.add_row(*(str(r[c]) for c in cols))
-    Console().print(table)
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for i, (heading, _) in enumerate(columns):
+        # NOTE: the ratio and the policy never shrink: a cut name says nothing.
+        table.add_column(heading, justify="left" if i < 2 else "right", no_wrap=i < 2)
+    for r in runs:
+        table.add_row(*(_figure(r[key]) for _, key in columns))
+    return table
+
+
+def _figure(value: object) -> str:
+    """A float to the digits worth reading (the JSON keeps them all); others as they are."""
+    if not isinstance(value, float):
+        return str(value)
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
 
 
 def plot(report: dict, path: Path) -> None:

@@ -2,9 +2,11 @@
 
 An embedded nats-server (JetStream, temporary directory), the router, prefill and decode
 workers, the gateway, and the KV-cache and facilities services unless told not to. Ctrl-C (or
-SIGTERM) stops everything; children also die with this process (PR_SET_PDEATHSIG). A service
-that crashes is restarted with backoff (services/launch/supervise.py); one that keeps failing
-right after its start stops the stack with its log.
+SIGTERM) stops everything; children also die with this process (PR_SET_PDEATHSIG). Before
+anything starts, the model, the ports and the options are checked (services/launch/
+preflight.py): a problem is one line on stderr and exit code 2. A service that crashes is
+restarted with backoff (services/launch/supervise.py); one that keeps failing right after its
+start, or exits as misconfigured, stops the stack with one line naming its log.
 
 NOTE: the library imports no service at import time (services build on the library), so the
 launcher (tokenyard.services.launch) is imported inside the functions that use it.
@@ -13,13 +15,17 @@ launcher (tokenyard.services.launch) is imported inside the functions that use i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
+import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenyard.bus.auth import redact
+from tokenyard.cli import running
 from tokenyard.cli.keys import default_keys_url
 from tokenyard.engine.config import auto_dtype, kv_cache_dtype_for
 from tokenyard.engine.spec.config import SpeculativeConfig
@@ -176,8 +182,12 @@ def config_from(args: argparse.Namespace) -> StackConfig:
 
     if (args.prefill is not None and args.prefill < 1) or (args.decode or 0) < 0:
         raise SystemExit("--prefill must be at least 1 and --decode at least 0")
-    if args.kvcache_mib < 1:
-        raise SystemExit("--kvcache-mib must be at least 1")
+    if args.kvcache_mib < 1 or (args.kv_cache_mib is not None and args.kv_cache_mib < 1):
+        raise SystemExit("--kvcache-mib and --kv-cache-mib must be at least 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise SystemExit("--gpu-memory-utilization must be above 0 and at most 1")
+    if args.ready_timeout <= 0:
+        raise SystemExit("--ready-timeout must be above 0 seconds")
     speculative = {}
     if args.speculative:
         try:
@@ -248,8 +258,14 @@ def _quantization_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenyard.services.launch.stack import LocalStack, StackError
+    from tokenyard.services.launch import preflight
+    from tokenyard.services.launch.stack import ConfigError, LocalStack, StackError
 
+    try:
+        config = config_from(args)
+        preflight.check(config)  # before anything starts
+    except (SystemExit, ConfigError) as exc:
+        return _config_error(exc)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -257,26 +273,56 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    stack = LocalStack(config_from(args))
+    stack = LocalStack(config)
+    keep_logs = False  # a failed stack's logs say why
     try:
         stack.start()
         print(
             f"Starting Tokenyard (NATS {redact(stack.nats_url)}; logs in {stack.log_dir}) ...",
             flush=True,
         )
-        if not _wait_ready(stack, stop, args.ready_timeout):
-            return 130 if stop.is_set() else 1
-        _banner(stack)
-        while not stop.wait(0.5):
-            for name in stack.supervise():
-                print(f"{name} exited; restarted it (log: {stack.log_dir / name}.log)", flush=True)
+        if not _wait_ready(stack, stop, args.ready_timeout):  # stopped while starting
+            return 130
+        with _saved_for_ctl(stack):
+            _banner(stack)
+            while not stop.wait(0.5):
+                for name in stack.supervise():
+                    print(
+                        f"{name} exited; restarted it (log: {stack.log_dir / name}.log)", flush=True
+                    )
         print("\nStopping ...", flush=True)
         return 0
+    except ConfigError as exc:  # a service that cannot run as configured; the line names its log
+        keep_logs = True
+        return _config_error(exc)
     except StackError as exc:
-        print(f"tokenyard up failed: {exc}", flush=True)
+        keep_logs = True
+        print(f"tokenyard up failed: {exc}\nlogs kept in {stack.log_dir}", flush=True)
         return 1
     finally:
-        stack.stop()
+        stack.stop(keep_logs=keep_logs)
+
+
+def _config_error(exc: BaseException) -> int:
+    """One line, no traceback, exit code 2: the stack cannot start as asked."""
+    print(f"tokenyard up: {exc}", file=sys.stderr, flush=True)
+    return 2
+
+
+@contextlib.contextmanager
+def _saved_for_ctl(stack: LocalStack) -> Iterator[None]:
+    """The stack's control token and addresses in a file `tokenyard ctl` reads (mode 0600)."""
+    values = {
+        "gateway_url": stack.gateway_url,
+        "grpc_token": stack.grpc_token,
+        "facilities_control": stack.facilities_control,
+        "facilities_admin_token": stack.facilities_admin_token,
+    }
+    running.save(values)
+    try:
+        yield
+    finally:
+        running.remove(values)
 
 
 def _wait_ready(stack: LocalStack, stop: threading.Event, timeout: float) -> bool:
@@ -321,4 +367,8 @@ def _banner(stack: LocalStack) -> None:
         )
     if stack.console_url:
         print(f"console: {stack.console_url}  (admin token: {stack.console_admin_token})")
+    print(
+        f"Control (gRPC) token: {stack.grpc_token}  (`tokenyard ctl` reads it and the "
+        f"addresses from {running.path()} while this runs)"
+    )
     print("Ctrl-C stops everything.", flush=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from pathlib import Path
 
 import jsonschema
 import openai
@@ -161,3 +163,21 @@ def test_langchain_bind_tools(url, model):
         "required": ["city", "unit"],
     }
     jsonschema.validate(call["args"], schema)
+
+
+def readme_parse_example() -> str:
+    """The README's `parse()` example, as a user copies it."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+    [example] = [b for b in blocks if "completions.parse(" in b]
+    return example
+
+
+def test_the_readmes_parse_example_succeeds_at_its_max_tokens(url, model, capsys):
+    example = readme_parse_example()
+    assert "max_tokens=100" in example and 'model="SmolLM2-135M-Instruct"' in example
+    code = example.replace("http://127.0.0.1:8000", url).replace("SmolLM2-135M-Instruct", model)
+    # Sampled (the SDK's default temperature): a number once ran to max_tokens 2 times in 3.
+    for _ in range(3):
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme"})  # noqa: S102
+        assert "population_millions=" in capsys.readouterr().out

@@ -61,7 +61,13 @@ def test_children_die_with_a_killed_launcher():
 
 def test_up_stops_everything_on_ctrl_c(tmp_path):
     port = free_port()
-    env = {**os.environ, "TOKENYARD_WORKER_ENGINE": "fake"}
+    run_file = tmp_path / "run" / "up.json"
+    env = {
+        **os.environ,
+        "TOKENYARD_WORKER_ENGINE": "fake",
+        "TOKENYARD_RUN_FILE": str(run_file),
+    }
+    env.pop("TOKENYARD_GRPC_TOKEN", None)
     up = subprocess.Popen(
         [
             sys.executable,
@@ -100,11 +106,26 @@ def test_up_stops_everything_on_ctrl_c(tmp_path):
         assert wait_until(lambda: _answers(f"{console[1]}health"), 30)
         kids = children_of(up.pid)
         assert len(kids) == 6  # nats, router, prefill, decode, gateway, telemetry
+        _ctl_finds_the_printed_token(banner, run_file, tmp_path / "decode-2.log", env)
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         assert not any(alive(p) for p in kids)
+        assert not run_file.exists()  # the token leaves with the stack
     finally:
         up.kill()
+
+
+def _ctl_finds_the_printed_token(banner: str, run_file, worker_log, env) -> None:
+    token = re.search(r"^Control \(gRPC\) token: (\S+)", banner, re.M)
+    assert token, banner
+    assert json.loads(run_file.read_text())["grpc_token"] == token[1]
+    assert run_file.stat().st_mode & 0o777 == 0o600
+    found = re.search(r"control on (\S+)", worker_log.read_text())
+    assert found, worker_log.read_text()
+    argv = [sys.executable, "-m", "tokenyard.cli", "ctl", "worker", "status", found[1]]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr  # no --token: ctl read the running up's
+    assert json.loads(done.stdout)
 
 
 def _answers(url: str) -> bool:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -77,9 +79,58 @@ def test_up_without_a_facilities_inventory_says_why_and_starts_nothing(tmp_path)
     env = {**os.environ, "TOKENYARD_FACILITIES_INVENTORY_PATH": str(missing)}
     argv = [sys.executable, "-m", "tokenyard.cli", "up", "--port", "0"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1
-    assert f"{missing} does not exist" in done.stdout and "--no-facilities" in done.stdout
+    assert done.returncode == 2  # a configuration error
+    assert f"{missing} does not exist" in done.stderr and "--no-facilities" in done.stderr
     assert "Starting Tokenyard" not in done.stdout  # printed once every service is started
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["--model", "/nonexistent"], ["--model /nonexistent: no such file or folder"]),
+        (
+            ["--model", "Qwen/Qwen2.5-0.5B-Instruct"],
+            ["does not download from the Hugging Face Hub", "--model ./Qwen2.5-0.5B-Instruct"],
+        ),
+        (["--port", "TAKEN"], ["is not free", "pick another, e.g. --port "]),
+        (["--console-port", "TAKEN"], ["is not free", "--console-port "]),
+    ],
+)
+def test_up_refuses_a_bad_model_or_a_taken_port_in_one_line(argv, needles, taken_port):
+    argv = [a.replace("TAKEN", str(taken_port)) for a in argv]
+    command = [sys.executable, "-m", "tokenyard.cli", "up", *argv]
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and not done.stdout  # no traceback
+    assert all(n in done.stderr for n in needles), done.stderr
+    # Imports only (about 5 s on a loaded 2-core machine): no service was started.
+    assert time.monotonic() - started < 60
+
+
+def test_preflight_checks_the_model_folder_and_file(tmp_path):
+    from tokenyard.services.launch.config import ConfigError
+    from tokenyard.services.launch.preflight import check_model
+
+    text = tmp_path / "model.bin"
+    text.write_text("not a model")
+    with pytest.raises(ConfigError, match="not a .gguf file"):
+        check_model(str(text))
+    with pytest.raises(ConfigError, match="no config.json"):
+        check_model(str(tmp_path))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF but no more")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        check_model(str(broken))
+    check_model(None)  # the default model is installed
 
 
 def up_config(*argv: str):
@@ -154,3 +205,93 @@ def test_up_and_keys_import_no_service_until_they_run():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_plan_help_shows_defaults_and_what_users_means(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "concurrent streams" in out and "(default: 1000)" in out
+    assert "(default: llama-3.1-70b)" in out and "(default: None)" not in out
+
+
+def test_plan_converts_daily_users_into_concurrent_streams(capsys):
+    from tokenyard.cli import plan
+
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    # 100,000 users x 10 requests a day, twice the mean in the busiest hour: 23.1 arrivals/s,
+    # each answer 256 tokens at 20 tokens/s = 12.8 s: 296.3 streams at once.
+    args = parser.parse_args(["--daily-users", "100000"])
+    assert plan.concurrent_users(args) == 297
+    assert plan.concurrent_users(parser.parse_args(["--users", "50"])) == 50
+    assert cli.main(["plan", "--daily-users", "100000", "--requests-per-user-day", "0"]) == 2
+    assert "--requests-per-user-day above 0" in capsys.readouterr().err
+
+
+def test_simulate_tables_fit_80_columns():
+    from rich.console import Console
+
+    from tokenyard.cli.simulate import show
+
+    run = {"pd_ratio": "12:36", "policy": "kv-aware+facilities", "goodput_req_s": 1234.567,
+           "ttft_p50_ms": 12345.67, "ttft_p99_ms": 123456.78, "itl_p50_ms": 123.45,
+           "itl_p99_ms": 1234.56, "prefix_hit_rate": 0.5951, "throttle_events": 12345,
+           "rack_peak_kw": 1234.56, "rejected": 123456}  # fmt: skip
+    report = {"model": "llama-3.1-70b", "gpus": 1000, "hardware": "h100", "tp": 4,
+              "workload": "shared-prefix", "runs": [run, {**run, "policy": "round-robin"}]}  # fmt: skip
+    console = Console(width=80, record=True)
+    show(report, console)
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    for value in ("kv-aware+facilities", "12:36", "123,457", "123.5", "0.595", "123456"):
+        assert value in text
+
+
+def test_up_saves_its_control_token_for_ctl_and_prints_it(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from tokenyard.cli import ctl, running, up
+
+    monkeypatch.setenv("TOKENYARD_RUN_FILE", str(tmp_path / "run" / "up.json"))
+    monkeypatch.delenv("TOKENYARD_GRPC_TOKEN", raising=False)
+    monkeypatch.delenv("TOKENYARD_FACILITIES_ADMIN_TOKEN", raising=False)
+    stack = SimpleNamespace(
+        gateway_url="http://127.0.0.1:8000",
+        grpc_token="grpc-secret",
+        facilities_url="",
+        facilities_control="127.0.0.1:50123",
+        facilities_admin_token="admin-secret",
+        console_url="",
+        fetch_model_id=lambda: "m",
+    )
+    with up._saved_for_ctl(stack):
+        assert (running.path().stat().st_mode & 0o777) == 0o600
+        up._banner(stack)
+        parser = argparse.ArgumentParser()
+        ctl.add_arguments(parser)
+        worker = parser.parse_args(["worker", "status", "127.0.0.1:1"])
+        assert ctl.security_for(worker).token == "grpc-secret"
+        racks = parser.parse_args(["facilities", "racks"])
+        assert ctl.security_for(racks).token == "admin-secret"
+        assert ctl.address_for(racks, running.load()) == "127.0.0.1:50123"
+        given = parser.parse_args(["--token", "mine", "worker", "status", "127.0.0.1:1"])
+        assert ctl.security_for(given).token == "mine"
+    assert "grpc-secret" in capsys.readouterr().out
+    assert not running.path().exists()  # removed with the stack
+    assert ctl.security_for(worker).token == ""
+    assert ctl.address_for(racks, running.load()) == ctl.DEFAULT_FACILITIES
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--kv-cache-mib", "0"], "--kv-cache-mib must be at least 1"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be above 0"),
+        (["--ready-timeout", "0"], "--ready-timeout must be above 0"),
+    ],
+)
+def test_up_refuses_bad_numbers_before_it_starts(argv, needle, capsys):
+    assert cli.main(["up", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.splitlines()) == 1

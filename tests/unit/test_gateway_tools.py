@@ -192,3 +192,16 @@ def test_best_of_returns_the_most_likely_and_echo(oai, backend):
     assert len(out.choices) == 1 and out.choices[0].text == "Sayab"
     assert out.choices[0].logprobs is None  # used for ranking, not asked for
     assert out.usage.completion_tokens == 6 and len(backend.submitted) == 3
+
+
+def test_a_tool_call_grammar_bounds_its_arguments_as_structured_outputs_do():
+    from tokenyard.engine.grammar import INT_BOUND, STRING_MAX_LENGTH
+    from tokenyard.services.gateway.tools import call_grammar
+
+    params = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}
+    fns = {"f": {"name": "f", "parameters": params}}
+    spec = call_grammar(fns, ["f"], parallel=False)
+    schema = json.loads(spec.value.split("%json ", 1)[1])
+    arguments = schema["anyOf"][0]["properties"]["arguments"]["properties"]
+    assert arguments["n"]["maximum"] == INT_BOUND and arguments["n"]["minimum"] == -INT_BOUND
+    assert arguments["s"]["maxLength"] == STRING_MAX_LENGTH

@@ -3,10 +3,13 @@ logit_bias / min_tokens processors."""
 
 from __future__ import annotations
 
+import json
+
+import llguidance
 import pytest
 import torch
 
-from tokenyard.engine.grammar import GuidedError, validate
+from tokenyard.engine.grammar import GuidedError, grammar_for, validate
 from tokenyard.engine.guided import _closing_row, unpack_bitmask
 from tokenyard.engine.logits_processors import apply_processors
 from tokenyard.engine.sampling_params import GuidedSpec, SamplingParams
@@ -79,3 +82,80 @@ def test_logit_bias_and_min_tokens():
     assert not torch.isinf(out[2]).any()  # min_tokens reached: EOS and stop ids are back
     assert not logits.any()  # the model's logits are left alone
     assert apply_processors(logits, [seq(SamplingParams(), 0)], {0}) is logits
+
+
+class _ByteTokenizer:
+    """One token per byte and an EOS: enough for llguidance to match text exactly."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+BYTES = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()))
+
+
+def accepts(spec: GuidedSpec, text: str) -> bool:
+    matcher = llguidance.LLMatcher(BYTES, grammar_for(spec))
+    assert not matcher.is_error(), matcher.get_error()
+    return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+
+def schema(**properties: dict) -> GuidedSpec:
+    return GuidedSpec("json_schema", json.dumps({"type": "object", "properties": properties}))
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        ('{"n": -9000000000000000000}', True),
+        ('{"n": 9000000000000000001}', False),  # past the default bound: 19 digits at most
+        ('{"n": 12345678901234567890}', False),
+        ('{"x": 3.141593}', True),
+        ('{"x": 3.1415926}', False),  # 7 fraction digits
+        ('{"x": 1e5}', False),  # no exponent
+        ('{"x": 123456789012345678901.5}', False),
+    ],
+)
+def test_json_numbers_are_bounded_by_default(text, ok):
+    spec = schema(n={"type": "integer"}, x={"type": "number"})
+    assert accepts(spec, text) is ok
+
+
+def test_a_schemas_own_bounds_win():
+    spec = schema(
+        n={"type": "integer", "minimum": 0},
+        x={"type": "number", "maximum": 1, "multipleOf": 0.25},
+        e={"type": "integer", "enum": [2**63 - 1]},  # enum is data: no default bound
+    )
+    assert accepts(spec, '{"n": 5}') and not accepts(spec, '{"n": -1}')
+    assert not accepts(spec, '{"n": 10000000000000000000}')  # the default maximum
+    assert accepts(spec, '{"x": -12345678.75}') and not accepts(spec, '{"x": 0.3}')
+    assert accepts(spec, '{"e": 9223372036854775807}')
+
+
+def test_json_object_bounds_numbers_at_any_depth():
+    spec = GuidedSpec("json_object")
+    assert accepts(spec, '{"a": [1, 2.5, {"b": null, "c": "text"}], "d": true}')
+    assert not accepts(spec, '{"a": [{"b": 11111111111111111111111}]}')
+    assert not accepts(spec, "[1]")
+
+
+def test_whitespace_between_json_tokens_is_bounded_unless_the_schema_says_otherwise():
+    spec = schema(a={"type": "integer"})
+    assert accepts(spec, '{\n    "a": 1\n}')
+    assert not accepts(spec, "{" + " " * 25 + '"a": 1}')
+    own = {"x-guidance": {"whitespace_pattern": "[ ]+"}, "type": "object"}
+    assert accepts(GuidedSpec("json_schema", json.dumps(own)), "{" + " " * 40 + "}")
+
+
+def test_strings_are_bounded_unless_the_schema_bounds_them():
+    spec = schema(s={"type": "string"}, p={"type": "string", "pattern": "^a+$"})
+    assert accepts(spec, '{"s": "' + "x" * 4096 + '"}')
+    assert not accepts(spec, '{"s": "' + "x" * 4097 + '"}')
+    assert accepts(spec, '{"p": "' + "a" * 5000 + '"}')
+    assert not accepts(GuidedSpec("json_object"), '{"s": ["' + "x" * 4097 + '"]}')

@@ -73,3 +73,16 @@ def test_gpu_placement_gives_a_tensor_parallel_worker_consecutive_gpus():
     assert placed == [("cuda:0", 0.45), ("cuda:2", 0.9), ("cuda:0", 0.45)]
     with pytest.raises(StackError, match="--tensor-parallel-size 4 needs 4 GPUs; 2 visible"):
         gpu_placement(0, 1, 2, 0.9, tp=4)
+
+
+def test_a_failed_stack_keeps_its_temporary_logs_and_nothing_else():
+    stack = LocalStack(StackConfig())
+    tmp = stack.log_dir.parent
+    (stack.log_dir / "decode-1.log").write_text("ModelLoadError: why\n")
+    (tmp / "jetstream").mkdir()
+    (tmp / "nats.conf").write_text("")
+    stack.stop(keep_logs=True)
+    assert (stack.log_dir / "decode-1.log").read_text() == "ModelLoadError: why\n"
+    assert sorted(p.name for p in tmp.iterdir()) == ["logs"]
+    stack.stop()  # a normal stop leaves nothing
+    assert not tmp.exists()

@@ -148,7 +148,8 @@ def test_cli_json_and_png(tmp_path, capsys):
             "--requests", "300", "--workload", "shared-prefix", "--pd-ratios", "1:3,1:1",
             "--json", "--png", str(png)]  # fmt: skip
     assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    out = json.loads(printed.out)
     for key in ("goodput_req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "throttle_events",
                 "rack_peak_kw"):  # fmt: skip
         assert key in out
@@ -156,4 +157,5 @@ def test_cli_json_and_png(tmp_path, capsys):
     assert {r["policy"] for r in out["runs"]} == {"round-robin", "kv-aware", "kv-aware+facilities"}
     assert all(r["completed"] == 300 for r in out["runs"])
     assert png.stat().st_size > 10_000
+    assert f"chart written to {png.resolve()}" in printed.err
     assert main(["simulate", "--gpus", "4", "--pd-ratios", "x"]) == 2

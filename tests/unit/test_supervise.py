@@ -10,6 +10,7 @@ import pytest
 
 from tokenyard.services.launch.procs import ChildProcess, wait_until
 from tokenyard.services.launch.supervise import (
+    CONFIG_EXIT,
     GaveUp,
     Record,
     RestartPolicy,
@@ -80,3 +81,23 @@ def test_a_process_that_dies_at_start_is_given_up_with_its_log(tmp_path: Path):
             supervisor.poll([proc])
             time.sleep(0.01)
     assert "bad config: port" in str(info.value)
+
+
+def test_a_configuration_error_is_given_up_at_once_in_one_line(tmp_path: Path):
+    code = f"import sys; print('Traceback ...'); print('ModelLoadError: no model'); sys.exit({CONFIG_EXIT})"
+    proc = _proc(tmp_path, "worker", code)
+    supervisor = Supervisor(RestartPolicy(first_backoff_s=0.0))
+    supervisor.watch(proc)
+    assert wait_until(lambda: not proc.alive(), timeout=10)
+    with pytest.raises(GaveUp) as info:
+        supervisor.poll([proc])
+    assert info.value.config and supervisor.records["worker"].restarts == 0
+    message = str(info.value)
+    assert message == f"worker cannot start: ModelLoadError: no model (log: {proc.log_path})"
+
+
+def test_only_a_configuration_exit_is_given_up_on_its_first_death():
+    assert (
+        decide(POLICY, Record(started_at=0.0, died_at=1.0, exit_code=CONFIG_EXIT), 1.0) == "give_up"
+    )
+    assert decide(POLICY, Record(started_at=0.0, died_at=1.0, exit_code=1), 100.0) == "restart"
