@@ -382,6 +382,15 @@ def _add_tokenizer(writer: Any, md: dict[str, Any], vocab: int) -> None:
 # --- writing and checking ---------------------------------------------------------------------
 
 
+def ensure(name: str) -> Path:
+    """The folder of shape ``name`` under shapes_root(), written first if missing."""
+    folder = shapes_root() / name
+    if not (folder / "shape.json").is_file():  # written last: the folder is whole
+        print(f"writing {name} to {folder}", flush=True)
+        write_checkpoint(SHAPES[name], folder)
+    return folder
+
+
 def write_checkpoint(
     shape: Shape,
     folder: Path,

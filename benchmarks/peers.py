@@ -566,10 +566,7 @@ def main() -> int:
 def chosen_model(shape: str | None, model_dir: Path | None) -> Model:
     """The default model, a shape's folder (written first if missing), or a given folder."""
     if shape:
-        model_dir = model_shapes.shapes_root() / shape
-        if not (model_dir / "shape.json").is_file():  # written last: the folder is whole
-            print(f"writing {shape} to {model_dir}", flush=True)
-            model_shapes.write_checkpoint(model_shapes.SHAPES[shape], model_dir)
+        model_dir = model_shapes.ensure(shape)
     return Model.from_folder(model_dir) if model_dir else Model.default()
 
 

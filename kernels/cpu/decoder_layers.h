@@ -20,12 +20,14 @@
 // context_lens, kernel_rows, span_blocks and spans: the step's attention as attend_layer
 // takes it. kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
 // weights: per layer its two norms' weights, then four projections (q/k/v, o, gate/up, down)
-// of three tensors each, then the final norm's weight; kinds: per layer the four
-// projections' kernels (kKernel*), whose three tensors are the layer's weights as that
-// kernel takes them (an unused or absent one: an empty tensor).
-constexpr int64_t kLayerWeights = 2 + 4 * 3;
+// of four tensors each, then the final norm's weight; kinds: per layer the four
+// projections' kernels (kKernel*), whose first three tensors are the layer's weights as that
+// kernel takes them and the fourth its bias (Qwen2's q/k/v), added after the kernel as the
+// twin adds it (an unused or absent one: an empty tensor).
+constexpr int64_t kProjectionWeights = 4;
+constexpr int64_t kLayerWeights = 2 + 4 * kProjectionWeights;
 
-static at::Tensor run_projection(int64_t kind, const at::Tensor& x, const at::Tensor* w) {
+static at::Tensor project(int64_t kind, const at::Tensor& x, const at::Tensor* w) {
   const c10::optional<at::Tensor> zero = w[2].numel() ? c10::optional<at::Tensor>(w[2]) : c10::nullopt;
   switch (kind) {
     case kKernelAmx:
@@ -41,12 +43,17 @@ static at::Tensor run_projection(int64_t kind, const at::Tensor& x, const at::Te
   TORCH_CHECK(false, "unknown projection kernel ", kind);
 }
 
+static at::Tensor run_projection(int64_t kind, const at::Tensor& x, const at::Tensor* w) {
+  at::Tensor y = project(kind, x, w);
+  return w[3].numel() ? y + w[3] : y;
+}
+
 // The MLP's gate/up projection and silu_and_mul: in one pass where the projection runs on AMX
 // tiles in a step of more than kSiluFusedAbove rows (run_linear_amx with silu, equal to the bit),
 // else one after the other; as tokenyard.models.mlp chooses.
 
 static at::Tensor gate_up_silu(int64_t kind, const at::Tensor& x, const at::Tensor* w) {
-  if (kind == kKernelAmx && x.size(0) > kSiluFusedAbove) {
+  if (kind == kKernelAmx && x.size(0) > kSiluFusedAbove && !w[3].numel()) {
     const c10::optional<at::Tensor> zero = w[2].numel() ? c10::optional<at::Tensor>(w[2]) : c10::nullopt;
     return run_linear_amx(x.to(at::kBFloat16), w[0], w[1], zero, false, true);
   }
@@ -154,9 +161,10 @@ at::Tensor decoder_layers(const at::Tensor& x, const at::Tensor& positions, cons
     write_kv(k, v, kv_layer, slot_blocks, slot_offsets);
     const at::Tensor o =
         attend_layer(q, k, v, kv_layer, block_tables, context_lens, kernel_rows, span_blocks, spans, scale);
-    h = run_projection(kind[1], o.view({rows, q_width}), w + 5);
+    h = run_projection(kind[1], o.view({rows, q_width}), w + 2 + kProjectionWeights);
     normed = add_rms_norm(h, residual, w[1], eps);
-    h = run_projection(kind[3], gate_up_silu(kind[2], normed, w + 8), w + 11);
+    h = run_projection(kind[3], gate_up_silu(kind[2], normed, w + 2 + 2 * kProjectionWeights),
+                       w + 2 + 3 * kProjectionWeights);
   }
   return add_rms_norm(h, residual, weights.back(), eps);
 }

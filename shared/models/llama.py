@@ -146,6 +146,7 @@ class DecoderLayer(LeanModule):
 
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
+_NO_BIAS = torch.empty(0)
 
 
 class LlamaForCausalLM(LeanModule):
@@ -219,8 +220,9 @@ class LlamaForCausalLM(LeanModule):
     ) -> tuple[list[torch.Tensor], list[int]] | None:
         """What the kernels' `decoder_layers` takes for this step (every layer's weights
         and its projections' kernels), or None: the layers run one by one. It runs any step
-        on a CPU with the kernels built where every layer is a dense Llama layer without
-        biases whose four projections each run one of the C++ kernels at this step's size
+        on a CPU with the kernels built where every layer is a dense Llama layer (Qwen2's
+        q/k/v biases included: the kernel adds them after the projection, as the twin does)
+        whose four projections each run one of the C++ kernels at this step's size
         (QuantizedLinear.step_kernel): the default int4 and int8 weights on x86 (a prompt
         step's dense copy on CPUs without AMX runs in oneDNN: there the layers run one by
         one). Plans are kept per (rows, prompt step)."""
@@ -247,14 +249,12 @@ class LlamaForCausalLM(LeanModule):
             weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for proj in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 kernel = (
-                    proj.step_kernel(rows, prompt)
-                    if isinstance(proj, QuantizedLinear) and proj.bias is None
-                    else None
+                    proj.step_kernel(rows, prompt) if isinstance(proj, QuantizedLinear) else None
                 )
                 if kernel is None:
                     return None
                 kinds.append(kernel[0])
-                weights += kernel[1]
+                weights += [*kernel[1], _NO_BIAS if proj.bias is None else proj.bias]
         return weights + [self.norm.weight], kinds
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -127,6 +127,33 @@ def test_decoder_layers_equal_the_layers_one_by_one(kernels):
         pytest.skip("no quantized layout here runs the kernels decoder_layers takes")
 
 
+def test_q_k_v_biases_go_through_decoder_layers_equal_to_the_bit(kernels):
+    """Qwen2's layers: the q/k/v projection's bias is added after the kernel in both paths."""
+    ran = 0
+    for dtype, mode in CASES:
+        model = _model(dtype, mode, bias=True)
+        for rows in (1, 5):
+            plan = model._build_fused_plan(rows, False)
+            if plan is None:
+                continue
+            weights, _ = plan
+            qkv_bias = model.layers[0].self_attn.qkv_proj.bias
+            assert any(w is qkv_bias for w in weights)  # the bias travels with the layer
+            ids, positions, meta, pool = _decode_step(rows, dtype, seed=rows + 11)
+            (fused, fused_pool), (layers, layers_pool) = _both(model, ids, positions, meta, pool)
+            assert torch.equal(fused, layers), (dtype, mode, rows)
+            assert torch.equal(fused_pool, layers_pool), (dtype, mode, rows)
+            # Without its bias the step differs: the kernel did add it.
+            for layer in model.layers:
+                layer.self_attn.qkv_proj.bias.zero_()
+            model.fused_layers = True
+            assert not torch.equal(model(ids, positions, meta, pool.clone()), fused)
+            ran += 1
+            break
+    if not ran:
+        pytest.skip("no quantized layout here runs the kernels decoder_layers takes")
+
+
 def test_a_prompt_step_in_per_token_rows_takes_the_prompt_kernels(kernels):
     """Deterministic mode's prompt tokens come as decode rows of a prompt step: the plan is
     kept apart from a decode step's of the same size (on AMX: linear_amx at any size)."""
@@ -150,8 +177,6 @@ def test_layers_the_fused_path_does_not_take(kernels):
     ids, positions, meta, pool = _decode_step(4, torch.bfloat16)
     model.fused_layers = False
     assert model._fused_plan(model.embed_tokens(ids), pool, False) is None  # switched off
-    biased = _model(torch.bfloat16, "int4", bias=True)
-    assert biased._build_fused_plan(4, False) is None  # q/k/v biases: layers run one by one
     unquantized = LlamaForCausalLM(_config(), max_positions=1024)
     assert unquantized._build_fused_plan(4, False) is None  # plain nn.Linear layers
 
