@@ -66,7 +66,10 @@ BUCKETS: list[tuple[str, tuple[str, ...]]] = [
     ("detokenize", ("detoken", "tokenizer", "tokenizers")),
     ("engine Python", ("tokenyard",)),
 ]
-IDLE = ("omp_", "gomp_", "futex", "sched_yield", "__sched", "pthread_cond", "epoll_wait")
+# A thread asleep (not counted) and an OpenMP thread spinning at a barrier (counted apart: a
+# worker thread waits there while the main thread runs Python or serial work).
+IDLE = ("nanosleep", "futex", "epoll_wait", "pthread_cond", "sem_wait", "poll", "select")
+SPIN = ("libgomp",)
 
 
 def build_engine(model: str | None, dtype: str, quantization: str | None, kv_mib: int):
@@ -86,28 +89,34 @@ def build_engine(model: str | None, dtype: str, quantization: str | None, kv_mib
     )
 
 
-def decode_steps(engine, batch: int, context: int, steps: int, tag: str) -> list[float]:
-    """Prefill `batch` requests, then time `steps` decode steps (seconds each)."""
+def prefill(engine, batch: int, context: int, steps: int, tag: str) -> None:
+    """Add `batch` requests of `context` prompt tokens and step until each has its first token
+    (chunked as the engine schedules it); they then decode for `steps` more steps at least."""
     from tokenyard.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts(engine.tokenizer, batch, context)):
         engine.add_request(f"{tag}-{i}", p, params)
-    # Prefill (chunked as the engine schedules it) until every request has its first token.
-    produced: Counter[str] = Counter()
+    produced: set[str] = set()
     while len(produced) < batch:
-        for out in engine.step():
-            produced[out.request_id] += 1
+        produced.update(out.request_id for out in engine.step())
+
+
+def decode_steps(engine, steps: int) -> list[float]:
+    """Time `steps` decode steps (seconds each)."""
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
+    return times
+
+
+def finish(engine, batch: int, tag: str) -> None:
     for i in range(batch):
         engine.abort(f"{tag}-{i}")
     while engine.has_unfinished():
         engine.step()
-    return times
 
 
 def bucket(frames: list[str]) -> str:
@@ -120,8 +129,9 @@ def bucket(frames: list[str]) -> str:
     return "other"
 
 
-def profile(engine, batch: int, context: int, steps: int, rate: int) -> dict[str, Any]:
-    """py-spy --native over `steps` decode steps: sample shares by bucket, busy samples only."""
+def profile(engine, steps: int, rate: int, keep: Path | None = None) -> dict[str, Any]:
+    """py-spy --native over the next `steps` decode steps of the running requests: sample
+    shares by bucket, busy samples only."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "raw.txt"
@@ -145,7 +155,7 @@ def profile(engine, batch: int, context: int, steps: int, rate: int) -> dict[str
             stderr=subprocess.PIPE,
         )
         time.sleep(1.5)  # py-spy attaches
-        decode_steps(engine, batch, context, steps, f"spy{batch}")
+        decode_steps(engine, steps)
         proc.send_signal(2)
         _, err = proc.communicate(timeout=60)
         if not raw.exists():
@@ -153,20 +163,29 @@ def profile(engine, batch: int, context: int, steps: int, rate: int) -> dict[str
         counts: Counter[str] = Counter()
         idle = 0
         top: Counter[str] = Counter()
+        threads: dict[str, Counter[str]] = {"main thread": Counter(), "other threads": Counter()}
         for line in raw.read_text().splitlines():
             stack, _, n = line.rpartition(" ")
             frames = stack.split(";")[::-1]  # innermost first
             inner = frames[0].lower() if frames else ""
-            if any(inner.startswith(p) or p in inner for p in IDLE):
+            if any(p in inner for p in IDLE):
                 idle += int(n)
                 continue
-            counts[bucket(frames)] += int(n)
+            main = any("decode_steps" in f for f in frames)
+            name = "OpenMP barrier spin" if any(p in inner for p in SPIN) else bucket(frames)
+            counts[name] += int(n)
+            threads[("main thread" if main else "other threads")][name] += int(n)
             top[frames[0][:120]] += int(n)
+        if keep:
+            shutil.copy(raw, keep)
     busy = sum(counts.values()) or 1
     return {
         "busy_samples": busy,
         "idle_samples": idle,
         "share": {k: round(v / busy, 4) for k, v in counts.most_common()},
+        "by_thread": {
+            t: {k: round(v / busy, 4) for k, v in c.most_common()} for t, c in threads.items()
+        },
         "top_frames": {k: round(v / busy, 4) for k, v in top.most_common(15)},
     }
 
@@ -184,6 +203,13 @@ def main() -> int:
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--no-profile", action="store_true", help="timings only")
+    parser.add_argument("--raw", type=Path, help="keep py-spy's raw samples in this folder")
+    parser.add_argument(
+        "--dense-above",
+        type=int,
+        help="every layer takes its dense copy above this many rows (default: the thresholds "
+        "of tokenyard.models.kernel_choice), to find where the two cross at this shape",
+    )
     parser.add_argument("--out", type=Path, help=OUT_HELP)
     args = parser.parse_args()
 
@@ -194,10 +220,18 @@ def main() -> int:
         import model_shapes
 
         model = str(model_shapes.ensure(args.shape))
+    if args.dense_above is not None:
+        from tokenyard.models import kernel_choice
+
+        for table in kernel_choice.DENSE_ABOVE_ROWS.values():
+            for bits in table:
+                table[bits] = args.dense_above
     read_gbs = memory_bandwidth_gbs()
     quant = None if args.quantization == "none" else args.quantization
     engine = build_engine(model, args.dtype, quant, args.kv_cache_mib)
-    decode_steps(engine, 1, 16, 4, "warm")
+    prefill(engine, 1, 16, 4, "warm")
+    decode_steps(engine, 4)
+    finish(engine, 1, "warm")
     weights = engine.memory.decode_read_bytes
     assert engine.layout is not None
     kv_per_token = engine.layout.block_nbytes / engine.layout.block_size
@@ -211,13 +245,15 @@ def main() -> int:
         "model": args.shape or model or "default",
         "dtype": str(engine.config.dtype),
         "quantization": args.quantization,
+        "dense_above": args.dense_above,
         "weights_bytes_per_step": weights,
         "kv_bytes_per_token": kv_per_token,
         "context": args.context,
         "batches": {},
     }
     for batch in (int(b) for b in args.batch.split(",")):
-        times = sorted(decode_steps(engine, batch, args.context, args.steps, f"t{batch}"))
+        prefill(engine, batch, args.context, 2 * args.steps, f"b{batch}")
+        times = sorted(decode_steps(engine, args.steps))
         step = times[len(times) // 2]
         # Mean context over the timed steps: the prompt plus half the steps.
         read = weights + batch * (args.context + args.steps / 2) * kv_per_token
@@ -231,7 +267,9 @@ def main() -> int:
             "fraction_of_roofline": round(roofline_step / step, 3),
         }
         if not args.no_profile:
-            row["profile"] = profile(engine, batch, args.context, args.steps, args.rate)
+            keep = args.raw / f"py-spy-batch{batch}.txt" if args.raw else None
+            row["profile"] = profile(engine, args.steps, args.rate, keep)
+        finish(engine, batch, f"b{batch}")
         results["batches"][str(batch)] = row
         print(
             f"batch {batch}: {row['step_ms_p50']} ms/step, {row['tok_s']} tok/s, "
