@@ -27,7 +27,8 @@ class StackConfig:
     host: str = "127.0.0.1"
     prefill: int = 1
     decode: int = 1
-    aggregated: bool = False  # one worker with role "both" instead of the two pools
+    aggregated: bool = False  # workers with role "both" instead of the two pools
+    workers: int = 1  # how many "both" workers an aggregated stack runs
     nats_url: str | None = None  # an external NATS (with JetStream); None = embedded
     # The embedded NATS refuses anonymous connections: each service gets its own user and
     # permissions (tokenyard.bus.auth). An external NATS is the operator's to secure.

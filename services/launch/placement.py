@@ -33,7 +33,9 @@ class Placement:
         self.config = config
 
     def planned_workers(self) -> int:
-        return 1 if self.config.aggregated else self.config.prefill + self.config.decode
+        if self.config.aggregated:
+            return self.config.workers
+        return self.config.prefill + self.config.decode
 
     def threads_per_worker(self) -> int:
         """Share the cores: torch's default (every core per process) makes N workers on a

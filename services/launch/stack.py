@@ -117,7 +117,8 @@ class LocalStack:
             )
             self._start_kvcache()  # before the workers: they are told where it is
             if self.config.aggregated:
-                self.add_worker("both")
+                for _ in range(self.config.workers):
+                    self.add_worker("both")
             else:
                 for _ in range(self.config.prefill):
                     self.add_worker("prefill")

@@ -32,6 +32,7 @@ def policy_config(settings: RouterSettings) -> PolicyConfig:
         queue_per_worker=settings.queue_per_worker,
         overlap_weight=settings.overlap_weight,
         kv_weight=settings.kv_weight,
+        placement=settings.placement,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ class RouterHandler:
         self.bus = bus
         self.config = config
         self.clock = clock
+        self.turns = itertools.count()  # round-robin placement's turn
         # Heartbeats and the facilities service's rack states (every rack normal until one
         # arrives on ty.facilities.state.*).
         self.fleet = FleetView(config.missed_heartbeats, racks=racks)
@@ -122,7 +124,12 @@ class RouterHandler:
             else {}
         )
         request = RouteInput(
-            req.request_id, req.model, req.num_prompt_tokens, cached, max_tokens=req.max_tokens
+            req.request_id,
+            req.model,
+            req.num_prompt_tokens,
+            cached,
+            max_tokens=req.max_tokens,
+            turn=next(self.turns),
         )
         facilities = self.fleet.racks.by_worker()
         result = choose(self.fleet.workers, request, now, facilities=facilities, config=self.config)

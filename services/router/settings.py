@@ -17,6 +17,8 @@ class RouterSettings(BaseSettings):
     # auto: a cost model over measured step times decides per request (conditional
     # disaggregation); always / never force the choice.
     disaggregation: Literal["auto", "always", "never"] = "auto"
+    # kv-aware: prefix overlap and load place a prompt; round-robin: a baseline to compare.
+    placement: Literal["kv-aware", "round-robin"] = "kv-aware"
     handoff_fixed_ms: float = 10.0  # the cost model's price of one KV hand-off
     missed_heartbeats: int = 3
     queue_per_worker: int = 64

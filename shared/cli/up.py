@@ -57,6 +57,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     layout.add_argument(
         "--aggregated", action="store_true", help="one worker runs prefill and decode"
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="aggregated workers, each running prefill and decode (default 1; implies "
+        "--aggregated)",
+    )
+    parser.add_argument(
+        "--router-placement",
+        choices=["kv-aware", "round-robin"],
+        default="kv-aware",
+        help="how the router picks a prompt's worker (default kv-aware: prefix overlap and "
+        "load; round-robin: in turn, a baseline to measure it against)",
+    )
     layout.add_argument(
         "--disaggregated",
         action="store_true",
@@ -182,6 +196,10 @@ def config_from(args: argparse.Namespace) -> StackConfig:
 
     if (args.prefill is not None and args.prefill < 1) or (args.decode or 0) < 0:
         raise SystemExit("--prefill must be at least 1 and --decode at least 0")
+    if args.workers is not None and (
+        args.workers < 1 or args.disaggregated or args.prefill is not None or args.decode
+    ):
+        raise SystemExit("--workers takes 1 or more, and no --prefill, --decode or --disaggregated")
     if args.kvcache_mib < 1 or (args.kv_cache_mib is not None and args.kv_cache_mib < 1):
         raise SystemExit("--kvcache-mib and --kv-cache-mib must be at least 1")
     if not 0 < args.gpu_memory_utilization <= 1:
@@ -219,6 +237,8 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         prefill=1 if args.prefill is None else args.prefill,
         decode=1 if args.decode is None else args.decode,
         aggregated=_aggregated(args),
+        workers=args.workers or 1,
+        router_env={"TOKENYARD_ROUTER_PLACEMENT": args.router_placement},
         nats_url=args.nats_url,
         model=args.model,
         kvcache=not args.no_kvcache,
@@ -244,7 +264,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
 
 
 def _aggregated(args: argparse.Namespace) -> bool:
-    if args.aggregated:
+    if args.aggregated or args.workers is not None:
         return True
     split_asked = args.disaggregated or args.prefill is not None or args.decode is not None
     return not split_asked and aggregated_by_default(args.device, os.cpu_count() or 1)

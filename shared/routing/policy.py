@@ -41,6 +41,7 @@ class RouteInput:
     num_prompt_tokens: int
     cached_blocks: Mapping[str, int] = field(default_factory=dict)  # worker -> leading blocks held
     max_tokens: int = 0  # 0 = unknown
+    turn: int = 0  # the router's count of requests so far (round-robin placement takes it)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class PolicyConfig:
     overlap_weight: float = 1.0  # value of a fully cached prompt, in units of a full worker
     kv_weight: float = 0.5  # penalty of a full KV pool, same units
     overloaded_retry_after_s: int = 1
+    # "kv-aware": prefix overlap and load decide the prompt's worker (the default);
+    # "round-robin": the next worker with room in turn, whatever it holds (a baseline to
+    # measure the KV-aware choice against: `tokenyard up --router-placement round-robin`).
+    placement: Literal["kv-aware", "round-robin"] = "kv-aware"
 
 
 # A worker on no rack the facilities service knows is placed as on a normal one.
@@ -100,7 +105,11 @@ def choose(
     if not open_:
         retry = max(facilities[w.worker_id].retry_after_s for w in prefill_live)
         return _error(pb.RouteError.ALL_DRAINED, "every prefill worker's rack is drained", retry)
-    prefill = _best(open_, request, facilities, config)
+    prefill = (
+        _next_in_turn(open_, request.turn, facilities, config)
+        if config.placement == "round-robin"
+        else _best(open_, request, facilities, config)
+    )
     if prefill is None:
         return _error(
             pb.RouteError.OVERLOADED,
@@ -184,6 +193,24 @@ def _best(
         return None
     # Highest score wins; equal scores go to the smallest worker id, so ties are stable.
     return min(scored, key=lambda s: (-s[0], s[1]))[2]
+
+
+def _next_in_turn(
+    candidates: list[WorkerView],
+    turn: int,
+    facilities: Mapping[str, WorkerThrottle],
+    config: PolicyConfig,
+) -> WorkerView | None:
+    """Round-robin: the `turn`-th of the candidates with room, by worker id, or None."""
+    room = sorted(
+        (
+            w
+            for w in candidates
+            if free_score(w, facilities.get(w.worker_id, NORMAL), config) is not None
+        ),
+        key=lambda w: w.worker_id,
+    )
+    return room[turn % len(room)] if room else None
 
 
 def free_score(w: WorkerView, facility: WorkerThrottle, config: PolicyConfig) -> float | None:

@@ -197,6 +197,19 @@ def test_the_default_layout_follows_the_host(monkeypatch):
     assert not up_config().aggregated and up_config("--aggregated").aggregated
 
 
+def test_up_runs_several_aggregated_workers_and_a_round_robin_router():
+    from tokenyard.services.launch.placement import Placement
+
+    two = up_config("--workers", "2", "--router-placement", "round-robin")
+    assert two.aggregated and two.workers == 2
+    assert Placement(two).planned_workers() == 2
+    assert two.router_env["TOKENYARD_ROUTER_PLACEMENT"] == "round-robin"
+    assert up_config().router_env["TOKENYARD_ROUTER_PLACEMENT"] == "kv-aware"
+    for bad in (["--workers", "0"], ["--workers", "2", "--decode", "1"]):
+        with pytest.raises(SystemExit, match="--workers takes 1 or more"):
+            up_config(*bad)
+
+
 def test_up_and_keys_import_no_service_until_they_run():
     # The library sits below the services: the launcher and the key store load inside run().
     code = (

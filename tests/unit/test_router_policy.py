@@ -371,3 +371,23 @@ def test_power_pressure_shares_new_work_out_by_headroom_not_all_to_one_rack() ->
         fleet.placed(p.prefill_worker_id)
         placed.append(p.prefill_worker_id)
     assert placed.count("both-cool") == 30 and placed.count("both-hot") == 10
+
+
+def test_round_robin_takes_the_workers_in_turn_whatever_they_hold():
+    workers = table(worker("b", "both"), worker("a", "both"), worker("c", "both", running=8))
+    held = {"b": 10}  # the whole prompt cached on b: kv-aware sends every turn there
+
+    def turns(config: PolicyConfig) -> list[str]:
+        chosen = []
+        for turn in range(4):
+            r = RouteInput(f"r{turn}", MODEL, 160, held, turn=turn)
+            placement = choose(workers, r, NOW, config=config)
+            assert isinstance(placement, pb.Placement)
+            chosen.append(placement.prefill_worker_id)
+        return chosen
+
+    assert turns(PolicyConfig(placement="round-robin")) == ["a", "b", "c", "a"]
+    # c at its cap with no queue allowed has no room: the turn passes to the others.
+    full = PolicyConfig(placement="round-robin", queue_per_worker=0)
+    assert turns(full) == ["a", "b", "a", "b"]
+    assert turns(PolicyConfig()) == ["b", "b", "b", "b"]
