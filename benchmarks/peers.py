@@ -654,8 +654,9 @@ def chart(doc: dict[str, Any], path: Path) -> None:
     for i, name in enumerate(servers):
         res = doc["servers"][name]["workloads"]
         xs = [j + i * width for j in range(len(labels))]
-        axes[0].bar(xs, [res.get(w, {}).get("output_tok_s", 0) for w in labels], width, label=name)
-        axes[1].bar(xs, [res.get(w, {}).get("ttft_p50_ms", 0) for w in labels], width, label=name)
+        # A workload whose every request failed has no figures: a bar of 0.
+        for ax, key in ((axes[0], "output_tok_s"), (axes[1], "ttft_p50_ms")):
+            ax.bar(xs, [res.get(w, {}).get(key) or 0 for w in labels], width, label=name)
     for ax, title in zip(
         axes[:2],
         ("output tokens/s (higher is better)", "TTFT p50, ms (lower is better)"),
