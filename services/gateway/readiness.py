@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import Literal
 
 import httpx
 
+from tokenyard.facilities.tracker import WorkerThrottle
 from tokenyard.fleet import FleetView
 from tokenyard.routing.policy import PolicyConfig, RouteInput, choose
 from tokenyard.v1 import serving_pb2 as pb
@@ -49,7 +51,7 @@ def placement_problem(
     return f"no worker can take a request: {result.message}{_why(fleet, now, facilities)}"
 
 
-def _why(fleet: FleetView, now: float, facilities: dict) -> str:
+def _why(fleet: FleetView, now: float, facilities: Mapping[str, WorkerThrottle]) -> str:
     """What the live workers that take nothing say about themselves, and drained racks."""
     said = [f"{w.worker_id}: {w.heartbeat.not_ready}" for w in fleet.live(now) if not w.ready]
     said += [f"{w.worker_id}: drained by an operator" for w in fleet.live(now) if w.draining]

@@ -323,6 +323,18 @@ def test_settings_from_environment(monkeypatch):
     assert settings.api_keys == ["a", "b"] and settings.port == 9001
 
 
+def test_optional_services_from_environment(monkeypatch):
+    value = "kvcache=http://127.0.0.1:1/health, telemetry=http://127.0.0.1:2/health"
+    monkeypatch.setenv("TOKENYARD_GATEWAY_OPTIONAL_SERVICES", value)
+    assert GatewaySettings().optional_services == {
+        "kvcache": "http://127.0.0.1:1/health",
+        "telemetry": "http://127.0.0.1:2/health",
+    }
+    monkeypatch.setenv("TOKENYARD_GATEWAY_OPTIONAL_SERVICES", "kvcache")
+    with pytest.raises(ValueError, match="name=url"):
+        GatewaySettings()
+
+
 async def call_and_leave(app, body: dict, leave_after_body_messages: int) -> list[dict]:
     """Drive the ASGI app like a server whose client closes the connection after receiving
     `leave_after_body_messages` body messages (0 = before any answer)."""
