@@ -60,7 +60,7 @@ def stack(keys_db: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lo
     )
     with LocalStack(config) as s:
         # NOTE: not wait_ready(): it reads /v1/models, which asks for a key here.
-        assert wait_until(lambda: (body := s.ready()) and s.all_workers_registered(body), 120)
+        assert wait_until(lambda: (body := s.ready()) and s.all_workers_registered(body), 300)
         yield s
 
 
