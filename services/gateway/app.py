@@ -19,6 +19,7 @@ from tokenyard.services.gateway.keylimits import make_minute_limits
 from tokenyard.services.gateway.keys import KeyStore
 from tokenyard.services.gateway.openapi import install_openapi
 from tokenyard.services.gateway.ratelimit import make_limiter
+from tokenyard.services.gateway.readiness import OptionalServices
 from tokenyard.services.gateway.routes import chat, completions, health, models
 from tokenyard.services.gateway.serve import REQUEST_ID_SCOPE_KEY
 from tokenyard.services.gateway.settings import GatewaySettings
@@ -40,6 +41,7 @@ async def build_state(settings: GatewaySettings, stack: AsyncExitStack) -> Gatew
     await backend.start()
     stack.push_async_callback(backend.stop)
     assert backend.bus is not None
+    await backend.fleet.racks.start(backend.bus)  # /ready: is every rack drained?
     await stack.enter_async_context(spans_to_bus(backend.bus, "gateway"))
     limiter = make_limiter(settings.rate_limit_rps, settings.rate_limit_burst, settings.redis_url)
     stack.push_async_callback(limiter.close)
@@ -56,6 +58,7 @@ async def build_state(settings: GatewaySettings, stack: AsyncExitStack) -> Gatew
         model_id=model_id,
         keys=keys,
         minute_limits=minute_limits,
+        optional_services=OptionalServices(settings.optional_services),
     )
 
 

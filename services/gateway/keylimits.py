@@ -12,11 +12,20 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from tokenyard.services.gateway.ratelimit import connect_redis, redis_problem, store_unavailable
+
 WINDOW_S = 60
 
 
 class MinuteLimits(Protocol):
-    async def take(self, counter: str, limit: int, cost: int) -> float | None: ...
+    async def take(self, counter: str, limit: int, cost: int) -> float | None:
+        """None = go, else the seconds left in the window; a 503 ApiError while the Redis is
+        unreachable (ratelimit.store_unavailable)."""
+        ...
+
+    async def problem(self) -> str | None:
+        """Why counts cannot be taken now (None: they can)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -41,6 +50,9 @@ class MemoryMinuteLimits:
         # Only this minute's counts are kept.
         self._counts = {k: v for k, v in self._counts.items() if k[1] == slot}
         self._counts[(counter, slot)] = used + cost
+        return None
+
+    async def problem(self) -> str | None:
         return None
 
     async def close(self) -> None:
@@ -68,16 +80,23 @@ return '0'
 
 class RedisMinuteLimits:
     def __init__(self, url: str, prefix: str = "ty:gateway:minute:") -> None:
-        from redis.asyncio import Redis
-
-        self.redis = Redis.from_url(url)
+        self.redis = connect_redis(url)
         self.prefix = prefix
         self._script = self.redis.register_script(_TAKE)
 
     async def take(self, counter: str, limit: int, cost: int) -> float | None:
+        from redis.exceptions import RedisError
+
         args = [limit, cost, WINDOW_S]
-        wait = float(await self._script(keys=[self.prefix + counter], args=args))
+        try:
+            reply = await self._script(keys=[self.prefix + counter], args=args)
+        except RedisError as exc:
+            raise store_unavailable(exc) from exc
+        wait = float(reply)
         return wait if wait > 0 else None
+
+    async def problem(self) -> str | None:
+        return await redis_problem(self.redis)
 
     async def close(self) -> None:
         await self.redis.aclose()

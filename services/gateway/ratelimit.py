@@ -1,19 +1,61 @@
 """Per-key token buckets: in memory for one gateway, in Redis when gateways share the limit.
 
-``take(key)`` returns None when the request may go, else the seconds to wait (Retry-After).
+``take(key)`` returns None when the request may go, else the seconds to wait (Retry-After);
+while the Redis is unreachable it raises a 503 ApiError (``store_unavailable``), and
+``problem()`` says why for /ready.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
-from typing import Protocol
+from typing import Any, Protocol
+
+from tokenyard.api_errors import ApiError
+
+# A Redis that hangs must not hang the request: the limit check fails fast instead.
+REDIS_TIMEOUT_S = 2.0
+PING_TIMEOUT_S = 0.5
 
 
 class RateLimiter(Protocol):
     async def take(self, key: str) -> float | None: ...
 
+    async def problem(self) -> str | None:
+        """Why limits cannot be checked now (None: they can)."""
+        ...
+
     async def close(self) -> None: ...
+
+
+def connect_redis(url: str) -> Any:
+    from redis.asyncio import Redis
+
+    return Redis.from_url(
+        url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+    )
+
+
+def store_unavailable(exc: Exception) -> ApiError:
+    """A limited request while the Redis is unreachable: 503, not a 500 or a free pass."""
+    return ApiError(
+        503,
+        f"the rate limit store (Redis) is unreachable ({type(exc).__name__}); retry shortly",
+        code="rate_limit_store_unavailable",
+        retry_after_s=1,
+    )
+
+
+async def redis_problem(redis: Any) -> str | None:
+    """None when the Redis answers PING within PING_TIMEOUT_S, else why not."""
+    from redis.exceptions import RedisError
+
+    try:
+        await asyncio.wait_for(redis.ping(), PING_TIMEOUT_S)
+    except (RedisError, OSError, TimeoutError) as exc:
+        return f"the rate limit store (Redis) does not answer ({type(exc).__name__})"
+    return None
 
 
 def refill(tokens: float, last: float, now: float, rate: float, burst: int) -> float:
@@ -26,6 +68,9 @@ def wait_for_one(tokens: float, rate: float) -> float:
 
 class NoLimit:
     async def take(self, key: str) -> float | None:
+        return None
+
+    async def problem(self) -> str | None:
         return None
 
     async def close(self) -> None:
@@ -45,6 +90,9 @@ class MemoryBuckets:
             self._buckets[key] = (tokens, now)
             return wait_for_one(tokens, self.rate)
         self._buckets[key] = (tokens - 1.0, now)
+        return None
+
+    async def problem(self) -> str | None:
         return None
 
     async def close(self) -> None:
@@ -77,15 +125,22 @@ class RedisBuckets:
     def __init__(
         self, url: str, rate: float, burst: int, prefix: str = "ty:gateway:ratelimit:"
     ) -> None:
-        from redis.asyncio import Redis
-
-        self.redis = Redis.from_url(url)
+        self.redis = connect_redis(url)
         self.rate, self.burst, self.prefix = rate, burst, prefix
         self._script = self.redis.register_script(_TAKE)
 
     async def take(self, key: str) -> float | None:
-        wait = float(await self._script(keys=[self.prefix + key], args=[self.rate, self.burst]))
+        from redis.exceptions import RedisError
+
+        try:
+            reply = await self._script(keys=[self.prefix + key], args=[self.rate, self.burst])
+        except RedisError as exc:
+            raise store_unavailable(exc) from exc
+        wait = float(reply)
         return wait if wait > 0 else None
+
+    async def problem(self) -> str | None:
+        return await redis_problem(self.redis)
 
     async def close(self) -> None:
         await self.redis.aclose()

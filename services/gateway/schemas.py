@@ -333,4 +333,7 @@ class Readiness(BaseModel):
     nats_connected: bool
     roles: dict[str, int]
     workers: list[WorkerInfo]
-    reason: str | None = None
+    reason: str | None = None  # why not ready
+    # The stack's optional services (KV cache, telemetry, facilities): "up" or "down: why".
+    # One that is down leaves the gateway ready: requests are served without it.
+    optional_services: dict[str, str] = {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -78,6 +78,23 @@ class GatewaySettings(BaseSettings):
     # connection, not an answer (uvicorn's own default is 5 s).
     keep_alive_s: int = Field(default=75, ge=1)
     log_level: str = "info"
+    # The router's TOKENYARD_ROUTER_DISAGGREGATION: /ready asks the router's placement rule
+    # whether a request could be placed now, and "always" forbids a decode worker's local
+    # prefill.
+    router_disaggregation: Literal["auto", "always", "never"] = "auto"
+    # Optional services whose /health the gateway's /ready reports (never waits on): from
+    # the environment "name=url,name=url", e.g. "kvcache=http://127.0.0.1:9101/health".
+    optional_services: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+
+    @field_validator("optional_services", mode="before")
+    @classmethod
+    def _split_services(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        pairs = [item.strip().split("=", 1) for item in value.split(",") if item.strip()]
+        if any(len(pair) != 2 or not all(pair) for pair in pairs):
+            raise ValueError(f"expected name=url,name=url; got {value!r}")
+        return {name.strip(): url.strip() for name, url in pairs}
 
     @field_validator("api_keys", mode="before")
     @classmethod

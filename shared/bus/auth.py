@@ -72,8 +72,8 @@ def router() -> NatsUser:
 
 
 def gateway(gateway_id: str) -> NatsUser:
-    """Asks the router, queues prefill jobs, resumes decodes; reads the tokens and cancels
-    the requests of this gateway only (its own prefix: one gateway never sees another's)."""
+    """Asks the router, queues prefill jobs, resumes decodes; reads the rack states and the
+    tokens and cancels the requests of this gateway only (its own prefix: one gateway never sees another's)."""
     return NatsUser(
         f"gateway-{gateway_id}",
         publish=[
@@ -86,7 +86,13 @@ def gateway(gateway_id: str) -> NatsUser:
             subjects.telemetry_spans("gateway"),
             *PREFILL_JS_API,
         ],
-        subscribe=[subjects.tokens(gateway_id, "*"), subjects.HEARTBEATS_ALL, INBOX],
+        # Rack states: its /ready says when every rack is drained (facilities).
+        subscribe=[
+            subjects.tokens(gateway_id, "*"),
+            subjects.HEARTBEATS_ALL,
+            subjects.FACILITIES_STATE_ALL,
+            INBOX,
+        ],
     )
 
 

@@ -305,11 +305,14 @@ def run(args: argparse.Namespace) -> int:
             return 130
         with _saved_for_ctl(stack):
             _banner(stack)
+            reported: set[str] = set()
+            _report_down(stack, reported)  # given up on while the stack started
             while not stop.wait(0.5):
                 for name in stack.supervise():
                     print(
                         f"{name} exited; restarted it (log: {stack.log_dir / name}.log)", flush=True
                     )
+                _report_down(stack, reported)
         print("\nStopping ...", flush=True)
         return 0
     except ConfigError as exc:  # a service that cannot run as configured; the line names its log
@@ -321,6 +324,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         stack.stop(keep_logs=keep_logs)
+
+
+def _report_down(stack: LocalStack, reported: set[str]) -> None:
+    """One line per optional service newly given up on: the stack serves on without it."""
+    for name, why in stack.down.items():
+        if name not in reported:
+            reported.add(name)
+            print(f"{why}; {name} is left down, the rest of the stack serves", flush=True)
 
 
 def _config_error(exc: BaseException) -> int:

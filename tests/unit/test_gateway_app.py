@@ -14,9 +14,10 @@ from gateway_fakes import MODEL, FakeBackend, fake_state, text_chunks
 
 from tokenyard.api_errors import ApiError
 from tokenyard.services.gateway.app import create_app
-from tokenyard.services.gateway.ratelimit import MemoryBuckets
+from tokenyard.services.gateway.ratelimit import MemoryBuckets, NoLimit
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.v1 import serving_pb2 as pb
+from tokenyard.v1.facilities_pb2 import RackState, RackStateKind
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -212,33 +213,97 @@ def test_finished_requests_are_not_cancelled(backend, oai):
     assert backend.cancelled == [] and all(s.closed for s in backend.streams)
 
 
+def beat(backend: FakeBackend, worker_id: str, role: str, **fields: object) -> None:
+    hb = pb.WorkerHeartbeat(worker_id=worker_id, role=role, model=MODEL, **fields)
+    backend.fleet.on_heartbeat(hb, time.monotonic())
+
+
 def test_ready_reports_workers(backend, http):
     r = http.get("/ready")
-    assert r.status_code == 503 and r.json()["reason"] == "no live worker can prefill"
-    backend.fleet.on_heartbeat(
-        pb.WorkerHeartbeat(worker_id="p1", role="prefill", model=MODEL), time.monotonic()
-    )
-    assert http.get("/ready").json()["reason"] == "no live worker can decode"
-    backend.fleet.on_heartbeat(
-        pb.WorkerHeartbeat(worker_id="d1", role="decode", model=MODEL), time.monotonic()
-    )
+    assert r.status_code == 503
+    assert r.json()["reason"] == "no worker can take a request: no live prefill worker"
+    beat(backend, "d1", "decode")
+    assert http.get("/ready").status_code == 503  # a decode worker that prefills nothing
+    beat(backend, "p1", "prefill")
     body = http.get("/ready").json()
     assert body["ready"] and body["roles"] == {"prefill": 1, "decode": 1}
     assert {w["worker_id"] for w in body["workers"]} == {"p1", "d1"}
 
 
+def test_ready_follows_the_router_a_prefill_worker_decodes_its_own(backend, http):
+    beat(backend, "p1", "prefill")  # the router places it aggregated: "no live decode worker"
+    assert http.get("/ready").status_code == 200
+
+
+def test_ready_while_decode_workers_run_whole_requests():
+    """The prefill worker is restarting: a decode worker that announces local prefill runs
+    whole requests, so chats succeed and /ready must say so; under "always" it may not."""
+    backend = FakeBackend()
+    beat(backend, "d1", "decode", local_prefill=True)
+    with make_client(fake_state(backend)) as http:
+        assert http.get("/ready").status_code == 200
+    with make_client(fake_state(backend, router_disaggregation="always")) as http:
+        r = http.get("/ready")
+        assert r.status_code == 503 and "no live prefill worker" in r.json()["reason"]
+
+
 def test_ready_counts_only_workers_that_say_they_can_take_work(backend, http):
     missing = "its JetStream consumer prefill-p1 is missing"
-    for worker_id, role, not_ready in (("p1", "prefill", missing), ("d1", "decode", "")):
-        beat = pb.WorkerHeartbeat(worker_id=worker_id, role=role, model=MODEL, not_ready=not_ready)
-        backend.fleet.on_heartbeat(beat, time.monotonic())
+    beat(backend, "p1", "prefill", not_ready=missing)
+    beat(backend, "d1", "decode")
     r = http.get("/ready")
     assert r.status_code == 503
-    assert r.json()["reason"] == f"no live worker can prefill (p1: {missing})"
-    backend.fleet.on_heartbeat(
-        pb.WorkerHeartbeat(worker_id="p1", role="prefill", model=MODEL), time.monotonic()
+    assert r.json()["reason"] == (
+        f"no worker can take a request: no live prefill worker (p1: {missing})"
     )
+    beat(backend, "p1", "prefill")
     assert http.get("/ready").status_code == 200
+
+
+def rack_state(rack: str, state: int, workers: list[str], reason: str = "") -> RackState:
+    return RackState(
+        rack=rack,
+        state=state,
+        reason=reason,
+        worker_ids=workers,
+        sent_unix_s=time.time(),
+        heartbeat_s=5,
+    )
+
+
+def test_ready_says_why_while_every_rack_is_drained(backend, http):
+    beat(backend, "b1", "both")
+    beat(backend, "b2", "both")
+    racks = backend.fleet.racks
+    racks.apply(rack_state("rack-a", RackStateKind.RACK_STATE_DRAIN, ["b1"], "pump failure"))
+    assert http.get("/ready").status_code == 200  # b2's rack still takes work
+    racks.apply(rack_state("rack-b", RackStateKind.RACK_STATE_DRAIN, ["b2"], "supply too warm"))
+    r = http.get("/ready")
+    assert r.status_code == 503
+    assert r.json()["reason"] == (
+        "no worker can take a request: every prefill worker's rack is drained "
+        "(rack rack-a drained: pump failure; rack rack-b drained: supply too warm)"
+    )
+    racks.apply(rack_state("rack-a", RackStateKind.RACK_STATE_NORMAL, ["b1"]))
+    assert http.get("/ready").status_code == 200
+
+
+def test_a_busy_fleet_is_still_ready(backend, http):
+    beat(backend, "b1", "both", max_num_seqs=1, num_running=1, num_waiting=500)
+    assert http.get("/ready").status_code == 200
+
+
+class DownStore(NoLimit):
+    async def problem(self) -> str | None:
+        return "the rate limit store (Redis) does not answer (ConnectionError)"
+
+
+def test_ready_is_false_while_the_limit_store_is_down(backend):
+    beat(backend, "b1", "both")
+    with make_client(fake_state(backend, limiter=DownStore())) as http:
+        r = http.get("/ready")
+    assert r.status_code == 503
+    assert r.json()["reason"] == "the rate limit store (Redis) does not answer (ConnectionError)"
 
 
 def test_metrics_count_requests_and_tokens(oai, http):
@@ -256,6 +321,18 @@ def test_settings_from_environment(monkeypatch):
     monkeypatch.setenv("TOKENYARD_GATEWAY_PORT", "9001")
     settings = GatewaySettings()
     assert settings.api_keys == ["a", "b"] and settings.port == 9001
+
+
+def test_optional_services_from_environment(monkeypatch):
+    value = "kvcache=http://127.0.0.1:1/health, telemetry=http://127.0.0.1:2/health"
+    monkeypatch.setenv("TOKENYARD_GATEWAY_OPTIONAL_SERVICES", value)
+    assert GatewaySettings().optional_services == {
+        "kvcache": "http://127.0.0.1:1/health",
+        "telemetry": "http://127.0.0.1:2/health",
+    }
+    monkeypatch.setenv("TOKENYARD_GATEWAY_OPTIONAL_SERVICES", "kvcache")
+    with pytest.raises(ValueError, match="name=url"):
+        GatewaySettings()
 
 
 async def call_and_leave(app, body: dict, leave_after_body_messages: int) -> list[dict]:

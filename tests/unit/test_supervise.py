@@ -101,3 +101,31 @@ def test_only_a_configuration_exit_is_given_up_on_its_first_death():
         decide(POLICY, Record(started_at=0.0, died_at=1.0, exit_code=CONFIG_EXIT), 1.0) == "give_up"
     )
     assert decide(POLICY, Record(started_at=0.0, died_at=1.0, exit_code=1), 100.0) == "restart"
+
+
+def test_an_optional_service_that_keeps_failing_is_left_down_not_raised(tmp_path: Path):
+    proc = _proc(tmp_path, "kvcache", "import sys; print('port taken'); sys.exit(1)")
+    supervisor = Supervisor(
+        RestartPolicy(first_backoff_s=0.0, max_fast_failures=1), optional=frozenset({"kvcache"})
+    )
+    supervisor.watch(proc)
+    for _ in range(50):
+        wait_until(lambda: not proc.alive(), timeout=10)
+        supervisor.poll([proc])
+        if "kvcache" in supervisor.down:
+            break
+    assert supervisor.down["kvcache"].startswith("kvcache failed 2 times in a row")
+    assert "port taken" in supervisor.down["kvcache"]
+    restarts = supervisor.records["kvcache"].restarts
+    assert supervisor.poll([proc]) == [] and supervisor.records["kvcache"].restarts == restarts
+    assert not proc.alive()
+
+
+def test_an_essential_service_beside_an_optional_one_still_stops_the_stack(tmp_path: Path):
+    proc = _proc(tmp_path, "router", f"import sys; sys.exit({CONFIG_EXIT})")
+    supervisor = Supervisor(RestartPolicy(first_backoff_s=0.0), optional=frozenset({"kvcache"}))
+    supervisor.watch(proc)
+    assert wait_until(lambda: not proc.alive(), timeout=10)
+    with pytest.raises(GaveUp):
+        supervisor.poll([proc])
+    assert supervisor.down == {}

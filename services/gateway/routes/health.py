@@ -8,8 +8,8 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tokenyard.fleet import FleetView, missing_role
 from tokenyard.services.gateway.deps import State
+from tokenyard.services.gateway.readiness import placement_problem
 from tokenyard.services.gateway.schemas import Health, Readiness, WorkerInfo
 
 router = APIRouter(tags=["operations"])
@@ -26,13 +26,18 @@ async def health() -> Health:
     responses={503: {"model": Readiness, "description": "Not ready"}},
 )
 async def ready(state: State) -> JSONResponse:
+    """Ready exactly when a request sent now would be served (readiness.py says how)."""
     now = time.monotonic()
     fleet = state.backend.fleet
     connected = state.backend.connected()
-    # A worker counts once it says it can take work, not merely while it beats.
-    missing = missing_role(fleet.ready(now))
     reason = None if connected else "not connected to NATS"
-    reason = reason or (f"no live worker can {missing}{_why_not(fleet, now)}" if missing else None)
+    reason = reason or placement_problem(
+        fleet,
+        now,
+        disaggregation=state.settings.router_disaggregation,
+        missed_heartbeats=state.settings.missed_heartbeats,
+    )
+    reason = reason or await state.limiter.problem() or await state.minute_limits.problem()
     workers = [
         WorkerInfo(
             worker_id=w.worker_id,
@@ -52,14 +57,9 @@ async def ready(state: State) -> JSONResponse:
         roles=fleet.roles(now),
         workers=workers,
         reason=reason,
+        optional_services=await state.optional_services.status(),
     )
     return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
-
-
-def _why_not(fleet: FleetView, now: float) -> str:
-    """What the live workers that are not ready say about themselves."""
-    said = [f"{w.worker_id}: {w.heartbeat.not_ready}" for w in fleet.live(now) if not w.ready]
-    return f" ({'; '.join(said)})" if said else ""
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
