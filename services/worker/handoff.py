@@ -110,7 +110,9 @@ class Handoffs:
             )
             await self.decode_here(handoff)
 
-    async def _offer(self, decode_worker_id: str, handoff: pb.DecodeHandoff) -> pb.HandoffAck | None:
+    async def _offer(
+        self, decode_worker_id: str, handoff: pb.DecodeHandoff
+    ) -> pb.HandoffAck | None:
         """The decode worker's answer (None: none came)."""
         try:
             ack = await self.bus.request(
