@@ -205,6 +205,8 @@ async def streams_through_a_kill(stack: LocalStack, victim: str) -> list[list[in
         async with asyncio.timeout(60):
             while not want <= {w.worker_id for w in backend.fleet.live(time.monotonic())}:
                 await asyncio.sleep(0.1)
+        assert backend.bus is not None
+        await wait_router(backend.bus, placeable=True)
         params = pb.SamplingParams(max_tokens=CHAOS_TOKENS, ignore_eos=True)
         streams = [
             await backend.submit(f"chaos-{i}", "", chaos_prompt(i), params)
