@@ -216,8 +216,11 @@ async def streams_through_a_kill(stack: LocalStack, victim: str) -> list[list[in
         await asyncio.sleep(1.0)  # all in decode: ~20 steps of 80
         assert not any(r.done() for r in readers), "the streams ended before the kill"
         next(p for p in stack.procs if p.name == victim).kill()
+        killed_at = time.monotonic()
         async with asyncio.timeout(150):
-            return await asyncio.gather(*readers, return_exceptions=True)
+            got = await asyncio.gather(*readers, return_exceptions=True)
+        print(f"{victim} killed: the streams ended {time.monotonic() - killed_at:.1f} s later")
+        return got
     finally:
         stop.set()
         await supervisor
