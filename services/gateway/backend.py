@@ -38,7 +38,8 @@ ROUTE_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
 PREFILL_SUBJECTS = [subjects.PREFILL_JOBS, f"{subjects.PREFILL_JOBS}.>"]
 RESUME_TIMEOUT_S = 5.0  # a decode worker answers a hand-off at once; this only bounds a stuck one
 
-# resume(streamed tokens, the dead worker) -> the worker that took the request, or None
+# resume(streamed tokens, the worker not to ask: the dead one, or "" when it came back
+# restarted) -> the worker that took the request, or None
 Resume = Callable[[list[int], str], Awaitable[str | None]]
 # replay(from output index): ask the request's workers to send its chunks again
 Replay = Callable[[int], Awaitable[None]]
@@ -125,6 +126,10 @@ class NatsTokenStream:
         timeout = settings.request_timeout_s
         self._deadline = self._last_chunk + timeout if timeout else None
         self._worker = placement.prefill_worker_id
+        # The owner's incarnation (its heartbeat's kv_epoch, new at every start): a worker
+        # restarted under the same id is alive, yet knows nothing of this request.
+        self._incarnation = self._epoch(self._worker)
+        self._told_waiting = False  # logged that no worker could resume it yet
         self._streamed: list[int] = []  # output tokens released in order so far
         # The last release in order, and the bus's reconnect count then.
         self._progress_at, self._progress_reconnects = self._last_chunk, reconnects()
@@ -148,7 +153,7 @@ class NatsTokenStream:
             if chunk.error.code:
                 raise chunk_error(chunk.error)
             self._last_chunk = time.monotonic()
-            self._worker = self._owner(chunk)
+            self._set_owner(self._owner(chunk))
             released = self._orderer.push(chunk)
             if released:
                 self._progress_at, self._progress_reconnects = self._last_chunk, self._reconnects()
@@ -171,6 +176,21 @@ class NatsTokenStream:
         if chunk.index == 0 and self._placement.decode_worker_id:
             return self._placement.decode_worker_id
         return chunk.worker_id or self._worker
+
+    def _epoch(self, worker_id: str) -> str:
+        view = self._fleet.get(worker_id)
+        return view.heartbeat.kv_epoch if view is not None else ""
+
+    def _set_owner(self, worker_id: str) -> None:
+        self._worker, self._incarnation = worker_id, self._epoch(worker_id)
+        self._told_waiting = False
+
+    def _owner_lost(self, now: float) -> bool:
+        """The owner died, or came back restarted (a new incarnation under the same id)."""
+        if self._fleet.is_dead(self._worker, now):
+            return True
+        epoch = self._epoch(self._worker)
+        return bool(epoch and self._incarnation and epoch != self._incarnation)
 
     async def _maybe_replay(self, now: float) -> None:
         """Core NATS drops what is published while a subscriber's server restarts: when a
@@ -197,38 +217,53 @@ class NatsTokenStream:
             raise ApiError(
                 504, f"no tokens for {silent:.0f} s: the request timed out", code="timeout"
             )
-        if not self._fleet.is_dead(self._worker, now):
+        if not self._owner_lost(now):
             return
-        if self._streamed and self._resume is not None:
-            # Mid-decode: the prompt is done and its job acked, so nobody else will pick it
-            # up; continue it on a live worker from the tokens already streamed.
-            await self._resume_elsewhere()
-        elif silent > self._grace():
-            raise self._lost("the request was lost")
+        if self._streamed and self._resume is not None and await self._resume_elsewhere(now):
+            return
+        if silent > self._grace():
+            why = "no live worker could resume the request" if self._streamed else "it was lost"
+            raise self._lost(why)
 
     def _grace(self) -> float:
-        """How long a dead owner may stay silent. Before the first token the job sits in
-        the prefill work queue, which redelivers it once a prefill worker is back (the
-        launcher or the orchestrator restarts a dead one): that is worth a longer wait."""
-        if self._streamed:
-            return self._settings.dead_worker_grace_s
+        """How long a request whose owner died may wait for a worker to go on with it.
+
+        Mid-decode a live worker resumes it at once; before the first token its job waits
+        in the prefill work queue, which redelivers it. With no live worker to take it
+        (one worker, or a whole role down) both wait for the launcher or the orchestrator
+        to restart one, which loads its model first: a long wait, not an error."""
         return max(self._settings.dead_worker_grace_s, self._settings.prefill_redelivery_grace_s)
 
-    async def _resume_elsewhere(self) -> None:
+    async def _resume_elsewhere(self, now: float) -> bool:
+        """Continue the request on a live worker from the tokens already streamed; False
+        when none took it (asked again at the next poll, until the grace runs out).
+
+        NOTE: the same request may also be running again already: a job not yet acked (its
+        worker decoded it itself) is redelivered by the work queue. A worker that has it
+        running joins this resume to it (HandoffAck accepted), so the two never race."""
         assert self._resume is not None
-        dead = self._worker
-        taker = await self._resume(list(self._streamed), dead)
+        lost = self._worker
+        exclude = lost if self._fleet.is_dead(lost, now) else ""  # "": it came back, restarted
+        taker = await self._resume(list(self._streamed), exclude)
         if taker is None:
-            raise self._lost("no live worker could resume the request")
+            if not self._told_waiting:
+                self._told_waiting = True
+                log.warning(
+                    "worker %s lost %s and no live worker could resume it yet; waiting",
+                    lost,
+                    self._sub.subject,
+                )
+            return False
         log.warning(
-            "worker %s died; resumed %s on %s after %d tokens",
-            dead,
+            "worker %s lost %s; resumed it on %s after %d tokens",
+            lost,
             self._sub.subject,
             taker,
             len(self._streamed),
         )
-        self._worker = taker
+        self._set_owner(taker)
         self._last_chunk = time.monotonic()
+        return True
 
     def _lost(self, why: str) -> ApiError:
         return ApiError(
@@ -351,7 +386,7 @@ class NatsBackend:
         prompt_ids: list[int],
         params: pb.SamplingParams,
         streamed: list[int],
-        dead: str,
+        exclude: str,
     ) -> str | None:
         """Hand a request whose decode worker died to a live worker (decode-capable first,
         prefill workers when none is left or each refuses), as a stopping decode worker
@@ -371,7 +406,7 @@ class NatsBackend:
             self._bus(),
             self.fleet.live(time.monotonic()),
             resume,
-            exclude=dead,
+            exclude=exclude,
             timeout_s=RESUME_TIMEOUT_S,
         )
 

@@ -56,9 +56,12 @@ class GatewaySettings(BaseSettings):
     # (ack wait plus 3 missed heartbeats: 3-5 s in the benchmark, then a new prefill), which
     # would still save the request; 20 s left clients hanging on truly lost requests.
     dead_worker_grace_s: float = Field(default=10.0, gt=0)
-    # Before its first token a request waits in the prefill work queue: when its prefill
-    # worker dies, the queue redelivers the job once a worker is back. A restarted worker
-    # loads its model first (10-30 s on a busy CPU host), so this wait is longer.
+    # A request whose worker died waits this long (when longer than dead_worker_grace_s)
+    # for a worker to go on with it: before its first token the prefill work queue
+    # redelivers its job once a worker is back; mid-stream a live worker resumes it, and
+    # with none live (one worker, or a whole role down) the gateway holds the stream for
+    # the restarted one. A restarted worker loads its model first (10-30 s on a busy CPU
+    # host), so this wait is longer.
     prefill_redelivery_grace_s: float = Field(default=60.0, gt=0)
     # Heartbeats older than this many intervals mark a worker dead (the router's rule).
     missed_heartbeats: int = Field(default=3, ge=1)

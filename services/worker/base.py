@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.engine.contract import Engine
+from tokenyard.engine.outputs import RequestIdInUse
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.services.worker.admission import AdmissionGate, RackCap
 from tokenyard.services.worker.convert import engine_params
@@ -140,7 +141,14 @@ class WorkerBase:
     ) -> TokenStream:
         """Run a request (or just its prefill) here; returns its stream once it has ended.
 
-        ``on_prompt_computed`` is called once, with the request's first output."""
+        ``on_prompt_computed`` is called once, with the request's first output. A request
+        that already runs here (a gateway's resume of it came first) is joined, not started
+        again: its stream is returned once it has ended."""
+        running = self.streams.running.get(request_id)
+        if running is not None:
+            log.info("%s already runs here; its job waits for it", request_id)
+            await running.done
+            return running
         stream = self.streams.open(request_id, gateway_id, arrival_unix_ns=arrival_unix_ns)
         stream.on_prompt_computed = on_prompt_computed
         attributes = {REQUEST_ID: request_id, WORKER_ID: self.worker_id}
@@ -166,6 +174,8 @@ class WorkerBase:
                     stream,
                     prefill_only=prefill_only,
                 )
+            except RequestIdInUse as exc:  # our fault, not the client's: a server error
+                await stream.fail(pb.Error.INTERNAL, str(exc))
             except ValueError as exc:
                 await stream.fail(pb.Error.INVALID_REQUEST, str(exc))
             reason = await stream.done

@@ -13,7 +13,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenyard.engine.outputs import EngineStats, ExportedSequence, NoFreeBlocks, RequestOutput
+from tokenyard.engine.outputs import (
+    EngineStats,
+    ExportedSequence,
+    NoFreeBlocks,
+    RequestIdInUse,
+    RequestOutput,
+)
 from tokenyard.engine.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -76,7 +82,7 @@ class FakeEngine:
     def _check_new(self, request_id: str) -> None:
         # As the real engine: one sequence per request id.
         if request_id in self._seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestIdInUse(request_id)
 
     def _allocate(self, n_tokens: int) -> list[int]:
         n = -(-n_tokens // self.block_size)

@@ -22,6 +22,7 @@ from opentelemetry import trace
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.engine.contract import Engine
+from tokenyard.engine.outputs import RequestIdInUse
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.fleet import FleetView
 from tokenyard.fleet.resume import resume_on_live_worker
@@ -38,6 +39,9 @@ _tracer = tracer("tokenyard.worker")
 log = logging.getLogger(__name__)
 
 HAND_OVER_TIMEOUT_S = 2.0  # a live decode worker answers a hand-off at once
+# A HandoffAck's message when the request already runs (or is held) on the taker: it is
+# accepted, and no KV is pulled for it.
+JOINED = "already running here"
 
 Reply = Callable[[pb.HandoffAck], Awaitable[None]]
 
@@ -93,9 +97,10 @@ class Handoffs:
             "handoff",
             attributes={REQUEST_ID: rid, "tokenyard.decode_worker": job.decode_worker_id},
         ) as span:
-            accepted = await self._offer(job.decode_worker_id, handoff)
+            ack = await self._offer(job.decode_worker_id, handoff)
+            accepted = ack is not None and ack.accepted
             span.set_attribute("tokenyard.accepted", accepted)
-        if not endpoint or not accepted:
+        if not endpoint or not accepted or (ack is not None and ack.message == JOINED):
             await self.kv.end_hold(rid, "not pulled")
         if not accepted and self.streams.is_cancelled(rid):
             return
@@ -105,7 +110,10 @@ class Handoffs:
             )
             await self.decode_here(handoff)
 
-    async def _offer(self, decode_worker_id: str, handoff: pb.DecodeHandoff) -> bool:
+    async def _offer(
+        self, decode_worker_id: str, handoff: pb.DecodeHandoff
+    ) -> pb.HandoffAck | None:
+        """The decode worker's answer (None: none came)."""
         try:
             ack = await self.bus.request(
                 subjects.decode_jobs(decode_worker_id),
@@ -120,12 +128,12 @@ class Handoffs:
                 decode_worker_id,
                 type(exc).__name__,
             )
-            return False
+            return None
         if not ack.accepted:
             log.info(
                 "decode worker %s refused %s: %s", decode_worker_id, handoff.request_id, ack.message
             )
-        return ack.accepted
+        return ack
 
     async def decode_here(self, handoff: pb.DecodeHandoff) -> TokenStream:
         """Continue a handed-off sequence on this worker by recomputing its prompt."""
@@ -134,8 +142,9 @@ class Handoffs:
         # engine then says "request id ... is already in use". release() frees only a held
         # (prefilled, unpulled) sequence, so a late second release is harmless.
         await self.loop.call(self.engine.release, handoff.request_id)
-        stream, _ = await self.import_handoff(handoff)
-        await self.commit(handoff.request_id, kv_ok=False)
+        stream, dst = await self.import_handoff(handoff)
+        if dst is not None:  # else a resume of it runs here already: wait for that one
+            await self.commit(handoff.request_id, kv_ok=False)
         await stream.done
         return stream
 
@@ -146,8 +155,16 @@ class Handoffs:
         rid = handoff.request_id
         try:
             stream, dst = await self.import_handoff(handoff)
+        except RequestIdInUse:
+            # Held here for a hand-off of our own (prefilled, not yet taken): that hand-off
+            # goes on with it, to its decode worker or here, so this start joins it.
+            await reply(pb.HandoffAck(request_id=rid, accepted=True, message=JOINED))
+            return
         except Exception as exc:  # NoFreeBlocks, a bad sequence: the prefill worker keeps it
             await reply(pb.HandoffAck(request_id=rid, accepted=False, message=str(exc)))
+            return
+        if dst is None:
+            await reply(pb.HandoffAck(request_id=rid, accepted=True, message=JOINED))
             return
         self.running[rid] = handoff
         stream.done.add_done_callback(lambda _: self.running.pop(rid, None))
@@ -163,17 +180,22 @@ class Handoffs:
         with trace.use_span(decode):
             await self.commit(rid, kv_ok=kv_ok)
 
-    async def import_handoff(self, handoff: pb.DecodeHandoff) -> tuple[TokenStream, list[int]]:
-        """Allocate blocks for a handed-off sequence (raises when the pool is full)."""
+    async def import_handoff(
+        self, handoff: pb.DecodeHandoff
+    ) -> tuple[TokenStream, list[int] | None]:
+        """Allocate blocks for a handed-off sequence (raises when the pool is full, and
+        RequestIdInUse when the engine holds it with no stream running here).
+
+        One request runs at most once here: a hand-off, a gateway's resume and a redelivered
+        job can all start the same request, in any order. When it already runs here this
+        one joins it: the running stream is returned with no blocks (None)."""
         rid = handoff.request_id
-        params = engine_params(handoff.params, self.params_cls)
-        dst = await self.loop.call(
-            self.engine.import_sequence,
-            rid,
-            list(handoff.prompt_token_ids),
-            list(handoff.output_token_ids),
-            params,
-        )
+        running = self.streams.running.get(rid)
+        if running is not None:
+            log.info("%s already runs here; this start of it joins it", rid)
+            return running, None
+        # The stream is registered before the engine call so that a start arriving while
+        # the import runs finds it (and joins) instead of importing the request twice.
         stream = self.streams.open(
             rid,
             handoff.gateway_id,
@@ -181,6 +203,18 @@ class Handoffs:
             cached_tokens=handoff.num_cached_tokens,
             arrival_unix_ns=handoff.arrival_unix_ns,
         )
+        params = engine_params(handoff.params, self.params_cls)
+        try:
+            dst = await self.loop.call(
+                self.engine.import_sequence,
+                rid,
+                list(handoff.prompt_token_ids),
+                list(handoff.output_token_ids),
+                params,
+            )
+        except BaseException:
+            self.streams.discard(stream)
+            raise
         stream.output_token_ids.extend(handoff.output_token_ids)
         self.loop.sinks[rid] = stream
         return stream, list(dst)

@@ -92,8 +92,8 @@ class PrefillHandler:
     async def run_job(self, job: pb.PrefillJob) -> bool:
         """Run a job; False = hand it back (we are stopping), True = done (ack it)."""
         rid = job.request_id
-        if self.w.streams.is_cancelled(rid):
-            return True
+        if self.w.streams.is_cancelled(rid) or self.w.streams.finished_here(rid):
+            return True  # a late redelivery: nothing left to do
         aggregated = job.decode_worker_id in ("", self.w.worker_id) or job.params.max_tokens == 1
         prompt = list(job.prompt_token_ids)
         with _tracer.start_as_current_span("kvcache.fetch", attributes={REQUEST_ID: rid}) as span:

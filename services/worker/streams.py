@@ -18,7 +18,7 @@ from tokenyard.bus.nats import Bus
 from tokenyard.services.worker.admission import AdmissionGate
 from tokenyard.services.worker.engine_loop import EngineLoop
 from tokenyard.services.worker.metrics import WorkerMetrics
-from tokenyard.services.worker.stream import TokenStream
+from tokenyard.services.worker.stream import HANDED_BACK, TokenStream
 from tokenyard.v1 import serving_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -77,10 +77,18 @@ class Streams:
         stream.done.add_done_callback(lambda _: self._ended(stream))
         return stream
 
+    def discard(self, stream: TokenStream) -> None:
+        """Forget a stream that never started (its import failed): nothing was sent on it."""
+        if self.running.get(stream.request_id) is stream:
+            del self.running[stream.request_id]
+        stream.hand_back()
+
     def _ended(self, stream: TokenStream) -> None:
         request_id = stream.request_id
         if self.running.get(request_id) is stream:  # not a newer stream of the same request
             del self.running[request_id]
+        if not stream.sent:
+            return  # nothing to replay; keep an earlier stream's chunks (its prefill's)
         now = time.monotonic()
         self.ended.pop(request_id, None)  # to the end of the insertion order
         self.ended[request_id] = (now, stream)
@@ -89,6 +97,11 @@ class Streams:
             if now - at <= REPLAY_TTL_S:
                 break
             del self.ended[rid]
+
+    def finished_here(self, request_id: str) -> bool:
+        """The request ran to its end here lately (a late redelivery of its job has no more to do)."""
+        ended = self.ended.get(request_id)
+        return ended is not None and ended[1].done.result() not in ("prefilled", HANDED_BACK)
 
     def busy(self) -> bool:
         """Requests running here, or jobs being worked on."""

@@ -58,7 +58,8 @@ class Engine(Handoff, KVEngine, Protocol):
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams, *, prefill_only: bool = False
     ) -> None:
-        """Queue a request; ValueError for a bad prompt or a request id already in use."""
+        """Queue a request; ValueError for a bad prompt, RequestIdInUse (a ValueError) for a
+        request id already in use."""
         ...
 
     def step(self) -> list[RequestOutput]: ...

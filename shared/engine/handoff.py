@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from tokenyard.engine.block_manager import BlockManager
-from tokenyard.engine.outputs import ExportedSequence
+from tokenyard.engine.outputs import ExportedSequence, RequestIdInUse
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.engine.scheduler import Scheduler
 from tokenyard.engine.sequence import Sequence, Status
@@ -122,7 +122,7 @@ class SequenceHandoff:
     ) -> list[int]:
         """Blocks for a handed-off prompt's KV; the sequence waits for commit_import()."""
         if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestIdInUse(request_id)
         if not prompt_token_ids or not output_token_ids:
             raise ValueError("an imported sequence needs its prompt and at least its first token")
         # NOTE: a hand-off comes off the bus, not through add_request's checks: an id past the
@@ -158,7 +158,7 @@ class SequenceHandoff:
     ) -> list[int]:
         """Blocks for a prefix of whole blocks; :meth:`commit_prefix` names or drops them."""
         if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestIdInUse(request_id)
         block_size = self.block_manager.block_size
         if not token_ids or len(token_ids) % block_size:
             raise ValueError(f"a prefix is whole blocks of {block_size} tokens")

@@ -30,6 +30,7 @@ from tokenyard.engine.outputs import (
     EngineStats,
     ExportedSequence,
     NoFreeBlocks,
+    RequestIdInUse,
     RequestOutput,
     TokenLogprob,
 )
@@ -164,7 +165,7 @@ class LLMEngine:
         self, request_id: str, prompt: Prompt, params: SamplingParams, *, prefill_only: bool = False
     ) -> None:
         if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestIdInUse(request_id)
         prompt_ids = self.encode_prompt(prompt)
         self._check_length(len(prompt_ids))
         seq = Sequence(

@@ -68,3 +68,13 @@ class ExportedSequence:
 
 class NoFreeBlocks(RuntimeError):
     """The KV pool cannot hold what was asked for now; retry later or elsewhere."""
+
+
+class RequestIdInUse(ValueError):
+    """A sequence of this request id is already in the engine: a second start of a request
+    that runs (or is held) here. The worker joins the running one; it is never the client's
+    fault (a ValueError for callers that treat every refusal alike)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request id {request_id!r} is already in use")
+        self.request_id = request_id

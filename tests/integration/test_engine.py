@@ -148,6 +148,31 @@ def test_prefill_only_handoff_equals_aggregated(make_engine):
     decode.block_manager.check_no_leaks()
 
 
+def test_a_seeded_sampled_request_resumed_elsewhere_goes_on_with_the_same_tokens(engine):
+    """A worker died after ``cut`` tokens; the gateway resumes the request elsewhere from
+    those tokens (recomputed, no KV: here a new sequence in a busy batch). Each draw is
+    seeded by (seed, output position), so the resumed run draws what the unbroken one
+    drew, at temperature > 0."""
+    params = SamplingParams(
+        max_tokens=8, temperature=1.0, top_p=0.95, top_k=40, seed=1234, ignore_eos=True
+    )
+    other = SamplingParams(max_tokens=8, temperature=1.0, seed=99, ignore_eos=True)
+    prompt = engine.encode_prompt([{"role": "user", "content": "Name some colours."}])
+    engine.add_request("u", prompt, params)
+    engine.add_request("o", prompt, other)
+    outs = finish_all(engine)
+    unbroken = [t for o in outs["u"] for t in o.new_token_ids]
+    assert [t for o in outs["o"] for t in o.new_token_ids] != unbroken  # the seed matters
+    for cut in (1, 5):
+        rid = f"resumed-{cut}"
+        engine.add_request(f"busy-{cut}", "A neighbour in the batch.", other)
+        engine.import_sequence(rid, prompt, unbroken[:cut], params)
+        engine.commit_import(rid, kv_ok=False)
+        tail = [t for o in finish_all(engine)[rid] for t in o.new_token_ids]
+        assert unbroken[:cut] + tail == unbroken, cut
+    engine.block_manager.check_no_leaks()
+
+
 def test_import_refused_when_pool_full(make_engine, kv_block_bytes):
     e = make_engine(kv_cache_bytes=8 * kv_block_bytes())
     assert e.block_manager.num_blocks == 8

@@ -21,7 +21,11 @@ WORKER = "fw1"
 @pytest.fixture
 async def backend(nats_url):
     settings = GatewaySettings(
-        nats_url=nats_url, dead_worker_grace_s=0.5, idle_timeout_s=5, route_timeout_s=1
+        nats_url=nats_url,
+        dead_worker_grace_s=0.5,
+        prefill_redelivery_grace_s=1.0,
+        idle_timeout_s=5,
+        route_timeout_s=1,
     )
     backend = NatsBackend(settings)
     await backend.start()
@@ -216,6 +220,54 @@ async def test_a_job_waiting_for_its_restarted_prefill_worker_is_not_given_up(na
         )
         assert (await asyncio.wait_for(first, 5)).text == "a"
         assert [c.text async for c in stream] == ["b"]
+        await stream.close()
+    finally:
+        await backend.stop()
+
+
+async def test_a_stream_whose_only_worker_died_is_resumed_on_it_once_restarted(nats_url, bus):
+    """One worker: it dies mid-stream, nobody can resume the request, so the gateway holds
+    the stream (no error) until the worker is back, then resumes it there from the tokens
+    streamed so far, though the worker has the same id: its heartbeat's epoch is new."""
+    settings = GatewaySettings(
+        nats_url=nats_url, dead_worker_grace_s=0.5, prefill_redelivery_grace_s=30
+    )
+    backend = NatsBackend(settings)
+    await backend.start()
+    resumes: list[pb.DecodeHandoff] = []
+
+    async def on_resume(handoff: pb.DecodeHandoff, msg) -> None:
+        resumes.append(handoff)
+        await bus.reply(msg, pb.HandoffAck(request_id=handoff.request_id, accepted=True))
+
+    def beat(epoch: str) -> pb.WorkerHeartbeat:
+        return pb.WorkerHeartbeat(
+            worker_id=WORKER, role="both", heartbeat_interval_ms=100, kv_epoch=epoch
+        )
+
+    tokens = subjects.tokens(settings.instance_id, "r-hold")
+    try:
+        await serve_router(bus, PLACED, [])
+        await bus.subscribe(subjects.decode_jobs(WORKER), pb.DecodeHandoff, on_resume)
+        await bus.publish(subjects.heartbeat("both", WORKER), beat("first"))
+        stream = await backend.submit("r-hold", "m", [1], pb.SamplingParams(max_tokens=3))
+        await take_job(bus)
+        await bus.publish(tokens, chunk(0, "a"))
+        assert (await anext(stream)).text == "a"
+        second = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(2.5)  # dead for 5x dead_worker_grace_s: held, not failed
+        assert not second.done() and resumes == []
+        await bus.publish(subjects.heartbeat("both", WORKER), beat("second"))
+        for _ in range(40):
+            if resumes:
+                break
+            await asyncio.sleep(0.1)
+        (resume,) = resumes
+        assert list(resume.output_token_ids) == [ord("a")] and resume.request_id == "r-hold"
+        await bus.publish(tokens, chunk(1, "b"))
+        await bus.publish(tokens, chunk(2, "c", finished=True))
+        assert (await asyncio.wait_for(second, 5)).text == "b"
+        assert [c.text async for c in stream] == ["c"]
         await stream.close()
     finally:
         await backend.stop()

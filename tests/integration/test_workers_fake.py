@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 
 import pytest
 from worker_client import Heartbeats, Request, connect, wait_disaggregated, wait_router
 
+from tokenyard.services.gateway.backend import NatsBackend
+from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.services.launch.stack import LocalStack, StackConfig
 from tokenyard.services.worker.fake_engine import next_token
 from tokenyard.v1 import serving_pb2 as pb
@@ -160,3 +163,92 @@ async def test_stopping_prefill_worker_hands_back_its_job(stack_factory):
     assert result.token_ids == expected(PROMPT, 100)
     assert result.last.worker_id != victim.name
     await bus.close()
+
+
+# --- a worker killed with many streams in flight: nothing lost ----------------------------
+
+CHAOS_STREAMS = 12
+CHAOS_TOKENS = 80
+
+
+def chaos_prompt(i: int) -> list[int]:
+    return [*PROMPT, 100 + i]  # the fake engine's tokens follow the prompt's last one
+
+
+async def read_all(stream) -> list[int]:
+    tokens: list[int] = []
+    async for chunk in stream:
+        tokens += chunk.token_ids
+    await stream.close()
+    return tokens
+
+
+async def keep_restarting(stack: LocalStack, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        stack.supervise()
+        await asyncio.sleep(0.2)
+
+
+async def streams_through_a_kill(stack: LocalStack, victim: str) -> list[list[int] | BaseException]:
+    """12 streams through the gateway's own NATS side; ``victim`` is killed (-9) once they
+    are all decoding and restarted by the supervisor; each stream's tokens, in order, or
+    the error that ended it."""
+    settings = GatewaySettings(
+        nats_url=stack.nats_url, dead_worker_grace_s=1.0, prefill_redelivery_grace_s=90
+    )
+    backend = NatsBackend(settings)
+    await backend.start()
+    stop = asyncio.Event()
+    supervisor = asyncio.create_task(keep_restarting(stack, stop))
+    try:
+        want = {p.name for p in stack.workers}
+        async with asyncio.timeout(60):
+            while not want <= {w.worker_id for w in backend.fleet.live(time.monotonic())}:
+                await asyncio.sleep(0.1)
+        assert backend.bus is not None
+        await wait_router(backend.bus, placeable=True)
+        params = pb.SamplingParams(max_tokens=CHAOS_TOKENS, ignore_eos=True)
+        streams = [
+            await backend.submit(f"chaos-{i}", "", chaos_prompt(i), params)
+            for i in range(CHAOS_STREAMS)
+        ]
+        readers = [asyncio.create_task(read_all(s)) for s in streams]
+        await asyncio.sleep(1.0)  # all in decode: ~20 steps of 80
+        assert not any(r.done() for r in readers), "the streams ended before the kill"
+        next(p for p in stack.procs if p.name == victim).kill()
+        killed_at = time.monotonic()
+        async with asyncio.timeout(150):
+            got = await asyncio.gather(*readers, return_exceptions=True)
+        print(f"{victim} killed: the streams ended {time.monotonic() - killed_at:.1f} s later")
+        return got
+    finally:
+        stop.set()
+        await supervisor
+        await backend.stop()
+
+
+CHAOS_LAYOUTS = {
+    "one-worker": (dict(prefill=1, decode=0, aggregated=True), "both-1"),
+    "split-decode-killed": (dict(prefill=1, decode=1), "decode-2"),
+    "split-prefill-killed": (dict(prefill=1, decode=1), "prefill-1"),
+    "split-2d-decode-killed": (dict(prefill=1, decode=2), "decode-3"),
+}
+
+
+@pytest.mark.parametrize("layout", list(CHAOS_LAYOUTS))
+async def test_no_stream_is_lost_to_a_killed_worker(launch_stack, layout):
+    """JetStream redelivers the jobs of a killed worker that decoded them itself, while the
+    gateway resumes its streams: both may reach the same (restarted) worker, which runs the
+    request once. On one worker the gateway holds the streams until it is back."""
+    shape, victim = CHAOS_LAYOUTS[layout]
+    config = fake_config(shape["prefill"], shape["decode"], step_s=0.05)
+    config.aggregated = bool(shape.get("aggregated"))
+    with launch_stack(config) as stack:
+        got = await streams_through_a_kill(stack, victim)
+        lost = {
+            i: repr(tokens)[:200]
+            for i, tokens in enumerate(got)
+            if tokens != expected(chaos_prompt(i), CHAOS_TOKENS)
+        }
+        assert not lost, f"{len(lost)} of {CHAOS_STREAMS} streams lost or wrong: {lost}"
+        assert stack.supervisor.records[victim].restarts == 1

@@ -13,6 +13,8 @@ from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.convert import engine_params
 from tokenyard.services.worker.fake_engine import FakeEngine, next_token
+from tokenyard.services.worker.handoff import JOINED
+from tokenyard.services.worker.prefill import PrefillHandler
 from tokenyard.services.worker.presence import DUMP_OVERHEAD_BYTES
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.v1 import serving_pb2 as pb
@@ -312,6 +314,119 @@ async def test_redelivery_of_a_failed_job_runs_it_again(worker):
     with pytest.raises(RuntimeError):
         await first
     assert await again is True and len(calls) == 2
+
+
+# --- one request, many starts: redelivery, resume and hand-off join ----------------------
+
+
+def resume_of(rid: str, streamed: list[int], max_tokens: int) -> pb.DecodeHandoff:
+    """What a gateway sends to resume ``rid`` after ``streamed`` tokens."""
+    return pb.DecodeHandoff(
+        gateway_id=GW,
+        request_id=rid,
+        prompt_token_ids=PROMPT,
+        output_token_ids=streamed,
+        params=pb.SamplingParams(max_tokens=max_tokens),
+    )
+
+
+class Replies:
+    def __init__(self) -> None:
+        self.acks: list[pb.HandoffAck] = []
+
+    async def __call__(self, ack: pb.HandoffAck) -> None:
+        self.acks.append(ack)
+
+
+def assert_one_clean_run(worker, rid: str, n: int) -> None:
+    """Every output index sent once (a second run would send them again), no error."""
+    chunks = worker.bus.chunks(rid)
+    assert not any(c.error.code for c in chunks), [c.error.message for c in chunks]
+    assert sorted(c.index for c in chunks) == list(range(n))
+    assert [t for c in sorted(chunks, key=lambda c: c.index) for t in c.token_ids] == (
+        tokens_after(PROMPT[-1], n)
+    )
+
+
+async def test_a_resume_of_a_request_whose_redelivered_job_runs_here_joins_it(worker):
+    worker.engine.step_s = 0.005
+    job = asyncio.create_task(worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=20)))
+    await asyncio.sleep(0.03)
+    replies = Replies()
+    await worker.handoffs.take(resume_of("r1", tokens_after(PROMPT[-1], 2), 20), replies)
+    (ack,) = replies.acks
+    assert ack.accepted and ack.message == JOINED
+    assert await (await asyncio.wait_for(job, 5)).done == "length"
+    assert_one_clean_run(worker, "r1", 20)
+    assert worker.engine.stats().num_free_blocks == 64
+
+
+async def test_a_redelivered_job_of_a_request_resumed_here_joins_the_resume(worker):
+    worker.engine.step_s = 0.005
+    replies = Replies()
+    await worker.handoffs.take(resume_of("r1", tokens_after(PROMPT[-1], 3), 20), replies)
+    assert replies.acks[0].accepted and replies.acks[0].message == ""
+    stream = await asyncio.wait_for(
+        worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=20)), 5
+    )
+    assert await stream.done == "length"
+    chunks = worker.bus.chunks("r1")
+    assert not any(c.error.code for c in chunks)
+    assert [c.index for c in chunks] == list(range(3, 20))  # the resume's, sent once
+    assert worker.engine.stats().num_free_blocks == 64
+
+
+async def test_a_resume_and_a_redelivery_arriving_together_run_the_request_once(worker):
+    worker.engine.step_s = 0.002
+    replies = Replies()
+    both = await asyncio.wait_for(
+        asyncio.gather(
+            worker.handoffs.take(resume_of("r1", tokens_after(PROMPT[-1], 1), 12), replies),
+            worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=12)),
+            worker.handoffs.take(resume_of("r1", tokens_after(PROMPT[-1], 1), 12), replies),
+        ),
+        5,
+    )
+    assert await both[1].done == "length"
+    assert [a.accepted for a in replies.acks] == [True, True]
+    assert sorted(a.message for a in replies.acks) == ["", JOINED]
+    chunks = worker.bus.chunks("r1")
+    assert not any(c.error.code for c in chunks)
+    assert [c.index for c in chunks] == list(range(1, 12))
+    assert worker.engine.stats().num_free_blocks == 64
+
+
+async def test_a_resume_of_a_request_held_for_its_hand_off_joins_the_hand_off(worker):
+    await worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=5), prefill_only=True)
+    replies = Replies()
+    await worker.handoffs.take(resume_of("r1", tokens_after(PROMPT[-1], 1), 5), replies)
+    (ack,) = replies.acks
+    assert ack.accepted and ack.message == JOINED
+    assert "r1" not in worker.streams.running  # the hand-off still owns it
+    assert not any(c.error.code for c in worker.bus.chunks("r1"))
+    await worker.loop.call(worker.engine.release, "r1")
+    assert worker.engine.stats().num_free_blocks == 64
+
+
+async def test_a_second_start_the_engine_refuses_is_a_server_error(worker):
+    """Held for a hand-off with no stream (it cannot join it): a server fault, never
+    invalid_request, which would blame the client."""
+    await worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=5), prefill_only=True)
+    stream = await worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=5))
+    assert await stream.done == "error"
+    error = worker.bus.chunks("r1")[-1].error
+    assert error.code == pb.Error.INTERNAL and "already in use" in error.message
+
+
+async def test_a_late_redelivery_of_a_job_that_finished_here_does_not_run_it_again(worker):
+    first = await worker.generate("r1", GW, PROMPT, pb.SamplingParams(max_tokens=4))
+    assert await first.done == "length"
+    assert worker.streams.finished_here("r1")
+    job = pb.PrefillJob(request_id="r1", gateway_id=GW, prompt_token_ids=PROMPT)
+    job.params.max_tokens = 4
+    handler = SimpleNamespace(w=worker)
+    assert await PrefillHandler.run_job(handler, job) is True  # type: ignore[arg-type]
+    assert len(worker.bus.chunks("r1")) == 4
 
 
 # --- peers ---------------------------------------------------------------------------
