@@ -197,27 +197,22 @@ class RequireIdentity(grpc.aio.ServerInterceptor):
         return _as_caller(handler, identity)
 
 
-def _refusal(
-    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
-) -> grpc.RpcMethodHandler:
-    async def refuse(_request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(code, message)
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
-
-
 _HANDLER_KINDS = {
     (False, False): (grpc.unary_unary_rpc_method_handler, "unary_unary"),
     (False, True): (grpc.unary_stream_rpc_method_handler, "unary_stream"),
     (True, False): (grpc.stream_unary_rpc_method_handler, "stream_unary"),
     (True, True): (grpc.stream_stream_rpc_method_handler, "stream_stream"),
 }
+
+
+def _refusal(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
+    async def refuse(_request: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    make, _ = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    return make(refuse)
 
 
 def _as_caller(handler: grpc.RpcMethodHandler, identity: str) -> grpc.RpcMethodHandler:
