@@ -1,24 +1,36 @@
 """Internal gRPC (KV transfer, the KV-cache service, the control APIs) closed to strangers:
-a per-stack token in every call's metadata, and TLS (mutual, with a CA) when certificates
-are configured.
+each service presents a token of its own in every call's metadata, each server takes only
+the identities that may call it (CALLERS), and TLS (mutual, with a CA) runs when
+certificates are configured.
 
     server = grpc.aio.server(options=..., interceptors=server_interceptors())
     port = add_port(server, "127.0.0.1:0")
     channel = open_channel("127.0.0.1:50070", options=...)
+    caller()   # inside a handler: the identity that called ("decode", "operator", ...)
 
-Settings come from TOKENYARD_GRPC_* (`tokenyard up` makes a fresh token per stack and gives
-it to the workers and the KV-cache service only). No token configured = open, as before.
+Settings come from TOKENYARD_GRPC_*: ``token`` is what this process presents, ``peers`` the
+identities its servers know, as SHA-256 digests of their tokens (so no server holds a
+token it could call others with). `tokenyard up` makes a token per identity; `tokenyard
+grpc-config` makes them for compose and Kubernetes. No peers and no token = open, as
+before; a token without peers is refused at a server's start (it would be open).
 """
 
 from __future__ import annotations
 
+import contextvars
+import hashlib
 import hmac
-from collections.abc import Callable
+import re
+import secrets
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import grpc
+from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tokenyard.fleet.roles import DECODE_ROLES, ROLES
 
 METADATA_KEY = "authorization"
 # The internal services' largest message: KV blocks travel in chunks of up to half of it.
@@ -28,11 +40,66 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
+# Who calls internal gRPC: each worker pool as its role ("prefill", "decode", "both"), and
+# the person running the stack (`tokenyard ctl`).
+OPERATOR = "operator"
+IDENTITIES: tuple[str, ...] = (*ROLES, OPERATOR)
+
+# Which identities may call each internal service (full name); any other service is closed.
+# KV moves from a prefill worker to a worker that decodes; every worker reads and writes the
+# shared KV cache (decode workers prefill their own requests too); only the operator drains
+# workers, clears the cache or touches racks.
+CALLERS: dict[str, frozenset[str]] = {
+    "tokenyard.v1.KVTransfer": DECODE_ROLES,
+    "tokenyard.v1.KVCache": frozenset(ROLES),
+    "tokenyard.v1.KVCacheAdmin": frozenset({OPERATOR}),
+    "tokenyard.v1.WorkerControl": frozenset({OPERATOR}),
+    "tokenyard.v1.FacilitiesControl": frozenset({OPERATOR}),
+}
+
+_PEER = re.compile(r"^([a-z][a-z0-9_-]{0,31}):([0-9a-f]{64})$")
+
+
+def token_digest(token: str) -> str:
+    """What a server keeps of a peer's token (tokens are random, so one SHA-256 is enough)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def parse_peers(text: str) -> dict[str, str]:
+    """``name:sha256hex,name:sha256hex`` -> {name: digest}; ValueError names the bad entry."""
+    peers: dict[str, str] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        match = _PEER.match(entry)
+        if match is None:
+            raise ValueError(f"{entry[:40]!r} is not <identity>:<64 hex digits of SHA-256>")
+        name, digest = match.groups()
+        if name in peers or digest in peers.values():
+            raise ValueError(f"identity {name!r} or its token appears twice")
+        peers[name] = digest
+    return peers
+
+
+def fresh_tokens(identities: tuple[str, ...] = IDENTITIES) -> dict[str, str]:
+    """A new random token per identity."""
+    return {name: secrets.token_urlsafe(24) for name in identities}
+
+
+def peers_text(tokens: Mapping[str, str]) -> str:
+    """The ``peers`` setting that lets servers recognise these tokens."""
+    return ",".join(f"{name}:{token_digest(token)}" for name, token in tokens.items())
+
+
+class GrpcConfigError(ValueError):
+    """The gRPC settings cannot be served safely as they are."""
+
 
 class GrpcSecurity(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENYARD_GRPC_")
 
+    # What this process presents on every call it makes ("" = nothing).
     token: str = ""
+    # The identities this process's servers recognise (parse_peers); "" = open servers.
+    peers: str = ""
     # PEM files; empty = plaintext (the local default). One identity per process: a server
     # presents cert + key, and so does a client when it has them (mutual TLS).
     tls_cert: str = ""
@@ -46,9 +113,34 @@ class GrpcSecurity(BaseSettings):
     # dials (certificates naming a service rather than each pod's address).
     tls_server_name: str = ""
 
+    @field_validator("peers")
+    @classmethod
+    def _valid_peers(cls, value: str) -> str:
+        parse_peers(value)
+        return value
+
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert and self.tls_key)
+
+    def peer_digests(self) -> dict[str, str]:
+        return parse_peers(self.peers)
+
+    def identify(self, token: str) -> str | None:
+        """The identity whose token this is, or None."""
+        return identify(self.peer_digests(), token)
+
+
+def identify(peers: Mapping[str, str], token: str) -> str | None:
+    """The identity in ``peers`` (name -> token digest) that ``token`` belongs to, or None."""
+    if not token:
+        return None
+    digest = token_digest(token)
+    found = None
+    for name, expected in peers.items():  # every entry compared: no early exit to time
+        if hmac.compare_digest(digest, expected):
+            found = name
+    return found
 
 
 def _bearer(token: str) -> str:
@@ -68,37 +160,85 @@ def token_matches(given: str, expected: str) -> bool:
     return bool(expected) and hmac.compare_digest(given.encode(), expected.encode())
 
 
-class RequireToken(grpc.aio.ServerInterceptor):
-    """Refuses (UNAUTHENTICATED) any call whose metadata lacks the stack's token."""
+_caller: contextvars.ContextVar[str] = contextvars.ContextVar("tokenyard_grpc_caller", default="")
 
-    def __init__(self, token: str) -> None:
-        self._expected = _bearer(token)
+
+def caller() -> str:
+    """Inside a gRPC handler: the identity that made the call ("" on an open server)."""
+    return _caller.get()
+
+
+def _service(method: str | bytes) -> str:
+    """``/tokenyard.v1.KVCache/Put`` -> ``tokenyard.v1.KVCache``."""
+    text = method.decode() if isinstance(method, bytes) else method
+    return text.lstrip("/").split("/", 1)[0]
+
+
+class RequireIdentity(grpc.aio.ServerInterceptor):
+    """Refuses a call without a known token (UNAUTHENTICATED) and one whose identity may not
+    call the service (PERMISSION_DENIED, CALLERS); a served call's handler sees caller()."""
+
+    def __init__(self, peers: Mapping[str, str]) -> None:
+        self._peers = dict(peers)
 
     async def intercept_service(
         self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails
     ) -> Any:
-        given = dict(details.invocation_metadata or ()).get(METADATA_KEY, "")
-        if isinstance(given, str) and hmac.compare_digest(given.encode(), self._expected.encode()):
-            return await continuation(details)
         handler = await continuation(details)
-        return _refusal(handler) if handler is not None else None
+        if handler is None:
+            return None
+        identity = identify(self._peers, presented_token(details.invocation_metadata))
+        if identity is None:
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
+        service = _service(details.method)
+        if identity not in CALLERS.get(service, frozenset()):
+            why = f"{identity!r} may not call {service}"
+            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, why)
+        return _as_caller(handler, identity)
 
 
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+_HANDLER_KINDS = {
+    (False, False): (grpc.unary_unary_rpc_method_handler, "unary_unary"),
+    (False, True): (grpc.unary_stream_rpc_method_handler, "unary_stream"),
+    (True, False): (grpc.stream_unary_rpc_method_handler, "stream_unary"),
+    (True, True): (grpc.stream_stream_rpc_method_handler, "stream_stream"),
+}
+
+
+def _refusal(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
     async def refuse(_request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong stack token")
+        await context.abort(code, message)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
+    make, _ = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    return make(refuse)
+
+
+def _as_caller(handler: grpc.RpcMethodHandler, identity: str) -> grpc.RpcMethodHandler:
+    """The same handler, run with caller() set to ``identity``."""
+    make, attribute = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    inner = getattr(handler, attribute)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+
+        async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            _caller.set(identity)
+            async for reply in inner(request, context):
+                yield reply
+
+        behaviour: Callable[..., Any] = streaming
+    else:
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            _caller.set(identity)
+            return await inner(request, context)
+
+        behaviour = unary
+    return make(behaviour, handler.request_deserializer, handler.response_serializer)
 
 
 class _AddToken:
-    """Puts the stack's token into every call's metadata."""
+    """Puts this process's token into every call's metadata."""
 
     def __init__(self, token: str) -> None:
         self._pair = (METADATA_KEY, _bearer(token))
@@ -219,11 +359,17 @@ def _checked(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 def server_interceptors(security: GrpcSecurity | None = None) -> list[grpc.aio.ServerInterceptor]:
-    """The token check (when a token is configured), then the refusal of undecodable
+    """The identity check (when peers are configured), then the refusal of undecodable
     requests: every internal gRPC server takes these."""
     security = security or GrpcSecurity()
-    token = [RequireToken(security.token)] if security.token else []
-    return [*token, RejectUndecodable()]
+    peers = security.peer_digests()
+    if security.token and not peers:
+        raise GrpcConfigError(
+            "TOKENYARD_GRPC_TOKEN is set but TOKENYARD_GRPC_PEERS is empty, so this server "
+            "would take calls from anyone: set the peers (`tokenyard grpc-config`)"
+        )
+    identity = [RequireIdentity(peers)] if peers else []
+    return [*identity, RejectUndecodable()]
 
 
 def add_port(server: grpc.aio.Server, address: str, security: GrpcSecurity | None = None) -> int:
@@ -245,7 +391,8 @@ def add_port(server: grpc.aio.Server, address: str, security: GrpcSecurity | Non
 def open_channel(
     endpoint: str, options: list[tuple[str, Any]], security: GrpcSecurity | None = None
 ) -> grpc.aio.Channel:
-    """A channel to `endpoint` that carries the stack's token (and TLS when a CA is set)."""
+    """A channel to `endpoint` whose calls carry this process's token (and TLS when a CA is
+    set)."""
     security = security or GrpcSecurity()
     interceptors = client_interceptors(security.token) if security.token else None
     if not security.tls_ca:

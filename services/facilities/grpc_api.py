@@ -1,8 +1,8 @@
 """The facilities service's gRPC control API (FacilitiesControl), over the same RackControl
 as the REST admin API.
 
-Reading the racks needs the stack's token (or the admin token) when one is configured;
-every change needs the admin token, as the REST admin API does.
+Reading the racks needs the operator's gRPC token (or the admin token) when either is
+configured; every change needs the admin token, as the REST admin API does.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import grpc
 
 from tokenyard.api_deps import AdminRefusal, admin_setting, check_admin
 from tokenyard.grpc_security import (
+    CALLERS,
     GrpcSecurity,
     RejectUndecodable,
     add_port,
+    identify,
     presented_token,
     token_matches,
 )
@@ -28,6 +30,7 @@ from tokenyard.services.facilities.settings import FacilitiesSettings
 from tokenyard.v1 import control_pb2 as cpb
 from tokenyard.v1 import control_pb2_grpc
 
+SERVICE = cpb.DESCRIPTOR.services_by_name["FacilitiesControl"].full_name
 _REFUSAL_CODES = {
     "missing": grpc.StatusCode.UNAUTHENTICATED,
     "wrong": grpc.StatusCode.UNAUTHENTICATED,
@@ -51,13 +54,22 @@ class FacilitiesControlHandler(control_pb2_grpc.FacilitiesControlServicer):
     ) -> None:
         self.control = control
         self.settings = settings
-        self.stack_token = security.token
+        self.peers = security.peer_digests()
 
     async def _read_allowed(self, context: grpc.aio.ServicerContext) -> None:
-        expected = [t for t in (self.stack_token, self.settings.admin_token) if t]
+        admin = self.settings.admin_token
+        if not self.peers and not admin:
+            return  # nothing configured: open, as the other internal servers are
         given = presented_token(context.invocation_metadata())
-        if expected and not any(token_matches(given, t) for t in expected):
+        if token_matches(given, admin):
+            return
+        identity = identify(self.peers, given)
+        if identity is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+        if identity not in CALLERS[SERVICE]:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"{identity!r} may not call {SERVICE}"
+            )
 
     async def _admin(self, context: grpc.aio.ServicerContext) -> None:
         try:

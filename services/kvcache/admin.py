@@ -1,6 +1,7 @@
 """The KV-cache service's control API (KVCacheAdmin): stats, clear, evict a prefix.
 
-Served beside KVCache on the same gRPC server, behind the same per-stack token.
+Served beside KVCache on the same gRPC server, to the operator's identity only
+(tokenyard.grpc_security.CALLERS).
 """
 
 from __future__ import annotations

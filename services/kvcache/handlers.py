@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 from opentelemetry import trace
 
+from tokenyard.grpc_security import caller
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
 from tokenyard.kv.layout import KV_DTYPES, KVLayout, layout_from_proto
-from tokenyard.kv.store.tiered import TieredStore, block_key, layout_key
+from tokenyard.kv.store.tiered import Put, TieredStore, block_key, layout_key
 from tokenyard.tracing import grpc_context, tracer
 from tokenyard.v1 import kv_pb2, kv_pb2_grpc
 
@@ -25,6 +28,7 @@ def refusal(layout: KVLayout) -> str | None:
 
 
 _tracer = tracer("tokenyard.kvcache")
+log = logging.getLogger(__name__)
 
 
 async def checked_layout(desc: kv_pb2.KVLayoutDesc, context) -> KVLayout:
@@ -46,7 +50,7 @@ class KVCacheHandler(kv_pb2_grpc.KVCacheServicer):
     async def Put(self, request_iterator, context):
         layout: KVLayout | None = None
         digest = ""
-        stored = 0
+        outcomes = {Put.STORED: 0, Put.SAME: 0, Put.REFUSED: 0}
         async for block in request_iterator:
             if layout is None:
                 layout = await self._layout(block.layout, context)
@@ -66,9 +70,20 @@ class KVCacheHandler(kv_pb2_grpc.KVCacheServicer):
                 await context.abort(
                     grpc.StatusCode.DATA_LOSS, f"block {block.hash:016x} failed its crc32"
                 )
-            await self.store.put(block_key(digest, block.hash), block.data)
-            stored += 1
-        return kv_pb2.PutReply(num_stored=stored)
+            outcomes[await self.store.put(block_key(digest, block.hash), block.data)] += 1
+        if outcomes[Put.REFUSED]:
+            # Honest workers can differ in the last bits (another batch, another kernel), or
+            # a writer tries to replace a block others read: either way the first one stays.
+            log.warning(
+                "KV cache: %d blocks from %s differ from the blocks held under their hashes; "
+                "kept the held ones",
+                outcomes[Put.REFUSED],
+                caller() or "an unauthenticated caller",
+            )
+        return kv_pb2.PutReply(
+            num_stored=outcomes[Put.STORED] + outcomes[Put.SAME],
+            num_refused=outcomes[Put.REFUSED],
+        )
 
     async def Get(self, request, context):
         digest = layout_key(await self._layout(request.layout, context))

@@ -42,6 +42,11 @@ class StoreCollector(Collector):
             "tokenyard:kvcache_misses", "Block look-ups no tier held", value=self.store.misses
         )
         yield CounterMetricFamily(
+            "tokenyard:kvcache_refused_writes",
+            "Blocks written under a hash already held with other bytes (the held ones stay)",
+            value=self.store.refused,
+        )
+        yield CounterMetricFamily(
             "tokenyard:kvcache_dropped",
             "Blocks evicted from the last tier",
             value=self.store.dropped,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tokenyard.bus import auth
 from tokenyard.bus.embedded import free_port
+from tokenyard.grpc_security import OPERATOR, fresh_tokens, peers_text
 from tokenyard.services.launch.config import GATEWAY_ID, ConfigError, StackConfig, StackError
 from tokenyard.services.launch.group import ServiceGroup
 from tokenyard.services.launch.nats import StackNats
@@ -80,8 +81,10 @@ class LocalStack:
         self.console_url = ""
         self.console_admin_token = ""
         self.redis: ChildProcess | None = None  # the Redis behind per-key limits, if any
-        # Workers and the KV-cache service present it on every internal gRPC call.
-        self.grpc_token = secrets.token_urlsafe(24)
+        # A gRPC token per identity (each worker pool's role, the operator); every server is
+        # told only their digests (grpc_peers), each caller only its own token.
+        self.grpc_tokens = fresh_tokens()
+        self.grpc_peers = peers_text(self.grpc_tokens)
         self.shared_weights_dir: Path | None = None  # made by start()
         # Each service's ops HTTP server (/health, /ready, /metrics), by process name.
         self.ops_urls: dict[str, str] = {}
@@ -90,6 +93,11 @@ class LocalStack:
     def nats_url(self) -> str:
         """The operator's URL (every permission): for tests and tools, never a service."""
         return self.nats.url
+
+    @property
+    def grpc_token(self) -> str:
+        """The operator's gRPC token (`tokenyard ctl`): the control APIs take no other."""
+        return self.grpc_tokens[OPERATOR]
 
     @property
     def procs(self) -> list[ChildProcess]:
@@ -154,7 +162,8 @@ class LocalStack:
             "TOKENYARD_WORKER_NUM_THREADS": str(self.placement.threads_per_worker()),
             "TOKENYARD_WORKER_NATS_URL": self.nats.url_for(auth.worker(role, worker_id), pool=role),
             "TOKENYARD_WORKER_ROLE": role,
-            "TOKENYARD_GRPC_TOKEN": self.grpc_token,
+            "TOKENYARD_GRPC_TOKEN": self.grpc_tokens[role],
+            "TOKENYARD_GRPC_PEERS": self.grpc_peers,
             "TOKENYARD_WORKER_WORKER_ID": worker_id,
             "TOKENYARD_WORKER_OPS_PORT": self._ops_port(worker_id),
             **({"TOKENYARD_WORKER_ENGINE": self.config.engine} if self.config.engine else {}),
@@ -227,7 +236,9 @@ class LocalStack:
                     "TOKENYARD_KVCACHE_PORT": str(port),
                     "TOKENYARD_KVCACHE_RAM_BYTES": str(self.config.kvcache_ram_mib * 1024**2),
                     "TOKENYARD_KVCACHE_OPS_PORT": self._ops_port("kvcache"),
-                    "TOKENYARD_GRPC_TOKEN": self.grpc_token,
+                    # It calls no one: it only needs to know its callers.
+                    "TOKENYARD_GRPC_TOKEN": "",
+                    "TOKENYARD_GRPC_PEERS": self.grpc_peers,
                 },
             )
             self.kvcache_endpoint = f"127.0.0.1:{port}"
@@ -245,7 +256,8 @@ class LocalStack:
             "TOKENYARD_FACILITIES_PORT": str(port),
             "TOKENYARD_FACILITIES_GRPC_PORT": str(grpc_port),
             "TOKENYARD_FACILITIES_ADMIN_TOKEN": token,
-            "TOKENYARD_GRPC_TOKEN": self.grpc_token,
+            "TOKENYARD_GRPC_TOKEN": "",
+            "TOKENYARD_GRPC_PEERS": self.grpc_peers,
             **self.config.facilities_env,
         }
         self._spawn("facilities", "tokenyard.services.facilities", env)

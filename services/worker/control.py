@@ -108,7 +108,8 @@ class WorkerControlHandler(control_pb2_grpc.WorkerControlServicer):
 
 
 class ControlServer:
-    """The worker's WorkerControl gRPC server, with the stack's token and TLS settings."""
+    """The worker's WorkerControl gRPC server (the operator's identity only), with TLS when
+    configured."""
 
     def __init__(self, worker: WorkerBase, security: GrpcSecurity | None = None) -> None:
         self.worker = worker

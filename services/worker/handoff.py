@@ -171,7 +171,8 @@ class Handoffs:
         await reply(pb.HandoffAck(request_id=rid, accepted=True))
         attributes = {REQUEST_ID: rid, WORKER_ID: self.worker_id}
         with _tracer.start_as_current_span("kv_transfer", attributes=attributes) as span:
-            kv_ok = await self.kv.pull(handoff.kv_endpoint, rid, list(handoff.src_block_ids), dst)
+            endpoint = self.fleet_kv_endpoint(handoff)
+            kv_ok = await self.kv.pull(endpoint, rid, list(handoff.src_block_ids), dst)
             span.set_attributes({"kv.blocks": len(dst), "tokenyard.kv_ok": kv_ok})
         if stream.done.done():  # cancelled while we pulled
             return
@@ -179,6 +180,28 @@ class Handoffs:
         stream.done.add_done_callback(lambda done: _end_decode_span(decode, stream, done))
         with trace.use_span(decode):
             await self.commit(rid, kv_ok=kv_ok)
+
+    def fleet_kv_endpoint(self, handoff: pb.DecodeHandoff) -> str:
+        """The hand-off's KV endpoint if a live worker advertises it in its heartbeats, else
+        "" (the prompt is recomputed).
+
+        NOTE: a hand-off is a NATS message that any service allowed to publish decode jobs
+        (the gateway, to resume) can forge; a pull presents this worker's gRPC token, so it
+        goes only to an endpoint the fleet's own heartbeats vouch for, never to whatever
+        address a hand-off names."""
+        endpoint = handoff.kv_endpoint
+        if not endpoint:
+            return ""
+        advertised = {w.heartbeat.kv_endpoint for w in self.fleet.live(time.monotonic())}
+        if endpoint in advertised:
+            return endpoint
+        log.warning(
+            "hand-off %s names KV endpoint %r, which no live worker advertises; recomputing "
+            "the prompt instead of pulling",
+            handoff.request_id,
+            endpoint[:200],
+        )
+        return ""
 
     async def import_handoff(
         self, handoff: pb.DecodeHandoff

@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "tokenyard.cli.nats_config",
         "NATS users and permissions for compose and Kubernetes; fresh passwords",
     ),
+    "grpc-config": (
+        "tokenyard.cli.grpc_config",
+        "gRPC tokens per identity for compose and Kubernetes, and the servers' peers line",
+    ),
     "plan": ("tokenyard.cli.plan", "size a fleet: GPUs, racks and kW for a model and workload"),
     "simulate": ("tokenyard.cli.simulate", "simulate a fleet under load with the router's policy"),
     "ctl": ("tokenyard.cli.ctl", "drain workers, fault racks, inspect the KV cache (gRPC control)"),

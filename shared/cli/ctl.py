@@ -12,9 +12,9 @@
     tokenyard ctl facilities drain rack-a --reason "coolant work"
     tokenyard ctl facilities undrain rack-a
 
-A worker's control address is in its log and its heartbeats (control_endpoint). The stack
-token is --token, else TOKENYARD_GRPC_TOKEN, else the running `tokenyard up`'s (it saves its
-token and addresses for ctl: tokenyard.cli.running); facilities changes need the admin token
+A worker's control address is in its log and its heartbeats (control_endpoint). The operator's
+gRPC token is --token, else TOKENYARD_GRPC_TOKEN, else the running `tokenyard up`'s (it saves
+its token and addresses for ctl: tokenyard.cli.running); facilities changes need the admin token
 (--admin-token, else TOKENYARD_FACILITIES_ADMIN_TOKEN, else the running `up`'s), and the
 facilities address defaults to the running `up`'s too. TLS comes from TOKENYARD_GRPC_TLS_*.
 Answers are printed as JSON; a refused call prints its gRPC status and exits 1.
@@ -48,7 +48,8 @@ TIMEOUT_S = 10.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token",
-        help="the stack token (default: $TOKENYARD_GRPC_TOKEN, else the running `tokenyard up`'s)",
+        help="the operator's gRPC token "
+        "(default: $TOKENYARD_GRPC_TOKEN, else the running `tokenyard up`'s)",
     )
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per call")
     targets = parser.add_subparsers(dest="target", required=True)

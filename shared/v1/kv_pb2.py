@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tokenyard/v1/kv.proto\x12\x0ctokenyard.v1\"\xa6\x01\n\x0cKVLayoutDesc\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x14\n\x0chash_version\x18\x07 \x01(\t\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\"\x80\x01\n\x0f\x44\x65scribeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x06layout\x18\x02 \x01(\x0b\x32\x1a.tokenyard.v1.KVLayoutDesc\x12\x15\n\rsrc_block_ids\x18\x03 \x03(\r\x12\x16\n\x0ewant_checksums\x18\x04 \x01(\x08\"\xfc\x01\n\rDescribeReply\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.tokenyard.v1.KVLayoutDesc\x12\x12\n\ntransports\x18\x02 \x03(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x12\n\nprocess_id\x18\x04 \x01(\t\x12\x10\n\x08shm_name\x18\x05 \x01(\t\x12\x13\n\x0bpool_nbytes\x18\x06 \x01(\x04\x12\x19\n\x11mooncake_endpoint\x18\x07 \x01(\t\x12\x14\n\x0cpool_address\x18\x08 \x01(\x04\x12\x13\n\x0b\x62lock_crc32\x18\t \x03(\r\x12\x19\n\x11hold_expires_in_s\x18\n \x01(\x01\"S\n\x11ReadBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rsrc_block_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"9\n\nBlockChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08was_held\x18\x01 \x01(\x08\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\nAbortReply\x12\x10\n\x08was_held\x18\x01 \x01(\x08\"a\n\x08PutBlock\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.tokenyard.v1.KVLayoutDesc\x12\x0c\n\x04hash\x18\x02 \x01(\x06\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\"\x1e\n\x08PutReply\x12\x12\n\nnum_stored\x18\x01 \x01(\r\"H\n\nGetRequest\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.tokenyard.v1.KVLayoutDesc\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\"G\n\x0b\x43\x61\x63hedBlock\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04hash\x18\x02 \x01(\x06\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\"M\n\x0f\x43ontainsRequest\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.tokenyard.v1.KVLayoutDesc\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\"#\n\rContainsReply\x12\x12\n\nnum_prefix\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x81\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\"e\n\nStatsReply\x12\x0c\n\x04hits\x18\x01 \x01(\x04\x12\x0e\n\x06misses\x18\x02 \x01(\x04\x12\x11\n\tevictions\x18\x03 \x01(\x04\x12&\n\x05tiers\x18\x04 \x03(\x0b\x32\x17.tokenyard.v1.TierStats2\xa3\x02\n\nKVTransfer\x12\x46\n\x08\x44\x65scribe\x12\x1d.tokenyard.v1.DescribeRequest\x1a\x1b.tokenyard.v1.DescribeReply\x12I\n\nReadBlocks\x12\x1f.tokenyard.v1.ReadBlocksRequest\x1a\x18.tokenyard.v1.BlockChunk0\x01\x12\x43\n\x07Release\x12\x1c.tokenyard.v1.ReleaseRequest\x1a\x1a.tokenyard.v1.ReleaseReply\x12=\n\x05\x41\x62ort\x12\x1a.tokenyard.v1.AbortRequest\x1a\x18.tokenyard.v1.AbortReply2\x87\x02\n\x07KVCache\x12\x37\n\x03Put\x12\x16.tokenyard.v1.PutBlock\x1a\x16.tokenyard.v1.PutReply(\x01\x12<\n\x03Get\x12\x18.tokenyard.v1.GetRequest\x1a\x19.tokenyard.v1.CachedBlock0\x01\x12\x46\n\x08\x43ontains\x12\x1d.tokenyard.v1.ContainsRequest\x1a\x1b.tokenyard.v1.ContainsReply\x12=\n\x05Stats\x12\x1a.tokenyard.v1.StatsRequest\x1a\x18.tokenyard.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tokenyard/v1/kv.proto\x12\x0ctokenyard.v1\"\xa6\x01\n\x0cKVLayoutDesc\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x14\n\x0chash_version\x18\x07 \x01(\t\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\"\x80\x01\n\x0f\x44\x65scribeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x06layout\x18\x02 \x01(\x0b\x32\x1a.tokenyard.v1.KVLayoutDesc\x12\x15\n\rsrc_block_ids\x18\x03 \x03(\r\x12\x16\n\x0ewant_checksums\x18\x04 \x01(\x08\"\xfc\x01\n\rDescribeReply\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.tokenyard.v1.KVLayoutDesc\x12\x12\n\ntransports\x18\x02 \x03(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x12\n\nprocess_id\x18\x04 \x01(\t\x12\x10\n\x08shm_name\x18\x05 \x01(\t\x12\x13\n\x0bpool_nbytes\x18\x06 \x01(\x04\x12\x19\n\x11mooncake_endpoint\x18\x07 \x01(\t\x12\x14\n\x0cpool_address\x18\x08 \x01(\x04\x12\x13\n\x0b\x62lock_crc32\x18\t \x03(\r\x12\x19\n\x11hold_expires_in_s\x18\n \x01(\x01\"S\n\x11ReadBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rsrc_block_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"9\n\nBlockChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08was_held\x18\x01 \x01(\x08\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\nAbortReply\x12\x10\n\x08was_held\x18\x01 \x01(\x08\"a\n\x08PutBlock\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.tokenyard.v1.KVLayoutDesc\x12\x0c\n\x04hash\x18\x02 \x01(\x06\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\"3\n\x08PutReply\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x13\n\x0bnum_refused\x18\x02 \x01(\r\"H\n\nGetRequest\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.tokenyard.v1.KVLayoutDesc\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\"G\n\x0b\x43\x61\x63hedBlock\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04hash\x18\x02 \x01(\x06\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\"M\n\x0f\x43ontainsRequest\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.tokenyard.v1.KVLayoutDesc\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\"#\n\rContainsReply\x12\x12\n\nnum_prefix\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x81\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\"e\n\nStatsReply\x12\x0c\n\x04hits\x18\x01 \x01(\x04\x12\x0e\n\x06misses\x18\x02 \x01(\x04\x12\x11\n\tevictions\x18\x03 \x01(\x04\x12&\n\x05tiers\x18\x04 \x03(\x0b\x32\x17.tokenyard.v1.TierStats2\xa3\x02\n\nKVTransfer\x12\x46\n\x08\x44\x65scribe\x12\x1d.tokenyard.v1.DescribeRequest\x1a\x1b.tokenyard.v1.DescribeReply\x12I\n\nReadBlocks\x12\x1f.tokenyard.v1.ReadBlocksRequest\x1a\x18.tokenyard.v1.BlockChunk0\x01\x12\x43\n\x07Release\x12\x1c.tokenyard.v1.ReleaseRequest\x1a\x1a.tokenyard.v1.ReleaseReply\x12=\n\x05\x41\x62ort\x12\x1a.tokenyard.v1.AbortRequest\x1a\x18.tokenyard.v1.AbortReply2\x87\x02\n\x07KVCache\x12\x37\n\x03Put\x12\x16.tokenyard.v1.PutBlock\x1a\x16.tokenyard.v1.PutReply(\x01\x12<\n\x03Get\x12\x18.tokenyard.v1.GetRequest\x1a\x19.tokenyard.v1.CachedBlock0\x01\x12\x46\n\x08\x43ontains\x12\x1d.tokenyard.v1.ContainsRequest\x1a\x1b.tokenyard.v1.ContainsReply\x12=\n\x05Stats\x12\x1a.tokenyard.v1.StatsRequest\x1a\x18.tokenyard.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,23 +52,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTBLOCK']._serialized_start=894
   _globals['_PUTBLOCK']._serialized_end=991
   _globals['_PUTREPLY']._serialized_start=993
-  _globals['_PUTREPLY']._serialized_end=1023
-  _globals['_GETREQUEST']._serialized_start=1025
-  _globals['_GETREQUEST']._serialized_end=1097
-  _globals['_CACHEDBLOCK']._serialized_start=1099
-  _globals['_CACHEDBLOCK']._serialized_end=1170
-  _globals['_CONTAINSREQUEST']._serialized_start=1172
-  _globals['_CONTAINSREQUEST']._serialized_end=1249
-  _globals['_CONTAINSREPLY']._serialized_start=1251
-  _globals['_CONTAINSREPLY']._serialized_end=1286
-  _globals['_STATSREQUEST']._serialized_start=1288
-  _globals['_STATSREQUEST']._serialized_end=1302
-  _globals['_TIERSTATS']._serialized_start=1305
-  _globals['_TIERSTATS']._serialized_end=1434
-  _globals['_STATSREPLY']._serialized_start=1436
-  _globals['_STATSREPLY']._serialized_end=1537
-  _globals['_KVTRANSFER']._serialized_start=1540
-  _globals['_KVTRANSFER']._serialized_end=1831
-  _globals['_KVCACHE']._serialized_start=1834
-  _globals['_KVCACHE']._serialized_end=2097
+  _globals['_PUTREPLY']._serialized_end=1044
+  _globals['_GETREQUEST']._serialized_start=1046
+  _globals['_GETREQUEST']._serialized_end=1118
+  _globals['_CACHEDBLOCK']._serialized_start=1120
+  _globals['_CACHEDBLOCK']._serialized_end=1191
+  _globals['_CONTAINSREQUEST']._serialized_start=1193
+  _globals['_CONTAINSREQUEST']._serialized_end=1270
+  _globals['_CONTAINSREPLY']._serialized_start=1272
+  _globals['_CONTAINSREPLY']._serialized_end=1307
+  _globals['_STATSREQUEST']._serialized_start=1309
+  _globals['_STATSREQUEST']._serialized_end=1323
+  _globals['_TIERSTATS']._serialized_start=1326
+  _globals['_TIERSTATS']._serialized_end=1455
+  _globals['_STATSREPLY']._serialized_start=1457
+  _globals['_STATSREPLY']._serialized_end=1558
+  _globals['_KVTRANSFER']._serialized_start=1561
+  _globals['_KVTRANSFER']._serialized_end=1852
+  _globals['_KVCACHE']._serialized_start=1855
+  _globals['_KVCACHE']._serialized_end=2118
 # @@protoc_insertion_point(module_scope)

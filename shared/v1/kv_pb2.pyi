@@ -121,10 +121,12 @@ class PutBlock(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayoutDesc, _Mapping]] = ..., hash: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PutReply(_message.Message):
-    __slots__ = ("num_stored",)
+    __slots__ = ("num_stored", "num_refused")
     NUM_STORED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REFUSED_FIELD_NUMBER: _ClassVar[int]
     num_stored: int
-    def __init__(self, num_stored: _Optional[int] = ...) -> None: ...
+    num_refused: int
+    def __init__(self, num_stored: _Optional[int] = ..., num_refused: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("layout", "hashes")

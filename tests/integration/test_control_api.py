@@ -18,7 +18,7 @@ from test_facilities_service import TOKEN, StateLog, running
 from tokenyard.bus import subjects
 from tokenyard.bus.embedded import free_port
 from tokenyard.bus.nats import Bus
-from tokenyard.grpc_security import GrpcSecurity, open_channel
+from tokenyard.grpc_security import OPERATOR, GrpcSecurity, fresh_tokens, open_channel, peers_text
 from tokenyard.kv.hashing import prefix_block_hashes
 from tokenyard.kv.layout import KVLayout, layout_to_proto
 from tokenyard.kv.store.client import KVCacheClient
@@ -30,7 +30,9 @@ from tokenyard.v1 import control_pb2_grpc, kv_pb2
 from tokenyard.v1.facilities_pb2 import RackState, RackStateKind
 
 LAYOUT = KVLayout("tiny", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
-STACK_TOKEN = "stack-token-for-control-tests"
+TOKENS = fresh_tokens()
+PEERS = peers_text(TOKENS)
+WORKER = GrpcSecurity(token=TOKENS["prefill"])
 
 
 # --- KV-cache service --------------------------------------------------------------------
@@ -38,7 +40,7 @@ STACK_TOKEN = "stack-token-for-control-tests"
 
 @pytest.fixture
 async def kvcache() -> AsyncIterator[KVCacheServer]:
-    security = GrpcSecurity(token=STACK_TOKEN)
+    security = GrpcSecurity(peers=PEERS)
     server = await serve(KVCacheSettings(port=0, ram_bytes=1 << 20, shutdown_grace_s=0), security)
     yield server
     await server.stop()
@@ -49,15 +51,14 @@ def admin_stub(endpoint: str, token: str | None) -> tuple[grpc.aio.Channel, Any]
     return channel, control_pb2_grpc.KVCacheAdminStub(channel)
 
 
-async def test_kvcache_stats_move_after_a_put_and_a_get(kvcache, monkeypatch):
-    monkeypatch.setenv("TOKENYARD_GRPC_TOKEN", STACK_TOKEN)
-    channel, admin = admin_stub(kvcache.endpoint, STACK_TOKEN)
+async def test_kvcache_stats_move_after_a_put_and_a_get(kvcache):
+    channel, admin = admin_stub(kvcache.endpoint, TOKENS[OPERATOR])
     before = await admin.Stats(kv_pb2.StatsRequest())
     assert (before.hits, before.misses) == (0, 0)
     assert [t.blocks for t in before.tiers] == [0]
     hashes = prefix_block_hashes(list(range(12)), LAYOUT.block_size)  # 3 blocks
     pool = torch.randn(LAYOUT.pool_shape(6))
-    async with KVCacheClient(kvcache.endpoint) as worker:
+    async with KVCacheClient(kvcache.endpoint, security=WORKER) as worker:
         assert await worker.put_blocks(LAYOUT, hashes[:2], pool, [0, 1]) == 2
         assert await worker.get_prefix(LAYOUT, hashes, pool, [3, 4, 5]) == 2  # third: a miss
     after = await admin.Stats(kv_pb2.StatsRequest())
@@ -74,20 +75,27 @@ async def test_kvcache_stats_move_after_a_put_and_a_get(kvcache, monkeypatch):
     await channel.close()
 
 
-async def test_kvcache_clear_drops_every_block(kvcache, monkeypatch):
-    monkeypatch.setenv("TOKENYARD_GRPC_TOKEN", STACK_TOKEN)
+async def test_kvcache_clear_drops_every_block(kvcache):
     hashes = prefix_block_hashes(list(range(16)), LAYOUT.block_size)
-    async with KVCacheClient(kvcache.endpoint) as worker:
+    async with KVCacheClient(kvcache.endpoint, security=WORKER) as worker:
         await worker.put_blocks(LAYOUT, hashes, torch.randn(LAYOUT.pool_shape(4)), [0, 1, 2, 3])
-        channel, admin = admin_stub(kvcache.endpoint, STACK_TOKEN)
+        channel, admin = admin_stub(kvcache.endpoint, TOKENS[OPERATOR])
         cleared = await admin.Clear(cpb.ClearRequest())
         assert (cleared.blocks, cleared.bytes) == (4, 4 * (LAYOUT.block_nbytes + 4))
         assert await worker.contains(LAYOUT, hashes) == 0
     await channel.close()
 
 
-@pytest.mark.parametrize("token", [None, "wrong-token"])
-async def test_kvcache_admin_without_the_stack_token_is_unauthenticated(kvcache, token):
+@pytest.mark.parametrize(
+    ("token", "code"),
+    [
+        (None, grpc.StatusCode.UNAUTHENTICATED),
+        ("wrong-token", grpc.StatusCode.UNAUTHENTICATED),
+        (TOKENS["prefill"], grpc.StatusCode.PERMISSION_DENIED),  # a worker is no operator
+        (TOKENS["decode"], grpc.StatusCode.PERMISSION_DENIED),
+    ],
+)
+async def test_kvcache_admin_takes_the_operator_token_only(kvcache, token, code):
     channel, admin = admin_stub(kvcache.endpoint, token)
     for call, request in (
         (admin.Stats, kv_pb2.StatsRequest()),
@@ -96,7 +104,7 @@ async def test_kvcache_admin_without_the_stack_token_is_unauthenticated(kvcache,
     ):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await call(request)
-        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert refused.value.code() == code
     await channel.close()
 
 
@@ -118,7 +126,7 @@ async def ctl(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, 
 
 @pytest.mark.slow
 async def test_ctl_kvcache_stats_and_a_refusal(kvcache):
-    rc, out, err = await ctl("--token", STACK_TOKEN, "kvcache", "stats", kvcache.endpoint)
+    rc, out, err = await ctl("--token", TOKENS[OPERATOR], "kvcache", "stats", kvcache.endpoint)
     assert rc == 0, err
     stats = json.loads(out)
     assert stats["tiers"][0]["name"] == "ram" and stats["hits"] == "0"
@@ -234,6 +242,30 @@ async def test_facilities_control_refusals(fsettings):
         assert "power_cap_kw" in (refused.value.details() or "")
         assert len((await admin.ListRacks(cpb.ListRacksRequest())).racks) == 2
         await channel.close()
+
+
+async def test_facilities_reads_take_the_operator_token_and_no_worker_token(fsettings, monkeypatch):
+    monkeypatch.setenv("TOKENYARD_GRPC_PEERS", PEERS)
+    async with running(fsettings):
+        for token, code in (
+            (TOKENS[OPERATOR], grpc.StatusCode.OK),
+            (TOKENS["decode"], grpc.StatusCode.PERMISSION_DENIED),
+            ("not-a-token", grpc.StatusCode.UNAUTHENTICATED),
+        ):
+            channel, stub = facilities_stub(fsettings, token)
+            try:
+                await stub.ListRacks(cpb.ListRacksRequest())
+                outcome = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                outcome = exc.code()
+            finally:
+                await channel.close()
+            assert outcome == code, token
+        channel, operator = facilities_stub(fsettings, TOKENS[OPERATOR])
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # changes need the admin token
+            await operator.DrainRack(cpb.DrainRackRequest(rack="rack-a"))
+        await channel.close()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 async def test_rest_admin_still_answers_as_before(fsettings):

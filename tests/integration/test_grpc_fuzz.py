@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenyard.bus.embedded import free_port
+from tokenyard.grpc_security import CALLERS, OPERATOR, fresh_tokens, peers_text
 from tokenyard.kv.layout import KVLayout, layout_to_proto
 from tokenyard.kv.transfer import KVTransferServer
 from tokenyard.services.facilities.service import serve as serve_facilities
@@ -38,7 +39,7 @@ from tokenyard.services.kvcache.settings import KVCacheSettings
 from tokenyard.services.launch.stack import StackConfig
 from tokenyard.v1 import control_pb2, kv_pb2
 
-TOKEN = "fuzz-stack-token"
+TOKENS = fresh_tokens()  # the in-process servers know them all (TOKENYARD_GRPC_PEERS)
 ADMIN = "fuzz-admin-token"
 LAYOUT = KVLayout("tiny", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 HELD = "held-request"
@@ -79,6 +80,7 @@ class Target:
     service: str  # full name, e.g. tokenyard.v1.KVCache
     endpoint: str
     token: str  # what a good call carries
+    tokens: dict[str, str]  # every identity's token as this server knows them
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +111,7 @@ def targets(
     )
     with (
         launch_stack(config) as stack,
-        mock.patch.dict(os.environ, {"TOKENYARD_GRPC_TOKEN": TOKEN}),
+        mock.patch.dict(os.environ, {"TOKENYARD_GRPC_PEERS": peers_text(TOKENS)}),
     ):
         transfer = KVTransferServer(
             torch.zeros(LAYOUT.pool_shape(8)),
@@ -137,13 +139,21 @@ def targets(
             fac, ADMIN, "tokenyard.v1.FacilitiesControl/ListRacks", control_pb2.ListRacksRequest()
         )
         yield {
-            "tokenyard.v1.KVTransfer": Target("tokenyard.v1.KVTransfer", transfer_endpoint, TOKEN),
-            "tokenyard.v1.KVCache": Target("tokenyard.v1.KVCache", cache.endpoint, TOKEN),
-            "tokenyard.v1.KVCacheAdmin": Target("tokenyard.v1.KVCacheAdmin", cache.endpoint, TOKEN),
-            "tokenyard.v1.WorkerControl": Target(
-                "tokenyard.v1.WorkerControl", worker, stack.grpc_token
+            "tokenyard.v1.KVTransfer": Target(
+                "tokenyard.v1.KVTransfer", transfer_endpoint, TOKENS["decode"], TOKENS
             ),
-            "tokenyard.v1.FacilitiesControl": Target("tokenyard.v1.FacilitiesControl", fac, ADMIN),
+            "tokenyard.v1.KVCache": Target(
+                "tokenyard.v1.KVCache", cache.endpoint, TOKENS["decode"], TOKENS
+            ),
+            "tokenyard.v1.KVCacheAdmin": Target(
+                "tokenyard.v1.KVCacheAdmin", cache.endpoint, TOKENS[OPERATOR], TOKENS
+            ),
+            "tokenyard.v1.WorkerControl": Target(
+                "tokenyard.v1.WorkerControl", worker, stack.grpc_token, stack.grpc_tokens
+            ),
+            "tokenyard.v1.FacilitiesControl": Target(
+                "tokenyard.v1.FacilitiesControl", fac, ADMIN, TOKENS
+            ),
         }
         loop.loop.call_soon_threadsafe(stop.set)
         facilities_task.result(30)
@@ -307,6 +317,25 @@ def test_a_wrong_token_is_unauthenticated(targets, method, token):
         invoke(target, method, request.SerializeToString(), token)
         == grpc.StatusCode.UNAUTHENTICATED
     )
+    still_serving(target)
+
+
+@pytest.mark.parametrize("method", METHODS, ids=IDS)
+def test_an_identity_with_no_business_there_is_refused(targets, method):
+    """Each known identity that CALLERS does not list for the service is refused: never OK."""
+    service = method.containing_service.full_name
+    target = targets[service]
+    request = message_factory.GetMessageClass(method.input_type)().SerializeToString()
+    outsiders = sorted(set(target.tokens) - CALLERS[service])
+    assert outsiders  # every service has identities that may not call it
+    for identity in outsiders:
+        code = invoke(target, method, request, target.tokens[identity])
+        # Facilities changes are the admin token's alone: a gRPC identity there is a stranger.
+        changes_racks = service.endswith("FacilitiesControl") and method.name != "ListRacks"
+        expected = (
+            grpc.StatusCode.UNAUTHENTICATED if changes_racks else grpc.StatusCode.PERMISSION_DENIED
+        )
+        assert code == expected, f"{identity} -> {method.full_name}: {code}"
     still_serving(target)
 
 

@@ -6,6 +6,8 @@ engine's greedy tokens exactly; a cancel mid-decode must give every block back.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from worker_client import Heartbeats, Request, connect, wait_disaggregated
 
@@ -63,8 +65,11 @@ async def test_disaggregated_greedy_equals_offline(stack, offline):
         assert result.chunks[0].worker_id == "prefill-1" and result.last.worker_id == "decode-2"
         assert result.last.finish_reason == "length"
     await bus.close()
-    # The long prompt's KV came over the transfer layer, not by recomputing.
-    assert "KV pull" in (stack.log_dir / "decode-2.log").read_text()
+    # The long prompt's KV came over the transfer layer (with the decode pool's own gRPC
+    # token, from an endpoint the prefill worker's heartbeats advertise), not by recomputing.
+    log = (stack.log_dir / "decode-2.log").read_text()
+    assert re.search(r"KV pull \S+: \d+ blocks", log), log[-2000:]
+    assert not re.search(r"KV pull .* failed", log) and "no live worker advertises" not in log
 
 
 async def test_cancel_mid_decode_frees_every_block(stack, offline):

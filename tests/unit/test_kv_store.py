@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenyard.kv.layout import KVLayout
-from tokenyard.kv.store.tiered import TieredStore, block_key, layout_key
+from tokenyard.kv.store.tiered import Put, TieredStore, block_key, layout_key
 from tokenyard.kv.store.tiers import DiskTier, RamTier
 
 BLOCK = 100  # bytes per test block (the store does not care about layouts)
@@ -71,3 +71,27 @@ def test_layout_digest_separates_models_and_dtypes():
 def test_store_needs_a_tier():
     with pytest.raises(ValueError):
         TieredStore([])
+
+
+async def test_a_block_is_written_once_and_other_bytes_never_replace_it(tmp_path):
+    store = store_with(tmp_path, ram_blocks=1, disk_blocks=10)
+    assert await store.put("a/1", block(1)) is Put.STORED
+    assert await store.put("a/2", block(2)) is Put.STORED  # a/1 goes down to disk
+    assert "a/1" in store.tiers[1].index.sizes
+    assert await store.put("a/1", block(1)) is Put.SAME
+    assert await store.put("a/1", block(66)) is Put.REFUSED  # held on disk: still checked
+    assert await store.put("a/2", block(66)) is Put.REFUSED  # held in RAM
+    assert (await store.get("a/1"), await store.get("a/2")) == (block(1), block(2))
+    assert store.refused == 2
+    assert store.hits == 2  # the writes' look-ups counted no hits
+
+
+async def test_a_corrupt_held_block_gives_way_to_a_new_write(tmp_path):
+    store = store_with(tmp_path, ram_blocks=0, disk_blocks=10)
+    await store.put("a/1", block(1))
+    path = store.tiers[1]._path("a/1")
+    raw = bytearray(path.read_bytes())
+    raw[10] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert await store.put("a/1", block(7)) is Put.STORED
+    assert store.corrupt == 1 and await store.get("a/1") == block(7)

@@ -5,11 +5,15 @@ evicts is demoted one tier down; what the last tier evicts is gone. A hit in a l
 promotes the block back to RAM. Keys carry a digest of the layout, so a block written by
 one model or dtype is never served to another; values carry a crc32 that is checked
 whenever bytes come back from Redis or disk.
+
+A block is written once (:meth:`TieredStore.put`): a later write of other bytes under
+the same key is refused, so no writer can replace a block that others already read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 import logging
 import struct
@@ -45,6 +49,14 @@ def unframe(value: bytes) -> bytes | None:
     return data if crc32(data) == crc else None
 
 
+class Put(enum.Enum):
+    """What a write did."""
+
+    STORED = "stored"  # the key was free: the block is held now
+    SAME = "same"  # the same bytes were held already: nothing changed
+    REFUSED = "refused"  # other bytes are held under the key: they stay
+
+
 class TieredStore:
     def __init__(self, tiers: list[Tier]):
         if not tiers:
@@ -54,12 +66,40 @@ class TieredStore:
         self.misses = 0
         self.dropped = 0  # evicted from the last tier
         self.corrupt = 0
+        self.refused = 0  # writes of other bytes under a key already held
         # Demotion cascades await between tiers; one op at a time keeps them consistent.
         self._lock = asyncio.Lock()
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: bytes) -> Put:
+        """Store a block under a key no tier holds; a key already held keeps its bytes.
+
+        NOTE: first writer wins, never last: a block key is a hash of the tokens (and the
+        cache salt) the block was computed from, never of its bytes, so an overwrite would
+        let any writer swap the KV behind a prefix that other requests already share."""
         async with self._lock:
-            await self._put_at(0, key, frame(data))
+            held = await self._held(key)
+            if held is None:
+                await self._put_at(0, key, frame(data))
+                return Put.STORED
+            if held == data:
+                return Put.SAME
+            self.refused += 1
+            return Put.REFUSED
+
+    async def _held(self, key: str) -> bytes | None:
+        """The bytes some tier holds under ``key`` (no hit counted); a copy that fails its
+        crc32 is dropped, as a read would."""
+        for tier in self.tiers:
+            value = await tier.peek(key)
+            if value is None:
+                continue
+            data = unframe(value)
+            if data is None:
+                log.warning("KV block %s corrupt in %s; dropped", key, tier.name)
+                self.corrupt += 1
+                await tier.delete(key)
+            return data
+        return None
 
     async def get(self, key: str) -> bytes | None:
         """The block's bytes (promoted to RAM) or None; counts a hit or a miss."""

@@ -73,6 +73,10 @@ class RamTier:
     async def contains(self, key: str) -> bool:
         return key in self._data
 
+    async def peek(self, key: str) -> bytes | None:
+        """The value, without counting a hit or touching the LRU order."""
+        return self._data.get(key)
+
     async def put(self, key: str, value: bytes) -> Evicted:
         self._data[key] = value
         self.index.add(key, len(value))
@@ -111,6 +115,10 @@ class RedisTier:
 
     async def contains(self, key: str) -> bool:
         return bool(await self._redis.exists(self._prefix + key))
+
+    async def peek(self, key: str) -> bytes | None:
+        """The value, without counting a hit or touching the LRU order."""
+        return cast(bytes | None, await self._redis.get(self._prefix + key))
 
     async def put(self, key: str, value: bytes) -> Evicted:
         await self._redis.set(self._prefix + key, value, ex=self._ttl_s)
@@ -164,6 +172,15 @@ class DiskTier:
 
     async def contains(self, key: str) -> bool:
         return key in self.index.sizes
+
+    async def peek(self, key: str) -> bytes | None:
+        """The value, without counting a hit or touching the LRU order."""
+        if key not in self.index.sizes:
+            return None
+        try:
+            return await asyncio.to_thread(self._path(key).read_bytes)
+        except FileNotFoundError:
+            return None
 
     async def put(self, key: str, value: bytes) -> Evicted:
         await asyncio.to_thread(_write_atomically, self._path(key), value)

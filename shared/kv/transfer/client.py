@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 import torch
 
-from tokenyard.grpc_security import GRPC_OPTIONS, open_channel
+from tokenyard.grpc_security import GRPC_OPTIONS, GrpcSecurity, open_channel
 from tokenyard.kv.checksum import crc32
 from tokenyard.kv.layout import KVLayout, layout_from_proto, layout_to_proto
 from tokenyard.kv.transfer import mooncake
@@ -75,6 +75,7 @@ class KVTransferClient:
         timeout_s: float | None = None,
         settings: KVTransferSettings | None = None,
         advertise_host: str = "",
+        security: GrpcSecurity | None = None,
     ):
         check_pool(pool, layout)
         s = settings or KVTransferSettings()
@@ -83,6 +84,8 @@ class KVTransferClient:
         self.pool, self.layout, self.settings = pool, layout, s
         self.allowed = ordered(allowed if allowed is not None else s.allowed)
         self.timeout_s = timeout_s if timeout_s is not None else s.timeout_s
+        # The token and TLS settings every pull presents: TOKENYARD_GRPC_* unless given.
+        self.security = security or GrpcSecurity()
         self._channels: dict[str, _Channel] = {}
         self._attached: dict[str, Attached] = {}
         self._mooncake: mooncake.MooncakeEngine | None = None
@@ -285,7 +288,7 @@ class KVTransferClient:
 
     def _channel(self, endpoint: str) -> _Channel:
         if endpoint not in self._channels:
-            channel = open_channel(endpoint, GRPC_OPTIONS)
+            channel = open_channel(endpoint, GRPC_OPTIONS, self.security)
             # ReadBlocks without a deserializer: messages arrive as bytes for wire.py.
             read_blocks = channel.unary_stream(
                 READ_BLOCKS, request_serializer=kv_pb2.ReadBlocksRequest.SerializeToString
