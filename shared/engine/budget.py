@@ -90,7 +90,10 @@ def _cgroup_folders(self_cgroup: str, root: Path) -> list[tuple[Path, tuple[str,
     each ancestor up to the hierarchy's root."""
     found = []
     for line in self_cgroup.splitlines():
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         if controllers == "":  # cgroup v2's unified hierarchy
             mount, files = root, _V2_FILES
         elif "memory" in controllers.split(","):
