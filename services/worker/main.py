@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
+from tokenyard.engine.budget import MemoryBudgetError
 from tokenyard.engine.contract import Engine
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.fleet.roles import ROLES, Role
@@ -79,6 +80,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         max_num_seqs=settings.max_num_seqs,
         device=settings.device,
         gpu_memory_utilization=settings.gpu_memory_utilization,
+        cpu_memory_utilization=settings.cpu_memory_utilization,
         tensor_parallel_size=settings.tensor_parallel_size,
         **{k: v for k, v in optional.items() if v is not None},
     )
@@ -203,3 +205,5 @@ def main(default_role: Role) -> None:
     except ModelLoadError as exc:  # a missing or unreadable model: a restart cannot help
         log.exception("cannot load the model")
         exit_for_config(f"worker {settings.worker_id}", f"cannot load the model: {exc}")
+    except MemoryBudgetError as exc:  # the model does not fit: neither would it on a restart
+        exit_for_config(f"worker {settings.worker_id}", str(exc))

@@ -54,6 +54,10 @@ class WorkerSettings(BaseSettings):
     num_threads: int | None = None  # torch threads; None = torch's default
     device: str = "cpu"  # "cpu", "cuda" or "cuda:<index>"
     gpu_memory_utilization: float = 0.9  # on CUDA: this worker's share of the device
+    # On a CPU: this worker's share of the host's memory (weights, buffers, KV pool), which
+    # sizes its KV pool unless kv_cache_bytes is set; None = kv_cache_bytes or 512 MiB.
+    # `tokenyard up --cpu-memory-utilization` hands each worker on the host its part.
+    cpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     # Ranks the model is split over (EngineConfig.tensor_parallel_size); the worker starts
     # the other ranks itself. Its pool then stays out of KV hand-offs (peers recompute).
     tensor_parallel_size: int = 1

@@ -120,6 +120,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on cuda: the share of its GPU each worker may use; workers sharing a GPU split it",
     )
     parser.add_argument(
+        "--cpu-memory-utilization",
+        type=float,
+        metavar="F",
+        help="on cpu: the share of this host's memory (its cgroup's limit, in a container) "
+        "the workers may use for weights, activations and KV pools, split between them; "
+        "each worker's KV pool takes what its weights and activations leave of its part, and "
+        "a worker whose model does not fit refuses to start (default: no budget, a "
+        "--kv-cache-mib pool)",
+    )
+    parser.add_argument(
         "--speculative",
         metavar="JSON",
         help="speculative decoding on the decode workers, vLLM's speculative_config: "
@@ -144,8 +154,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-mib",
         type=int,
-        help="KV pool per worker (default 256 MiB with 2-byte KV, 512 with float32 KV: 11,000 "
-        "tokens of the default model; pages become resident as blocks are first used)",
+        help="KV pool per worker, over any --cpu-memory-utilization or "
+        "--gpu-memory-utilization budget (default on cpu without a budget: 256 MiB with "
+        "2-byte KV, 512 with float32 KV, 11,000 tokens of the default model)",
     )
     parser.add_argument(
         "--nats-url", help="use this NATS (with JetStream) instead of an embedded one"
@@ -204,6 +215,13 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         raise SystemExit("--kvcache-mib and --kv-cache-mib must be at least 1")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise SystemExit("--gpu-memory-utilization must be above 0 and at most 1")
+    if args.cpu_memory_utilization is not None:
+        if not 0 < args.cpu_memory_utilization <= 1:
+            raise SystemExit("--cpu-memory-utilization must be above 0 and at most 1")
+        if args.device != "cpu":
+            raise SystemExit(
+                "--cpu-memory-utilization is for --device cpu; on cuda use --gpu-memory-utilization"
+            )
     if args.ready_timeout <= 0:
         raise SystemExit("--ready-timeout must be above 0 seconds")
     speculative = {}
@@ -230,7 +248,6 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         kv_dtype = kv_cache_dtype_for(args.kv_cache_dtype, dtype, args.device)
     except ValueError as exc:
         raise SystemExit(f"--kv-cache-dtype: {exc}") from exc
-    kv_cache_mib = args.kv_cache_mib or (512 if kv_dtype == "float32" else 256)
     return StackConfig(
         port=args.port,
         host=args.host,
@@ -252,13 +269,14 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         worker_env={
             "TOKENYARD_WORKER_DTYPE": dtype,
             "TOKENYARD_WORKER_KV_CACHE_DTYPE": kv_dtype,
-            "TOKENYARD_WORKER_KV_CACHE_BYTES": str(kv_cache_mib * 1024**2),
+            **_kv_cache_env(args, kv_dtype),
             **_quantization_env(args),
             **speculative,
             **({"TOKENYARD_WORKER_DETERMINISTIC": "1"} if args.deterministic else {}),
         },
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_memory_utilization=args.cpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
     )
 
@@ -268,6 +286,16 @@ def _aggregated(args: argparse.Namespace) -> bool:
         return True
     split_asked = args.disaggregated or args.prefill is not None or args.decode is not None
     return not split_asked and aggregated_by_default(args.device, os.cpu_count() or 1)
+
+
+def _kv_cache_env(args: argparse.Namespace, kv_dtype: str) -> dict[str, str]:
+    """A fixed KV pool per worker where one is asked for, or on a CPU without a budget;
+    else none: each worker sizes its pool from its share of the memory budget."""
+    budget = args.device != "cpu" or args.cpu_memory_utilization is not None
+    if args.kv_cache_mib is None and budget:
+        return {}
+    kv_cache_mib = args.kv_cache_mib or (512 if kv_dtype == "float32" else 256)
+    return {"TOKENYARD_WORKER_KV_CACHE_BYTES": str(kv_cache_mib * 1024**2)}
 
 
 def _quantization_env(args: argparse.Namespace) -> dict[str, str]:

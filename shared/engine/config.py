@@ -66,11 +66,15 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # the per-step token budget (chunked prefill)
     max_model_len: int | None = None  # None = the model's context length, capped at 8192
-    # The KV pool's size. None: 512 MiB on a CPU; on a GPU, what gpu_memory_utilization of
-    # the device leaves once weights and buffers are in (as vLLM sizes it).
+    # The KV pool's size; it overrides any budget. None: what the engine's share of its
+    # device leaves once weights and buffers are in (as vLLM sizes it; engine.budget): on a
+    # GPU gpu_memory_utilization's, on a CPU cpu_memory_utilization's, or without one 512 MiB.
     kv_cache_bytes: int | None = None
     device: str = "cpu"  # "cpu", "cuda" or "cuda:<index>": weights, KV pool and kernels
     gpu_memory_utilization: float = 0.9  # on CUDA: the share of the device this engine may use
+    # On a CPU: the share of the host's memory (its cgroup's limit, in a container) this
+    # engine may use for weights, buffers and KV pool; engines sharing a host split it.
+    cpu_memory_utilization: float | None = None
     # Ranks one model is split over (tokenyard.models.tp): rank 0 is this process, the others
     # are processes the engine starts; on CUDA rank r takes the r-th device after `device`.
     tensor_parallel_size: int = 1
@@ -138,10 +142,10 @@ class EngineConfig:
         kind, _, index = self.device.partition(":")
         if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
+        for name in ("gpu_memory_utilization", "cpu_memory_utilization"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
         if kind == "cuda":
             gpu = platforms.gpu()
             if not gpu.available:

@@ -132,7 +132,7 @@ class LLMEngine:
         del loaded
         gc.collect()  # the loaded checkpoint and the model's intermediate copies
         trim_heap()
-        log.info("engine ready: %s, %s", self.model_id, self.memory.describe())
+        log.info("engine ready: %s; memory: %s", self.model_id, self.memory.describe())
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (the engine takes no steps after)."""

@@ -13,6 +13,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tokenyard.engine.budget import (
+    MIB,
+    MIN_KV_BLOCKS,
+    DeviceMemory,
+    MemoryBudgetError,
+    host_memory,
+    kv_cache_budget,
+    share_of,
+    utilization_of,
+)
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.shared_weights import share_weights
 from tokenyard.kv.layout import KVLayout
@@ -52,6 +62,12 @@ class MemoryReport:
     # tensors) and its own KV pool (none for a self-draft, which writes the target's).
     draft_weights_bytes: int = 0
     draft_kv_cache_bytes: int = 0
+    block_size: int = 0  # tokens per KV block
+    # The device's free memory once this engine's pool and buffers are in (None: unknown),
+    # and the engine's share of the device when a utilization sized the pool (engine.budget).
+    free_bytes: int | None = None
+    budget_bytes: int | None = None
+    utilization: str = ""  # the setting that gave the budget, e.g. "cpu_memory_utilization 0.5"
 
     @property
     def total_bytes(self) -> int:
@@ -64,7 +80,9 @@ class MemoryReport:
         )
 
     def describe(self) -> str:
-        mib = 1024**2
+        """The split in one line: weights, KV pool (blocks and tokens), activations, what
+        is left free; then the budget that sized the pool, where one did."""
+        mib = MIB
         ranks = f" per rank, x{self.tp_size} ranks" if self.tp_size > 1 else ""
         experts = (
             f" (experts {self.expert_weights_bytes / mib:.1f} MiB: {self.num_experts} per layer, "
@@ -78,11 +96,18 @@ class MemoryReport:
             if self.draft_weights_bytes or self.draft_kv_cache_bytes
             else ""
         )
+        tokens = f" / {self.num_blocks * self.block_size} tokens" if self.block_size else ""
+        free = f", free left {self.free_bytes / mib:.1f} MiB" if self.free_bytes is not None else ""
+        budget = (
+            f" (budget {self.budget_bytes / mib:.1f} MiB: {self.utilization})"
+            if self.budget_bytes is not None
+            else ""
+        )
         return (
             f"weights {self.weights_bytes / mib:.1f} MiB{experts}, "
-            f"KV cache {self.kv_cache_bytes / mib:.1f} MiB "
-            f"({self.num_blocks} blocks x {self.block_nbytes / 1024:.0f} KiB), "
-            f"buffers {self.buffers_bytes / mib:.1f} MiB{draft}{ranks}"
+            f"KV cache {self.kv_cache_bytes / mib:.1f} MiB = {self.num_blocks} blocks{tokens} "
+            f"({self.block_nbytes / 1024:.0f} KiB each), "
+            f"activations and tables {self.buffers_bytes / mib:.1f} MiB{draft}{free}{budget}{ranks}"
         )
 
 
@@ -124,16 +149,8 @@ def build_model_and_pool(
     layout = kv_layout(loaded, config)
     weights_bytes = _weights_bytes(model)
     buffers_bytes = _buffers_bytes(model, config, dtype)
-    free = total = own = 0
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        own = torch.cuda.memory_reserved(device)  # our weights and tables, so far
-    kv_bytes = kv_cache_budget(config, buffers_bytes=buffers_bytes, own=own, free=free, total=total)
-    num_blocks = kv_bytes // layout.block_nbytes
-    if tp > 1:
-        num_blocks = _agree(num_blocks, device)
-    if num_blocks < 2:
-        raise ValueError(f"a KV budget of {kv_bytes} bytes holds fewer than 2 KV blocks")
+    memory = _device_memory(device)
+    num_blocks = _pool_blocks(config, layout, memory, weights_bytes, buffers_bytes, device)
     kv_dtype = layout.torch_dtype
     if config.kv_pool_factory is None:
         shape = layout.pool_shape(num_blocks)
@@ -158,8 +175,68 @@ def build_model_and_pool(
         num_experts=mc.num_local_experts,
         experts_per_token=mc.num_experts_per_tok,
         tp_size=tp,
+        block_size=config.block_size,
+        free_bytes=memory.free - num_blocks * layout.block_nbytes - buffers_bytes,
+        budget_bytes=None if config.kv_cache_bytes is not None else share_of(config, memory.total),
+        utilization=_utilization_label(config),
     )
     return model, kv_cache, layout, report
+
+
+def _device_memory(device: torch.device) -> DeviceMemory:
+    """The device's memory now: a GPU's as CUDA reports it, else the host's."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceMemory(total=total, free=free)
+    return host_memory()
+
+
+def _pool_blocks(
+    config: EngineConfig,
+    layout: KVLayout,
+    memory: DeviceMemory,
+    weights_bytes: int,
+    buffers_bytes: int,
+    device: torch.device,
+) -> int:
+    """How many KV blocks the pool holds (engine.budget), agreed between tensor-parallel
+    ranks; MemoryBudgetError when fewer than MIN_KV_BLOCKS fit."""
+    # What the engine already holds on the device: on a GPU all torch has reserved there
+    # (weights and tables); on a CPU its weights as loaded, measured tensor by tensor.
+    own = torch.cuda.memory_reserved(device) if device.type == "cuda" else weights_bytes
+    kv_bytes = kv_cache_budget(
+        config,
+        buffers_bytes=buffers_bytes,
+        own=own,
+        free=memory.free,
+        total=memory.total,
+        block_nbytes=layout.block_nbytes,
+    )
+    num_blocks = kv_bytes // layout.block_nbytes
+    if config.tensor_parallel_size > 1:
+        num_blocks = _agree(num_blocks, device)
+    if num_blocks < MIN_KV_BLOCKS:
+        raise MemoryBudgetError(
+            f"a KV pool of {kv_bytes} bytes holds fewer than {MIN_KV_BLOCKS} KV blocks "
+            f"of {layout.block_nbytes} bytes"
+        )
+    if config.kv_cache_bytes is not None and kv_bytes + buffers_bytes > memory.free:
+        log.warning(
+            "the KV pool asked for (%.1f MiB) and the step's buffers (%.1f MiB) exceed the "
+            "%.1f MiB free now: the process may run out of memory as the pool fills",
+            kv_bytes / MIB,
+            buffers_bytes / MIB,
+            memory.free / MIB,
+        )
+    return num_blocks
+
+
+def _utilization_label(config: EngineConfig) -> str:
+    utilization = utilization_of(config)
+    if utilization is None:
+        return ""
+    name = "gpu" if config.device.startswith("cuda") else "cpu"
+    return f"{name}_memory_utilization {utilization:g}"
 
 
 def _agree(num_blocks: int, device: torch.device) -> int:
@@ -167,34 +244,6 @@ def _agree(num_blocks: int, device: torch.device) -> int:
     n = torch.tensor([num_blocks], dtype=torch.long, device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MIN)
     return int(n.item())
-
-
-DEFAULT_CPU_KV_BYTES = 512 * 1024**2
-
-
-def kv_cache_budget(
-    config: EngineConfig, *, buffers_bytes: int, own: int, free: int, total: int
-) -> int:
-    """Bytes for the KV pool: ``kv_cache_bytes`` when set; else 512 MiB on a CPU.
-
-    On a GPU (as vLLM sizes it): this engine's share of the device,
-    ``gpu_memory_utilization * total``, less what it already holds there (``own``: weights,
-    tables) and its step's buffers; and never more than is free now, less the buffers. Two
-    engines on one device therefore each take a utilization below 0.5."""
-    if config.kv_cache_bytes is not None:
-        return config.kv_cache_bytes
-    if not config.device.startswith("cuda"):
-        return DEFAULT_CPU_KV_BYTES
-    share = int(total * config.gpu_memory_utilization) - own - buffers_bytes
-    budget = min(share, free - buffers_bytes)
-    if budget <= 0:
-        gib = 1024**3
-        raise ValueError(
-            f"no room for a KV cache on {config.device}: gpu_memory_utilization "
-            f"{config.gpu_memory_utilization} of {total / gib:.1f} GiB, {own / gib:.2f} GiB of "
-            f"weights, {buffers_bytes / gib:.2f} GiB of buffers, {free / gib:.1f} GiB free"
-        )
-    return budget
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python's mmap module may not name it

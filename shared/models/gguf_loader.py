@@ -66,8 +66,9 @@ _QWEN2_MOE_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# Tensors the engine does not need: llama3's rope_freqs is implied by config.rope_scaling.
-_IGNORED = {"rope_freqs.weight"}
+# Not a weight: llama.cpp's converter writes Llama 3's rope scaling as this tensor of
+# per-dimension frequency divisors, which read_config puts into config.rope_scaling.
+ROPE_FREQS = "rope_freqs.weight"
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _QUANT_SUFFIX_RE = re.compile(r"[.\-_](?:I?Q\d\w*|F16|F32|BF16|fp16|fp32)$", re.IGNORECASE)
 
@@ -87,6 +88,7 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
         return value
 
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
     num_experts = int(key("expert_count", 0))
     architecture = "qwen2_moe" if arch == "qwen2moe" else "mixtral" if num_experts else arch
     return ModelConfig(
@@ -97,12 +99,12 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
         num_hidden_layers=int(key("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", key("rope.dimension_count", hidden // heads))),
+        head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in gguf.tensors,
-        rope_scaling=_rope_scaling(md, arch),
+        rope_scaling=_rope_scaling(gguf, arch, head_dim),
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
         num_local_experts=num_experts,
         num_experts_per_tok=int(key("expert_used_count", 0)),
@@ -113,18 +115,36 @@ def read_config(gguf: GGUFFile) -> ModelConfig:
     )
 
 
-def _rope_scaling(md: dict[str, Any], arch: str) -> dict[str, Any] | None:
+def _rope_scaling(gguf: GGUFFile, arch: str, head_dim: int) -> dict[str, Any] | None:
+    """The metadata's scaling kind (linear, yarn, ...) and the rope_freqs tensor's factors,
+    as tokenyard.models.llama.RotaryEmbedding reads them (both, where a file has both)."""
+    md = gguf.metadata
     kind = md.get(f"{arch}.rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    scaling: dict[str, Any] = {
-        "rope_type": kind,
-        "factor": float(md.get(f"{arch}.rope.scaling.factor", 1.0)),
-    }
-    original = md.get(f"{arch}.rope.scaling.original_context_length")
-    if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
-    return scaling
+    scaling: dict[str, Any] = {}
+    if kind not in (None, "none"):
+        scaling["rope_type"] = kind
+        scaling["factor"] = float(md.get(f"{arch}.rope.scaling.factor", 1.0))
+        original = md.get(f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+    if ROPE_FREQS in gguf.tensors:
+        scaling.setdefault("rope_type", "freq_factors")
+        scaling["freq_factors"] = _freq_factors(gguf, head_dim)
+    return scaling or None
+
+
+def _freq_factors(gguf: GGUFFile, head_dim: int) -> tuple[float, ...]:
+    """rope_freqs.weight: one divisor per rotated pair of dimensions (llama.cpp's
+    freq_factors; for Llama 3, `factor` for low frequencies, 1 for high ones, smoothly
+    between). The engine rotates whole heads, so there must be head_dim / 2 of them."""
+    info = gguf.tensors[ROPE_FREQS]
+    factors = tuple(float(f) for f in _dequantize(gguf, info).reshape(-1))
+    if len(factors) != head_dim // 2:
+        raise ModelLoadError(
+            f"{gguf.path!r}: {ROPE_FREQS} holds {len(factors)} factors; a head of "
+            f"{head_dim} dimensions rotates {head_dim // 2} pairs"
+        )
+    return factors
 
 
 def model_id(gguf: GGUFFile) -> str:
@@ -143,7 +163,7 @@ def read_weights(
     """All tensors, dequantized, renamed to Hugging Face Llama names, q/k un-permuted."""
     import torch
 
-    infos = [info for name, info in gguf.tensors.items() if name not in _IGNORED]
+    infos = [info for name, info in gguf.tensors.items() if name != ROPE_FREQS]
     for info in infos:
         _check_supported(gguf, info)
     # NOTE: numpy releases the GIL in dequantize's array ops, so threads roughly halve the time.

@@ -64,7 +64,13 @@ class RotaryEmbedding(nn.Module):
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
-    """Llama 3's frequency-dependent RoPE scaling; other kinds leave inv_freq as is."""
+    """Frequency-dependent RoPE scaling: a GGUF's per-pair divisors (`freq_factors`, read
+    from llama.cpp's rope_freqs.weight) or Llama 3's rope_scaling, which yields the same
+    divisors from four numbers; other kinds leave inv_freq as is."""
+    if scaling and "freq_factors" in scaling:
+        factors = torch.tensor(scaling["freq_factors"], dtype=inv_freq.dtype)
+        assert factors.shape == inv_freq.shape, (factors.shape, inv_freq.shape)
+        return inv_freq / factors
     if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":
         return inv_freq
     factor = float(scaling["factor"])

@@ -45,6 +45,7 @@ def test_up_takes_the_options_the_readme_names(capsys):
         "--no-facilities",
         "--log-dir",
         "--speculative",
+        "--cpu-memory-utilization",
     ):
         assert option in out, option
 
@@ -164,6 +165,19 @@ def test_up_sizes_the_kv_pool_by_its_dtype():
     assert bf16.worker_env["TOKENYARD_WORKER_KV_CACHE_BYTES"] == str(256 * mib)
     with pytest.raises(SystemExit, match="--kv-cache-dtype: kv_cache_dtype 'float16' with"):
         up_config("--dtype", "bfloat16", "--kv-cache-dtype", "float16")
+
+
+def test_up_cpu_memory_utilization_sizes_the_pools_unless_a_size_is_given():
+    budgeted = up_config("--cpu-memory-utilization", "0.5")
+    assert budgeted.cpu_memory_utilization == 0.5
+    assert "TOKENYARD_WORKER_KV_CACHE_BYTES" not in budgeted.worker_env
+    fixed = up_config("--cpu-memory-utilization", "0.5", "--kv-cache-mib", "64")
+    assert fixed.worker_env["TOKENYARD_WORKER_KV_CACHE_BYTES"] == str(64 * 1024**2)
+    assert up_config().cpu_memory_utilization is None
+    # on a GPU the pool comes from --gpu-memory-utilization unless a size is given
+    assert "TOKENYARD_WORKER_KV_CACHE_BYTES" not in up_config("--device", "cuda").worker_env
+    with pytest.raises(SystemExit, match="--cpu-memory-utilization is for --device cpu"):
+        up_config("--device", "cuda", "--cpu-memory-utilization", "0.5")
 
 
 def test_up_deterministic_reaches_the_workers():
@@ -301,6 +315,7 @@ def test_up_saves_its_control_token_for_ctl_and_prints_it(tmp_path, monkeypatch,
     [
         (["--kv-cache-mib", "0"], "--kv-cache-mib must be at least 1"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be above 0"),
+        (["--cpu-memory-utilization", "0"], "--cpu-memory-utilization must be above 0"),
         (["--ready-timeout", "0"], "--ready-timeout must be above 0"),
     ],
 )

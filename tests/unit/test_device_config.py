@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenyard.engine.budget import DEFAULT_CPU_KV_BYTES, MemoryBudgetError, kv_cache_budget
 from tokenyard.engine.config import EngineConfig
-from tokenyard.engine.memory import DEFAULT_CPU_KV_BYTES, kv_cache_budget
 
 GIB = 1024**3
 
@@ -54,9 +54,9 @@ def test_cuda_without_a_gpu_says_so():
 
 
 def test_cpu_budget_is_the_setting_or_the_default():
-    none = {"buffers_bytes": 0, "own": 0, "free": 0, "total": 0}
-    assert kv_cache_budget(EngineConfig(), **none) == DEFAULT_CPU_KV_BYTES
-    assert kv_cache_budget(EngineConfig(kv_cache_bytes=123456), **none) == 123456
+    host = {"buffers_bytes": 0, "own": 0, "free": 10 * GIB, "total": 16 * GIB}
+    assert kv_cache_budget(EngineConfig(), **host) == DEFAULT_CPU_KV_BYTES
+    assert kv_cache_budget(EngineConfig(kv_cache_bytes=123456), **host) == 123456
 
 
 def gpu_config(**kwargs) -> EngineConfig:
@@ -83,5 +83,5 @@ def test_gpu_budget_never_exceeds_what_is_free():
 
 def test_a_full_gpu_is_a_clear_error():
     device = {"buffers_bytes": GIB, "own": 6 * GIB, "free": GIB, "total": 80 * GIB}
-    with pytest.raises(ValueError, match="no room for a KV cache on cuda"):
+    with pytest.raises(MemoryBudgetError, match="does not fit its memory budget on cuda"):
         kv_cache_budget(gpu_config(gpu_memory_utilization=0.5), **device)
