@@ -154,6 +154,8 @@ def request_json(r: RequestRecord) -> dict[str, Any]:
         "ttft_s": r.ttft_s,
         "duration_s": r.duration_s,
         "worker_path": [w for w in (r.prefill_worker, r.decode_worker) if w],
+        "error_code": r.error_code,
+        "error_message": r.error_message,
     }
 
 
