@@ -126,6 +126,7 @@ async def live(request: Request, collector: CollectorDep, store: StoreDep) -> St
                 "ts": now_utc().timestamp(),
                 "racks": collector.racks(),
                 "figures": collector.figures(),
+                "window_s": request.app.state.settings.window_s,  # of the rates and percentiles
                 "requests": [request_json(r) for r in recent],
             }
             yield f"data: {json.dumps(snapshot)}\n\n"
