@@ -63,8 +63,7 @@ function makeChart(el, { title, unit, lines, digits, height = 170 }) {
     scales: { x: { time: true } },
     cursor: { drag: { x: false, y: false } },
     legend: { live: true },
-    axes: [{ ...AXIS }, { ...AXIS, label: unit, size: 56, labelSize: 18,
-      values: (u, ticks) => ticks.map((v) => +v.toFixed(digits)) }],
+    axes: [{ ...AXIS }, { ...AXIS, label: unit, size: 56, labelSize: 18 }],
     series: [
       { label: "time", value: (u, ts) => (ts == null ? "–" : new Date(1000 * ts).toLocaleTimeString()) },
       ...lines.map((label, i) => ({
@@ -89,16 +88,22 @@ const FLEET_CHARTS = [
 const charts = {};
 const rackCharts = {}; // rack -> { power, coolant }
 
+/** New data; the legend shows the latest values unless the mouse is over the chart. */
+function update(chart, data) {
+  chart.setData(data);
+  if (chart.cursor.idx == null && data[0].length) chart.setLegend({ idx: data[0].length - 1 });
+}
+
 function drawCharts() {
   for (const spec of FLEET_CHARTS) {
     charts[spec.id] ||= makeChart($(spec.id), spec);
-    charts[spec.id].setData([history.ts, ...spec.keys.map((k) => history[k])]);
+    update(charts[spec.id], [history.ts, ...spec.keys.map((k) => history[k])]);
   }
   for (const [rack, c] of Object.entries(rackCharts)) {
     const h = rackHistory[rack];
     if (!h) continue;
-    c.power.setData([h.ts, h.kw]);
-    c.coolant.setData([h.ts, h.supply, h.ret]);
+    update(c.power, [h.ts, h.kw]);
+    update(c.coolant, [h.ts, h.supply, h.ret]);
   }
 }
 
