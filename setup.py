@@ -22,13 +22,9 @@ def _packages() -> tuple[list[str], dict[str, str]]:
 
 
 packages, package_dir = _packages()
-# The CPU kernels' C++ sources travel with the package: they are compiled on first use; so
-# do the ops console's page, script and styles, and the chart library it ships (vendor/).
+# The CPU kernels' C++ sources travel with the package: they are compiled on first use.
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={
-        "tokenyard.kernels.cpu": ["*.cpp", "*.h"],
-        "tokenyard.services.telemetry.console": ["*.html", "*.js", "*.css", "vendor/*"],
-    },
+    package_data={"tokenyard.kernels.cpu": ["*.cpp", "*.h"]},
 )
