@@ -27,7 +27,7 @@ from tokenyard.fleet import FleetView
 
 PREFIX = "tokenyard:"
 WORKER_LABEL = "worker"
-SCRAPE_TIMEOUT_S = 1.0  # per worker; the scrapes run concurrently
+SCRAPE_TIMEOUT_S = 2.0  # per worker; the scrapes run concurrently
 
 
 def ops_targets(fleet: FleetView, now: float) -> dict[str, str]:
