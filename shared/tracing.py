@@ -64,6 +64,7 @@ GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_TTFT = "gen_ai.server.time_to_first_token"
+ERROR_TYPE = "error.type"  # a failed request's error code (OpenTelemetry semantic conventions)
 
 
 def grpc_metadata() -> tuple[tuple[str, str], ...]:

@@ -1,8 +1,11 @@
-"""Prometheus metrics of the gateway, in a registry of its own (one per app, so tests can make many)."""
+"""Prometheus metrics of the gateway, in a registry of its own (one per app, so tests can make
+many); the registry also carries the fleet's `tokenyard:*` series (fleet_metrics)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tokenyard.services.gateway.fleet_metrics import FleetMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -44,3 +47,5 @@ class GatewayMetrics:
         self.cancelled = Counter(
             "tokenyard_gateway_cancelled", "Requests cancelled by client disconnect", registry=r
         )
+        self.fleet = FleetMetrics()  # refreshed by GET /metrics before it renders
+        r.register(self.fleet)

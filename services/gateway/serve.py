@@ -86,6 +86,7 @@ class Generation:
         self.t0 = time.perf_counter()
         self.first_token_at: float | None = None
         self.done = False
+        self.error: ApiError | None = None  # what failed it, for its span
 
     async def serve(self, request: Request, model: str) -> Response:
         request.scope[REQUEST_ID_SCOPE_KEY] = self.fmt.rid
@@ -102,6 +103,8 @@ class Generation:
             self.streams.append(await self._submit(model, 0))
         except BaseException as exc:
             self.span.record_exception(exc)
+            if isinstance(exc, ApiError):
+                self.span.set_attribute(tracing.ERROR_TYPE, error_type(exc))
             self.span.set_status(trace.StatusCode.ERROR, str(exc))
             self.span.end()
             raise
@@ -122,6 +125,9 @@ class Generation:
             return JSONResponse(body.model_dump())
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
+        except ApiError as exc:  # a worker's refusal in the first chunk
+            self.error = exc
+            raise
         finally:
             if not handed_off:
                 await self._finish()
@@ -169,6 +175,7 @@ class Generation:
             # NOTE: the 200 status line is already sent; the error travels as the last event.
             # A timeout leaves the request running on a worker: _finish cancels it there.
             self.done = exc.status != 504
+            self.error = exc
             log.warning("request %s failed mid-stream: %s", self.fmt.rid, exc.message)
             yield exc.sse()
         except ClientGone:
@@ -216,7 +223,10 @@ class Generation:
             span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH_REASONS, reasons)
         if self.first_token_at is not None:
             span.set_attribute(tracing.GEN_AI_TTFT, self.first_token_at - self.t0)
-        if not self.done:
+        if self.error is not None:
+            span.set_attribute(tracing.ERROR_TYPE, error_type(self.error))
+            span.set_status(trace.StatusCode.ERROR, self.error.message)
+        elif not self.done:
             span.set_status(trace.StatusCode.ERROR, "client disconnected")
         span.end()
 
@@ -229,6 +239,11 @@ class Generation:
         m.prompt_tokens.inc(len(self.prepared.prompt_ids))
         m.completion_tokens.inc(sum(a.num_output_tokens for a in self.accs))
         m.cached_tokens.inc(max(a.num_cached_tokens for a in self.accs))
+
+
+def error_type(exc: ApiError) -> str:
+    """The error's code as the client saw it (its HTTP status when it has none)."""
+    return exc.code or str(exc.status)
 
 
 async def _merged(

@@ -126,6 +126,7 @@ async def live(request: Request, collector: CollectorDep, store: StoreDep) -> St
                 "ts": now_utc().timestamp(),
                 "racks": collector.racks(),
                 "figures": collector.figures(),
+                "window_s": request.app.state.settings.window_s,  # of the rates and percentiles
                 "requests": [request_json(r) for r in recent],
             }
             yield f"data: {json.dumps(snapshot)}\n\n"
@@ -154,6 +155,8 @@ def request_json(r: RequestRecord) -> dict[str, Any]:
         "ttft_s": r.ttft_s,
         "duration_s": r.duration_s,
         "worker_path": [w for w in (r.prefill_worker, r.decode_worker) if w],
+        "error_code": r.error_code,
+        "error_message": r.error_message,
     }
 
 

@@ -65,6 +65,9 @@ def rack_json(name: str, state: RackState | None, reading: FacilityReading | Non
         "supply_c": opt("supply_c"),
         "return_c": opt("return_c"),
         "flow_lpm": opt("flow_lpm"),
+        # Where the readings come from: "simulator" (modelled from the heartbeats, not
+        # measured), or an exporter's name ("dcgm", "redfish", ...).
+        "source": reading.source or None if reading is not None else None,
         "nodes": [],
     }
 

@@ -12,6 +12,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from tokenyard import tracing
 
+ERROR_MESSAGE_MAX = 1024  # tel_requests.error_message
 _STATUS = {Status.STATUS_CODE_UNSET: "unset", Status.STATUS_CODE_OK: "ok"}
 
 
@@ -26,6 +27,7 @@ class SpanRow:
     end_unix_ns: int
     status: str
     attributes: dict[str, Any]
+    status_message: str = ""  # why, when the status is "error"
 
     @property
     def request_id(self) -> str | None:
@@ -69,6 +71,7 @@ def rows(export: ExportTraceServiceRequest) -> list[SpanRow]:
                         end_unix_ns=span.end_time_unix_nano,
                         status=_STATUS.get(span.status.code, "error"),
                         attributes={a.key: value_of(a.value) for a in span.attributes},
+                        status_message=span.status.message,
                     )
                 )
     return out
@@ -91,6 +94,7 @@ def request_fields(row: SpanRow) -> dict[str, Any]:
             "cached_tokens": a.get("tokenyard.cached_tokens"),
             "ttft_s": a.get(tracing.GEN_AI_TTFT),
             "duration_s": row.duration_s,
+            **error_fields(row),
         }
     if row.name == "router.route":
         return {
@@ -98,6 +102,15 @@ def request_fields(row: SpanRow) -> dict[str, Any]:
             "decode_worker": a.get("tokenyard.decode_worker") or None,
         }
     return {}
+
+
+def error_fields(row: SpanRow) -> dict[str, Any]:
+    """A failed request's error code (OpenTelemetry's `error.type`) and message."""
+    if row.status != "error":
+        return {}
+    code = row.attributes.get(tracing.ERROR_TYPE)
+    message = row.status_message[:ERROR_MESSAGE_MAX] or None
+    return {"error_code": str(code)[:64] if code else None, "error_message": message}
 
 
 def _utc(unix_ns: int) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +32,7 @@ from tokenyard.services.worker.kv import KVPort
 from tokenyard.services.worker.metrics import WorkerMetrics, since_arrival_s
 from tokenyard.services.worker.presence import Presence
 from tokenyard.services.worker.settings import WorkerSettings
+from tokenyard.services.worker.step_spans import record_steps
 from tokenyard.services.worker.stream import TokenStream
 from tokenyard.services.worker.streams import Streams
 from tokenyard.tracing import (
@@ -163,6 +165,7 @@ class WorkerBase:
             await stream.aborted()
             return stream
         self.metrics.on_prompt(len(prompt), since_arrival_s(arrival_unix_ns))
+        started_ns = time.time_ns()
         with _tracer.start_as_current_span(
             "prefill" if prefill_only else "generate", attributes=attributes
         ) as span:
@@ -180,6 +183,8 @@ class WorkerBase:
                 await stream.fail(pb.Error.INVALID_REQUEST, str(exc))
             reason = await stream.done
             span.set_attributes(stream_attributes(stream, len(prompt), reason))
+            computed = len(prompt) - (stream.cached_tokens or 0)
+            record_steps(_tracer, started_ns, stream.output_times, prefill_tokens=computed)
         return stream
 
 

@@ -30,6 +30,7 @@ from tokenyard.services.worker.convert import engine_params
 from tokenyard.services.worker.engine_loop import EngineLoop
 from tokenyard.services.worker.kv import KVPort
 from tokenyard.services.worker.settings import WorkerSettings
+from tokenyard.services.worker.step_spans import record_steps
 from tokenyard.services.worker.stream import TokenStream
 from tokenyard.services.worker.streams import Streams
 from tokenyard.tracing import GEN_AI_USAGE_OUTPUT_TOKENS, REQUEST_ID, WORKER_ID, tracer
@@ -176,8 +177,11 @@ class Handoffs:
             span.set_attributes({"kv.blocks": len(dst), "tokenyard.kv_ok": kv_ok})
         if stream.done.done():  # cancelled while we pulled
             return
-        decode = _tracer.start_span("decode", attributes=attributes)
-        stream.done.add_done_callback(lambda done: _end_decode_span(decode, stream, done))
+        started_ns = time.time_ns()
+        decode = _tracer.start_span("decode", start_time=started_ns, attributes=attributes)
+        stream.done.add_done_callback(
+            lambda done: _end_decode_span(decode, started_ns, stream, done)
+        )
         with trace.use_span(decode):
             await self.commit(rid, kv_ok=kv_ok)
 
@@ -286,7 +290,11 @@ class Handoffs:
                 )
 
 
-def _end_decode_span(span: trace.Span, stream: TokenStream, done: asyncio.Future[str]) -> None:
+def _end_decode_span(
+    span: trace.Span, started_ns: int, stream: TokenStream, done: asyncio.Future[str]
+) -> None:
+    with trace.use_span(span, end_on_exit=False):
+        record_steps(_tracer, started_ns, stream.output_times, prefill_tokens=None)
     span.set_attribute(GEN_AI_USAGE_OUTPUT_TOKENS, len(stream.output_token_ids))
     span.set_attribute("tokenyard.finish_reason", done.result() if not done.cancelled() else "")
     span.end()

@@ -24,6 +24,7 @@ from tokenyard.fleet.roles import ROLES, Role
 from tokenyard.http_server import ReadyFlag, ops_server
 from tokenyard.lifecycle import exit_for_config, run_until_signalled, settings_or_exit
 from tokenyard.models.errors import ModelLoadError
+from tokenyard.net import advertise_address, host_endpoint
 from tokenyard.services.worker import control
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.decode import DecodeHandler
@@ -111,10 +112,13 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     ready = Readiness()
     async with ops_server(settings.ops_host, settings.ops_port, ready=ready) as ops:
         log.info("worker %s ops on %s", settings.worker_id, ops.url)
-        await run_worker(settings, stop, ready)
+        ops_endpoint = host_endpoint(advertise_address(ops.host, settings.advertise_host), ops.port)
+        await run_worker(settings, stop, ready, ops_endpoint)
 
 
-async def run_worker(settings: WorkerSettings, stop: asyncio.Event, readiness: Readiness) -> None:
+async def run_worker(
+    settings: WorkerSettings, stop: asyncio.Event, readiness: Readiness, ops_endpoint: str
+) -> None:
     ready = readiness.flag
     thread = engine_thread()  # built where it will run: see engine_thread's note
     engine, params_cls = await asyncio.get_running_loop().run_in_executor(
@@ -124,6 +128,7 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, readiness: R
     worker = WorkerBase(settings, bus, engine, params_cls, engine_thread=thread)
     prefill = PrefillHandler(worker) if settings.takes_prefill_jobs else None
     readiness.worker, readiness.prefill = worker, prefill
+    worker.presence.ops_endpoint = ops_endpoint  # the heartbeats carry it
     # Every role takes hand-offs: a prefill worker is asked only to resume a request whose
     # decode worker died (tokenyard.fleet.resume_candidates), and decodes it as any would.
     decode = DecodeHandler(worker)

@@ -67,6 +67,7 @@ class Presence:
         self.kv_epoch = secrets.token_hex(8)
         self.kv_seq = 0
         self.control_endpoint = ""  # the WorkerControl server, once started
+        self.ops_endpoint = ""  # the ops HTTP server (/metrics), set by the service's wiring
         # More reasons the worker may not take work (its work queue's consumer), registered
         # by the role handlers.
         self.readiness_checks: list[Callable[[], str | None]] = []
@@ -139,6 +140,7 @@ class Presence:
             not_ready=self.not_ready() or "",
             draining=not self.accepting.is_set(),
             control_endpoint=self.control_endpoint,
+            ops_endpoint=self.ops_endpoint,
         )
 
     def log_step_timings(self) -> None:

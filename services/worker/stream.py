@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from tokenyard.bus import subjects
@@ -48,6 +49,8 @@ class TokenStream:
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         # Called once, with the first output: the prompt is computed and its blocks cached.
         self.on_prompt_computed: Callable[[], None] | None = None
+        # (unix ns, tokens) per engine step that gave this request tokens: its step spans.
+        self.output_times: list[tuple[int, int]] = []
 
     async def on_output(self, out: RequestOutput) -> None:
         chunk = token_chunk(
@@ -62,6 +65,7 @@ class TokenStream:
         if self.on_prompt_computed is not None:
             hook, self.on_prompt_computed = self.on_prompt_computed, None
             hook()
+        self.output_times.append((time.time_ns(), len(out.new_token_ids)))
         self.next_index += len(out.new_token_ids)
         self.output_token_ids.extend(out.new_token_ids)
         if self.timer is not None:

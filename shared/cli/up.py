@@ -407,6 +407,7 @@ def _banner(stack: LocalStack) -> None:
     except Exception:  # the banner must not fail the stack
         model = "SmolLM2-135M-Instruct"
     print(f"\nTokenyard is up: {url}  (OpenAI-compatible; docs at {url}/docs)")
+    print(f"Metrics (Prometheus text, every worker's tokenyard:* series): {url}/metrics")
     print("Try:")
     print(
         f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"

@@ -33,6 +33,8 @@ class RequestRecord(Base):
     duration_s: Mapped[float | None]
     prefill_worker: Mapped[str | None] = mapped_column(String(128))
     decode_worker: Mapped[str | None] = mapped_column(String(128))
+    error_code: Mapped[str | None] = mapped_column(String(64))  # a failed request's
+    error_message: Mapped[str | None] = mapped_column(String(1024))
 
 
 class SpanRecord(Base):

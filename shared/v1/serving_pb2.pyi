@@ -251,7 +251,7 @@ class Replay(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., from_index: _Optional[int] = ...) -> None: ...
 
 class WorkerHeartbeat(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "max_num_seqs", "tokens_per_s", "kv_endpoint", "host", "sent_unix_ms", "block_size", "heartbeat_interval_ms", "max_model_len", "seq_cap", "step_fixed_ms", "step_ms_per_token", "pending_prompt_tokens", "local_prefill", "not_ready", "kv_epoch", "kv_seq", "draining", "control_endpoint")
+    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "max_num_seqs", "tokens_per_s", "kv_endpoint", "host", "sent_unix_ms", "block_size", "heartbeat_interval_ms", "max_model_len", "seq_cap", "step_fixed_ms", "step_ms_per_token", "pending_prompt_tokens", "local_prefill", "not_ready", "kv_epoch", "kv_seq", "draining", "control_endpoint", "ops_endpoint")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +277,7 @@ class WorkerHeartbeat(_message.Message):
     KV_SEQ_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    OPS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -302,7 +303,8 @@ class WorkerHeartbeat(_message.Message):
     kv_seq: int
     draining: bool
     control_endpoint: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_endpoint: _Optional[str] = ..., host: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., block_size: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., seq_cap: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_token: _Optional[float] = ..., pending_prompt_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., not_ready: _Optional[str] = ..., kv_epoch: _Optional[str] = ..., kv_seq: _Optional[int] = ..., draining: _Optional[bool] = ..., control_endpoint: _Optional[str] = ...) -> None: ...
+    ops_endpoint: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_endpoint: _Optional[str] = ..., host: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., block_size: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., seq_cap: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_token: _Optional[float] = ..., pending_prompt_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., not_ready: _Optional[str] = ..., kv_epoch: _Optional[str] = ..., kv_seq: _Optional[int] = ..., draining: _Optional[bool] = ..., control_endpoint: _Optional[str] = ..., ops_endpoint: _Optional[str] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("worker_id", "kind", "block_hashes", "hash_version", "seq", "epoch")

@@ -1,6 +1,8 @@
 """The ops console in a real browser (Playwright with Debian's chromium) against a running
-stack: every worker is shown, the numbers move after requests, a pump fault injected from
-the console turns its rack to drain, and a request's trace opens as a waterfall.
+stack: every worker is shown, the numbers and charts (uPlot: time axis, units, hover values)
+move after requests, simulated rack readings say so, a request's trace opens as a waterfall
+down to the engine's steps, a pump fault that would stop the fleet asks first and then
+turns its rack to drain, and a request that then fails shows its error code and message.
 
 Saves a screenshot: into $TOKENYARD_TEST_ARTIFACTS when set, else the test's tmp_path."""
 
@@ -51,6 +53,8 @@ def test_console_live_fleet_fault_and_trace(page: Page, telemetry_stack, tmp_pat
     for worker_id in ("prefill-1", "decode-2"):
         expect(page.locator(f'[data-worker="{worker_id}"]')).to_be_visible()
     expect(rack(page, "rack-a")).to_have_attribute("data-state", "normal", timeout=15_000)
+    # The example inventory's racks are modelled by the facilities simulator: labelled so.
+    expect(rack(page, "rack-a").get_by_test_id("rack-source")).to_have_text("simulated")
 
     rows_before = page.get_by_test_id("request-row").count()
     send(telemetry_stack, 3)
@@ -58,21 +62,100 @@ def test_console_live_fleet_fault_and_trace(page: Page, telemetry_stack, tmp_pat
     expect(page.get_by_test_id("request-row")).to_have_count(rows_before + 3, timeout=15_000)
     expect(page.get_by_test_id("fig-requests-per-s")).not_to_have_text("0.00", timeout=15_000)
     expect(page.get_by_test_id("fig-ttft-p50")).not_to_have_text("– s")
+    # Averaged over a window: still up a second after the burst, not back to 0.
+    expect(page.get_by_test_id("fig-tokens-per-s")).not_to_have_text("0.0", timeout=15_000)
+    page.wait_for_timeout(1500)
+    expect(page.get_by_test_id("fig-tokens-per-s")).not_to_have_text("0.0")
 
-    page.get_by_test_id("request-row").first.click()
-    expect(page.get_by_test_id("span").first).to_be_visible(timeout=10_000)
-    assert page.get_by_test_id("span").count() >= 5
-
-    page.get_by_test_id("admin-token").fill(telemetry_stack.console_admin_token)
-    rack(page, "rack-a").get_by_role("button", name="inject pump fault").click()
-    expect(rack(page, "rack-a")).to_have_attribute("data-state", "drain", timeout=15_000)
-    expect(page.locator('[data-worker="prefill-1"]')).to_have_attribute("data-state", "drain")
-    expect(rack(page, "rack-b")).to_have_attribute("data-state", "normal")
+    check_chart(page)
+    check_trace(page)
+    inject_fault_after_confirming(page, telemetry_stack)
+    check_failed_request(page, telemetry_stack)
+    page.get_by_test_id("request-row").nth(1).click()  # a served request's trace, for the picture
+    expect(page.locator('[data-span="engine.prefill"]')).to_be_visible(timeout=10_000)
     page.screenshot(path=str(artifacts(tmp_path) / "console.png"), full_page=True)
 
     rack(page, "rack-a").get_by_role("button", name="clear faults").click()
     expect(page.get_by_test_id("message")).to_contain_text("done")
     expect(rack(page, "rack-a")).to_have_attribute("data-state", "normal", timeout=30_000)
+
+
+def check_chart(page: Page) -> None:
+    """The throughput chart: a time axis, its unit, and the value under the mouse."""
+    chart = page.get_by_test_id("chart-tokens")
+    expect(chart.locator(".u-title")).to_have_text("throughput")
+    # uPlot draws the axes on its canvas: ask the chart for the x scale and the value axis.
+    axes = page.evaluate(
+        "() => [charts['c-tokens'].scales.x.time, charts['c-tokens'].axes[1].label]"
+    )
+    assert axes == [True, "tok/s"], axes
+    latest = chart.locator(".u-legend .u-series").nth(1).locator(".u-value")
+    expect(latest).to_contain_text("tok/s")  # the latest value, before any hover
+    box = chart.locator(".u-over").bounding_box()
+    assert box is not None
+    page.mouse.move(box["x"] + box["width"] - 3, box["y"] + box["height"] / 2)
+    time, generated = (
+        chart.locator(".u-legend .u-series").nth(0),
+        chart.locator(".u-legend .u-series").nth(1),
+    )
+    expect(time.locator(".u-value")).to_contain_text(":")  # the clock time under the mouse
+    expect(generated.locator(".u-label")).to_have_text("generated")
+    expect(generated.locator(".u-value")).to_contain_text("tok/s")
+
+
+def check_trace(page: Page) -> None:
+    """A split request's waterfall: the prefill under the prefill worker's span, then each
+    decode step under the decode worker's."""
+    page.get_by_test_id("request-row").first.click()
+    expect(page.get_by_test_id("span").first).to_be_visible(timeout=10_000)
+    assert page.get_by_test_id("span").count() >= 5
+    prefill = page.locator('[data-testid="span"][data-span="engine.prefill"]')
+    expect(prefill).to_have_count(1, timeout=10_000)
+    steps = page.locator('[data-testid="span"][data-span="engine.decode_step"]')
+    assert steps.count() >= 3, steps.count()
+    for engine_span, parent in ((prefill, "prefill"), (steps.first, "decode")):
+        parent_row = page.locator(f'[data-testid="span"][data-span="{parent}"]').first
+        assert int(engine_span.get_attribute("data-depth") or 0) == 1 + int(
+            parent_row.get_attribute("data-depth") or 0
+        )
+
+
+def inject_fault_after_confirming(page: Page, stack) -> None:
+    """rack-a holds the only prefill worker: the console names it and asks first; a "no"
+    leaves the rack alone, a "yes" drains it."""
+    page.get_by_test_id("admin-token").fill(stack.console_admin_token)
+    asked: list[str] = []
+
+    def answer(accept: bool):
+        def on_dialog(dialog) -> None:
+            asked.append(dialog.message)
+            dialog.accept() if accept else dialog.dismiss()
+
+        return on_dialog
+
+    page.once("dialog", answer(False))
+    rack(page, "rack-a").get_by_role("button", name="inject pump fault").click()
+    expect(page.get_by_test_id("message")).to_contain_text("cancelled")
+    assert len(asked) == 1 and "prefill-1" in asked[0] and "stops serving" in asked[0], asked
+    expect(rack(page, "rack-a")).to_have_attribute("data-state", "normal")
+
+    page.once("dialog", answer(True))
+    rack(page, "rack-a").get_by_role("button", name="inject pump fault").click()
+    expect(rack(page, "rack-a")).to_have_attribute("data-state", "drain", timeout=15_000)
+    assert len(asked) == 2
+    expect(page.locator('[data-worker="prefill-1"]')).to_have_attribute("data-state", "drain")
+    expect(rack(page, "rack-b")).to_have_attribute("data-state", "normal")
+
+
+def check_failed_request(page: Page, stack) -> None:
+    """With no prefill worker left, a request fails; its row says how, as the client saw it."""
+    body = {"model": stack.model_id, "prompt": "Tell me about ships:", "max_tokens": 4}
+    resp = httpx.post(f"{stack.gateway_url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code >= 400, resp.text
+    error = resp.json()["error"]
+    shown = page.get_by_test_id("request-error").first
+    expect(shown).to_contain_text(error["code"] or str(resp.status_code), timeout=15_000)
+    expect(shown).to_contain_text(error["message"][:40])
 
 
 def test_console_planner_page_plans_from_the_form(page: Page, tmp_path):

@@ -56,3 +56,43 @@ def test_a_repeated_prompt_moves_the_prefix_hit_counter(stack):
     assert wait_until(
         lambda: fleet_total(stack, "tokenyard:prefix_cache_hits_total") - hits_before >= 48, 10
     ), fleet_total(stack, "tokenyard:prefix_cache_hits_total") - hits_before
+
+
+def test_the_gateway_metrics_carry_every_workers_series(stack):
+    """One scrape target for the whole fleet: the gateway's /metrics has each worker's
+    tokenyard:* series, labelled by worker, beside its own."""
+    complete(stack, max_tokens=3)
+    text = httpx.get(f"{stack.gateway_url}/metrics", timeout=10).text
+    workers: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("tokenyard:"):
+                workers.setdefault(s.name, set()).add(s.labels["worker"])
+    names = {w.name for w in stack.workers}
+    assert workers["tokenyard:num_requests_running"] == names
+    assert workers["tokenyard:kv_cache_usage_perc"] == names
+    assert workers["tokenyard:prompt_tokens_total"] <= names
+    up = {
+        s.labels["worker"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "tokenyard_gateway_worker_scrape_up"
+    }
+    assert up == dict.fromkeys(names, 1.0)
+    assert "tokenyard_gateway_requests_total" in text
+    # Re-exposed as they are: the gateway's count for each worker is the worker's own.
+    for worker in stack.workers:
+        own = httpx.get(f"{stack.ops_urls[worker.name]}/metrics", timeout=5).text
+        assert total(own, "tokenyard:prompt_tokens_total") == total(
+            text, "tokenyard:prompt_tokens_total", worker=worker.name
+        )
+
+
+def total(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples called `name` (with these labels) in a /metrics text."""
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )

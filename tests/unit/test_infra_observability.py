@@ -50,3 +50,19 @@ def test_prometheus_scrapes_the_default_ports():
     assert ports["kvcache"] == KVCACHE_OPS
     assert ports["telemetry"] == TELEMETRY_PORT
     assert ports["facilities"] == facilities_port
+
+
+def test_prometheus_keeps_the_workers_series_once():
+    """The gateway re-exposes the workers' tokenyard:* series; Prometheus scrapes the workers
+    themselves, so it drops the gateway's copies (else every fleet sum doubles)."""
+    config = yaml.safe_load((ROOT / "infra/prometheus/prometheus.yml").read_text())
+    gateway = next(j for j in config["scrape_configs"] if j["job_name"] == "gateway")
+    drops = [
+        r["regex"]
+        for r in gateway.get("metric_relabel_configs", [])
+        if r.get("action") == "drop" and r.get("source_labels") == ["__name__"]
+    ]
+    assert len(drops) == 1, gateway
+    for name in ("tokenyard:generation_tokens_total", "tokenyard:num_requests_running"):
+        assert re.fullmatch(drops[0], name)
+    assert not re.fullmatch(drops[0], "tokenyard_gateway_requests_total")

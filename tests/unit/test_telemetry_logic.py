@@ -11,12 +11,13 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from tokenyard import tracing
 from tokenyard.facilities.inventory import Inventory
 from tokenyard.fleet import FleetView
 from tokenyard.services.telemetry.fleet import PrefixCounts, fleet_tree
-from tokenyard.services.telemetry.spans import request_fields, rows
+from tokenyard.services.telemetry.spans import ERROR_MESSAGE_MAX, request_fields, rows
 from tokenyard.services.telemetry.stats import Finished, Window, percentile_or_none
 from tokenyard.v1 import serving_pb2 as pb
 from tokenyard.v1.facilities_pb2 import FacilityReading, RackState, RackStateKind
@@ -135,3 +136,21 @@ def test_the_fleet_tree_places_workers_by_inventory_and_colours_them():
     assert tree[1]["nodes"][0]["workers"][0]["state"] == "dead"
     assert tree[2]["nodes"][0] == {"name": "h", "workers": [tree[2]["nodes"][0]["workers"][0]]}
     assert tree[2]["nodes"][0]["workers"][0]["state"] == "normal"
+
+
+def test_a_failed_requests_root_span_gives_its_error_code_and_message():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "gateway"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    attributes = {tracing.REQUEST_ID: "cmpl-9", tracing.GEN_AI_OPERATION: "text_completion"}
+    with provider.get_tracer("t").start_as_current_span("text_completion m") as span:
+        span.set_attributes(attributes | {tracing.ERROR_TYPE: "no_capacity"})
+        span.set_status(StatusCode.ERROR, "no worker can prefill now " + "x" * 2000)
+    with provider.get_tracer("t").start_as_current_span("text_completion m", attributes=attributes):
+        pass
+    failed, ok = rows(encode_spans(exporter.get_finished_spans()))
+    fields = request_fields(failed)
+    assert fields["status"] == "error" and fields["error_code"] == "no_capacity"
+    assert fields["error_message"].startswith("no worker can prefill now")
+    assert len(fields["error_message"]) == ERROR_MESSAGE_MAX  # what the column holds
+    assert request_fields(ok)["status"] == "ok" and "error_code" not in request_fields(ok)

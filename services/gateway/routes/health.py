@@ -1,4 +1,5 @@
-"""/health (the process is up), /ready (it can serve), /metrics (Prometheus)."""
+"""/health (the process is up), /ready (it can serve), /metrics (Prometheus: the gateway's
+own series and the live workers' `tokenyard:*` series, labelled by worker)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenyard.services.gateway.deps import State
+from tokenyard.services.gateway.fleet_metrics import ops_targets
 from tokenyard.services.gateway.readiness import placement_problem
 from tokenyard.services.gateway.schemas import Health, Readiness, WorkerInfo
 
@@ -64,4 +66,5 @@ async def ready(state: State) -> JSONResponse:
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
 async def metrics(state: State) -> Response:
+    await state.metrics.fleet.refresh(ops_targets(state.backend.fleet, time.monotonic()))
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
