@@ -13,12 +13,17 @@ ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS base
 # g++: the CPU kernels (tokenyard.kernels.cpu) compile for the CPU they run on.
-RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 g++ \
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 g++ ca-certificates \
     && rm -rf /var/lib/apt/lists/*
+# The site's own certificate authorities, if any (infra/images/ca-certificates/README.md):
+# pip reaches its index through them.
+COPY infra/images/ca-certificates/ /usr/local/share/ca-certificates/
+RUN update-ca-certificates
 # NOTE: a virtualenv, not the system Python: Debian's python3 refuses pip installs
 # (PEP 668), and the same path works on python:3.11-slim.
 RUN python3 -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 
 # torch in a stage of its own: the wheel directory is copied here and never reaches the
 # final image; only the installed virtualenv does.

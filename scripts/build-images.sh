@@ -12,6 +12,8 @@
 #   TORCH_WHEEL_DIR         a folder holding torch-2.13.0+cpu-cp311-*.whl; default: pip's
 #                           find-links folders that hold one; else torch comes from TORCH_INDEX
 #   TORCH_INDEX             default https://download.pytorch.org/whl/cpu
+#   SITE_CA_DIR             certificate authorities (*.crt) the image's pip trusts beside
+#                           Debian's (default /usr/local/share/ca-certificates)
 #
 # With the debian source, build/images.env names the images built; the compose file reads
 # them from the environment or from .env (`cat build/images.env >> .env`).
@@ -69,6 +71,17 @@ stage_wheels() {
     done
     [ -z "${TORCH_WHEEL_DIR:-}" ] || { log "no $TORCH_WHEEL in $TORCH_WHEEL_DIR"; exit 1; }
     log "torch from $TORCH_INDEX"
+}
+
+# The site's certificate authorities into infra/images/ca-certificates (the Dockerfile's).
+stage_certificates() {
+    rm -f infra/images/ca-certificates/*.crt
+    local dir="${SITE_CA_DIR:-/usr/local/share/ca-certificates}" cert
+    for cert in "$dir"/*.crt; do
+        [ -f "$cert" ] || continue
+        cp "$cert" infra/images/ca-certificates/
+        log "trusting $cert"
+    done
 }
 
 # A minimal Debian made by mmdebstrap from the mirror, imported as an image.
@@ -129,6 +142,7 @@ if [ "$SOURCE" = auto ]; then
     log "source: $SOURCE"
 fi
 stage_wheels
+stage_certificates
 case "$SOURCE" in
     hub) build_hub ;;
     debian) build_debian ;;

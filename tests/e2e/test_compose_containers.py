@@ -211,7 +211,7 @@ def worker_metric(project: Project, container, name: str) -> float:
 def test_every_container_comes_up_healthy(project):
     services = {c.labels["com.docker.compose.service"]: _state(c) for c in project.containers()}
     tokenyard = ("router", "kvcache", "prefill", "decode", "facilities", "gateway", "telemetry")
-    assert set(services) == {"nats", "redis", "postgres", *tokenyard}
+    assert set(services) == {"nats", "redis", "postgres", *tokenyard}  # no profile's
     assert set(services.values()) == {"healthy"}, services
 
 
@@ -234,6 +234,42 @@ def test_decode_scaled_to_two_takes_requests_on_both(project):
     assert all(finish == "length" for _, finish in answers)
     served = [worker_metric(project, c, name) - b for c, b in zip(decodes, before, strict=True)]
     assert sum(served) == 8 and min(served) >= 1, served
+
+
+def test_prometheus_scrapes_every_service_and_a_dashboard_query_has_data(project):
+    """Prometheus of the observability profile alone (Grafana and the OTel collector have
+    no image without Docker Hub: docs/deploy.md): every service's target up, both decode
+    replicas among them, and the dashboard's first panel query answering with data."""
+    project.run("up", "-d", "--no-build", "--no-deps", "prometheus")
+    project.wait_healthy()
+    base = f"http://127.0.0.1:{project.env['TOKENYARD_PUBLISH_PROMETHEUS_PORT']}"
+    deadline = time.monotonic() + 120
+    while True:
+        targets = httpx.get(f"{base}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
+        health: dict[str, list[str]] = {}
+        for target in targets:
+            health.setdefault(target["labels"]["job"], []).append(target["health"])
+        # The span metrics come from the collector, which is not running here.
+        health.pop("otel-collector-spanmetrics", None)
+        if all(h == ["up"] * len(h) for h in health.values()) and len(health["decode"]) == 2:
+            break
+        assert time.monotonic() < deadline, health
+        time.sleep(3)
+    assert set(health) == {
+        "gateway",
+        "router",
+        "prefill",
+        "decode",
+        "kvcache",
+        "facilities",
+        "telemetry",
+    }
+
+    dashboard = json.loads((ROOT / "infra/grafana/dashboards/tokenyard.json").read_text())
+    expr = dashboard["panels"][0]["targets"][0]["expr"]
+    query = expr.replace("$model", ".*").replace("$__rate_interval", "5m")
+    result = httpx.get(f"{base}/api/v1/query", params={"query": query}, timeout=5).json()
+    assert result["status"] == "success" and result["data"]["result"], (query, result)
 
 
 def test_a_decode_container_killed_mid_stream(project):
