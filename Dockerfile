@@ -61,5 +61,7 @@ RUN pip install --no-deps .
 # compose and Kubernetes (mount or ConfigMap your site's own over it).
 COPY infra/facilities/inventory.example.yaml /etc/tokenyard/inventory.yaml
 # Build the kernels now for this CPU; a host with other CPU flags builds its own copy.
-RUN python -m tokenyard.kernels.cpu
+# NOTE: a failed build fails the image (the engine's torch path would hide, say, a
+# missing Python.h until someone measured the speed).
+RUN python -c "from tokenyard.kernels.cpu import ops; assert ops() is not None, 'CPU kernels not built'"
 CMD ["python", "-m", "tokenyard.services.gateway"]

@@ -102,24 +102,37 @@ debian_base() {
     log "$DEBIAN_BASE: $((SECONDS - start)) s"
 }
 
+debian_image() {  # debian_image NAME FOLDER: one image of infra/images on the Debian base
+    timed "$1" docker build -q -t "$1" --build-arg BASE_IMAGE="$DEBIAN_BASE" "infra/images/$2"
+}
+
 build_debian() {
     debian_base
-    local entry name folder
     {
-        echo "TOKENYARD_BASE_IMAGE=tokenyard/python:3.11"
+        echo "TOKENYARD_BASE_IMAGE=${DEBIAN_IMAGES[0]% *}"
         # testcontainers' reaper (testcontainers/ryuk) is on Docker Hub alone; the tests
         # stop their containers themselves.
         echo "TESTCONTAINERS_RYUK_DISABLED=true"
     } > build/images.env
-    for entry in "${DEBIAN_IMAGES[@]}"; do
-        read -r name folder <<<"$entry"
-        timed "$name" docker build -q -t "$name" --build-arg BASE_IMAGE="$DEBIAN_BASE" "infra/images/$folder"
-        if [ -n "${COMPOSE_VARIABLE[$folder]:-}" ]; then
-            echo "${COMPOSE_VARIABLE[$folder]}=$name" >> build/images.env
-        fi
-    done
-    timed "$APP_IMAGE" docker build -t "$APP_IMAGE" --build-arg BASE_IMAGE=tokenyard/python:3.11 \
+    local entry name folder stack_pid python_image
+    read -r python_image folder <<<"${DEBIAN_IMAGES[0]}"
+    debian_image "$python_image" "$folder"
+    # The stack's images while the application's builds: both wait on downloads and dpkg
+    # as much as on the CPU.
+    (
+        for entry in "${DEBIAN_IMAGES[@]:1}"; do
+            read -r name folder <<<"$entry"
+            debian_image "$name" "$folder"
+        done
+    ) &
+    stack_pid=$!
+    timed "$APP_IMAGE" docker build -t "$APP_IMAGE" --build-arg BASE_IMAGE="$python_image" \
         --build-arg TORCH_INDEX="$TORCH_INDEX" .
+    wait "$stack_pid"
+    for entry in "${DEBIAN_IMAGES[@]:1}"; do
+        read -r name folder <<<"$entry"
+        echo "${COMPOSE_VARIABLE[$folder]}=$name" >> build/images.env
+    done
     log "the compose file's stack images: build/images.env (export it, or append it to .env)"
 }
 
