@@ -9,7 +9,7 @@ TEST_STAMP := $(VENV)/.installed-test
 KERNELS := $(VENV)/.kernels-built
 ARGS ?=
 
-.PHONY: setup setup-serve up test test-fast lint typecheck proto bench-engine clean
+.PHONY: setup setup-serve up test test-fast lint typecheck proto bench-engine clean images
 
 # What serving needs: the venv, torch, tokenyard, the default model, the CPU kernels.
 setup-serve: $(SERVE_STAMP) $(KERNELS)
@@ -72,6 +72,11 @@ typecheck: setup
 
 proto: setup
 	$(PY) scripts/gen_proto.py
+
+# Every image docker-compose.yml uses, with or without Docker Hub (scripts/build-images.sh
+# says which variables choose; docs/deploy.md says how to run it air-gapped).
+images:
+	bash scripts/build-images.sh
 
 bench-engine: setup
 	$(PY) benchmarks/engine.py

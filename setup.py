@@ -22,9 +22,6 @@ def _packages() -> tuple[list[str], dict[str, str]]:
 
 
 packages, package_dir = _packages()
-# The CPU kernels' C++ sources travel with the package: they are compiled on first use.
-setup(
-    packages=packages,
-    package_dir=package_dir,
-    package_data={"tokenyard.kernels.cpu": ["*.cpp", "*.h"]},
-)
+# NOTE: package data lives in pyproject.toml: there it replaced a package_data given here,
+# and a non-editable install (the image) went without the CPU kernels' sources.
+setup(packages=packages, package_dir=package_dir)

@@ -7,6 +7,9 @@
 
 With TOKENYARD_REQUIRE_INFRA=1 (CI sets it), only 1 and 2 count: a missing service fails
 the test instead of falling back or skipping, so a green CI run has really used them.
+The containers' images are the compose file's (TOKENYARD_POSTGRES_IMAGE, ...); where Docker
+Hub is out of reach, `make images` builds them and build/images.env names them (with
+TESTCONTAINERS_RYUK_DISABLED=true: testcontainers' reaper image comes from Docker Hub).
 """
 
 from __future__ import annotations
@@ -27,11 +30,28 @@ HOST_PG_URL = os.environ.get(
     "TOKENYARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
 HOST_REDIS = ("127.0.0.1", 6379)
-POSTGRES_IMAGE, REDIS_IMAGE, NATS_IMAGE = "postgres:16", "redis:7", "nats:2.10"
+# The images the containers come from: the compose file's variables, so a site without
+# Docker Hub uses what `make images` built from Debian's packages (build/images.env).
+POSTGRES_IMAGE = os.environ.get("TOKENYARD_POSTGRES_IMAGE", "postgres:16")
+REDIS_IMAGE = os.environ.get("TOKENYARD_REDIS_IMAGE", "redis:7")
+NATS_IMAGE = os.environ.get("TOKENYARD_NATS_IMAGE", "nats:2.10")
 
 
 def require_infra() -> bool:
     return os.environ.get("TOKENYARD_REQUIRE_INFRA") == "1"
+
+
+def require_containers() -> bool:
+    """TOKENYARD_REQUIRE_CONTAINERS=1 (CI sets it): a test that needs a container engine
+    fails without one instead of skipping."""
+    return os.environ.get("TOKENYARD_REQUIRE_CONTAINERS") == "1"
+
+
+def missing_engine(why: str) -> None:
+    message = f"no container engine: {why}"
+    if require_containers():
+        pytest.fail(f"{message} (TOKENYARD_REQUIRE_CONTAINERS=1)", pytrace=False)
+    pytest.skip(message)
 
 
 def missing(what: str, why: str) -> None:
