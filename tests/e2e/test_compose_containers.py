@@ -99,6 +99,11 @@ def _state(container) -> str:
 
 @pytest.fixture(scope="module")
 def project() -> Iterator[Project]:
+    if not (infra.require_containers() or os.environ.get("TOKENYARD_COMPOSE_TEST") == "1"):
+        pytest.skip(
+            "the compose test builds every image and runs the stack in containers (many "
+            "minutes): TOKENYARD_COMPOSE_TEST=1, or TOKENYARD_CI_CONTAINERS=1 for .ci/run"
+        )
     if not infra.container_engine():
         infra.missing_engine("the compose test runs the stack in containers")
     env = {**image_environment(), **NATS_PASSWORDS, **_published_ports()}
