@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack
 from tokenyard.bus import subjects
 from tokenyard.bus.auth import redact
 from tokenyard.bus.nats import Bus
+from tokenyard.bus.senders import subscribe_heartbeats, subscribe_kv_events
 from tokenyard.http_server import ops_server
 from tokenyard.lifecycle import run_until_signalled, settings_or_exit
 from tokenyard.routing.cost import CostConfig
@@ -43,8 +44,8 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         handler = RouterHandler(bus, policy_config(settings))
         stack.push_async_callback(handler.close)
         await handler.fleet.racks.start(bus)  # ty.facilities.state.*: drained / derated racks
-        await bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, handler.on_heartbeat)
-        await bus.subscribe(subjects.KV_EVENTS_ALL, pb.KVEvent, handler.on_kv_event)
+        await subscribe_heartbeats(bus, handler.on_heartbeat)
+        await subscribe_kv_events(bus, handler.on_kv_event)
         # A queue group lets several routers share the load; each builds its own view.
         await bus.subscribe(
             subjects.ROUTER_ROUTE, pb.RouteRequest, handler.on_route, queue="router"

@@ -80,6 +80,10 @@ class RouterHandler:
                 await asyncio.sleep(RESYNC_RETRY_S)
                 self.kv.resync_failed(worker_id)
                 return
+            if dump.worker_id != worker_id:  # only worker_id may answer on its subject
+                log.warning("dropping a KV dump of %s asked of %s", dump.worker_id, worker_id)
+                self.kv.resync_failed(worker_id)
+                return
             again = self.kv.on_dump(dump)
             log.info(
                 "KV index of %s rebuilt: %d blocks as of event %d%s",

@@ -29,7 +29,7 @@ CONSUMER_PREFIX = "prefill-"
 def queue_spec(settings: WorkerSettings) -> WorkQueueSpec:
     return WorkQueueSpec(
         stream=subjects.PREFILL_STREAM,
-        subjects=[subjects.PREFILL_JOBS, f"{subjects.PREFILL_JOBS}.>"],
+        subjects=subjects.PREFILL_SUBJECTS,
         consumer_prefix=CONSUMER_PREFIX,
         subject_for=subjects.prefill_worker_jobs,
         ack_wait_s=settings.job_ack_wait_s,

@@ -98,7 +98,11 @@ class WorkQueueSpec:
         return f"{self.consumer_prefix}{worker_id}"
 
     def consumer_config(self, worker_id: str) -> ConsumerConfig:
+        # NOTE: `name` too: nats-py then asks for the consumer on
+        # $JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>, the subject a worker's NATS user
+        # may publish on for its own name and filter only (tokenyard.bus.auth).
         return ConsumerConfig(
+            name=self.consumer_name(worker_id),
             durable_name=self.consumer_name(worker_id),
             filter_subject=self.subject_for(worker_id),
             ack_policy=AckPolicy.EXPLICIT,
@@ -137,13 +141,18 @@ class WorkQueue(Generic[M]):
         self._problem: str | None = None  # why our consumer cannot deliver now
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
-        """Create the stream and our consumer (or reuse them), then consume and adopt."""
+        """Create our consumer (or reuse it), then consume and adopt.
+
+        The stream is its owner's to make (the gateway's, tokenyard.bus.auth): while it is
+        missing, :meth:`problem` says so and the scan makes our consumer once it is there."""
         self._tg = tg
         self._started = time.monotonic()
-        await self.bus.ensure_work_queue(
-            self.spec.stream, self.spec.subjects, replicas=self.spec.replicas
-        )
-        name = await self._add_own_consumer()
+        name = self.spec.consumer_name(self.worker_id)
+        try:
+            await self._add_own_consumer()
+        except NotFoundError:
+            self._problem = self._stream_missing()
+            log.warning("%s; waiting for it", self._problem)
         psub = await self.bus.js.pull_subscribe_bind(name, self.spec.stream)
         tg.create_task(self._consume(psub, adopted=False), name=f"{name} consume")
         tg.create_task(self._scan(), name=f"{name} scan")
@@ -156,6 +165,9 @@ class WorkQueue(Generic[M]):
             log.info("reusing consumer %s (%s)", config.durable_name, exc.description)
         assert config.durable_name is not None
         return config.durable_name
+
+    def _stream_missing(self) -> str:
+        return f"the JetStream stream {self.spec.stream} is missing (its owner makes it)"
 
     def problem(self) -> str | None:
         """Why jobs cannot reach us now, as the last check found (None: they can)."""
@@ -290,6 +302,9 @@ class WorkQueue(Generic[M]):
                 return
             try:
                 infos = await self.bus.js.consumers_info(self.spec.stream)
+            except NotFoundError:
+                self._problem = self._stream_missing()
+                continue
             except Exception:
                 log.debug("listing the consumers of %s failed", self.spec.stream, exc_info=True)
                 continue
@@ -345,11 +360,20 @@ class WorkQueue(Generic[M]):
             await self._consume(psub, adopted=True, until_idle_s=2 * self.spec.ack_wait_s)
             info = await self.bus.js.consumer_info(stream, name)
             if not self.alive(worker_id) and not (info.num_pending or info.num_ack_pending):
-                await self.bus.js.delete_consumer(stream, name)
-                log.info("removed the consumer of departed worker %s", worker_id)
+                await self._remove_departed(name)
         except NotFoundError:
             pass
         except Exception:
             log.exception("adopting the jobs of %s failed", worker_id)
         finally:
             self.adopting.discard(worker_id)
+
+    async def _remove_departed(self, name: str) -> None:
+        """Delete a departed worker's emptied consumer where our NATS user may (a worker's
+        may not: tokenyard.bus.auth); else its inactivity threshold removes it."""
+        try:
+            await self.bus.js.delete_consumer(self.spec.stream, name)
+        except Exception as exc:
+            log.info("left consumer %s to expire (%s)", name, type(exc).__name__)
+        else:
+            log.info("removed consumer %s of a departed worker", name)

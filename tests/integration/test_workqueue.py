@@ -84,6 +84,7 @@ async def running(
     worker_id: str = "me",
     alive: Callable[[str], bool] = lambda _w: True,
 ) -> AsyncIterator[WorkQueue[pb.PrefillJob]]:
+    await bus.ensure_work_queue(spec.stream, spec.subjects)  # as its owner, the gateway, does
     stopping = asyncio.Event()
     queue = WorkQueue(bus, spec, worker_id, pb.PrefillJob, handler, alive=alive, stopping=stopping)
     async with asyncio.TaskGroup() as tg:
@@ -244,3 +245,25 @@ async def test_a_deleted_consumer_is_reported_and_made_again(bus):
         # The same pull subscription takes jobs from the new consumer.
         await publish(bus, spec, "me", "after")
         await until(lambda: handler.attempts("after") == [1])
+
+
+async def test_a_queue_waits_for_its_stream_and_makes_its_consumer_once_the_owner_does(bus):
+    spec = make_spec(scan_interval_s=0.2)
+    handler = Recorder(done)
+    stopping = asyncio.Event()
+    queue = WorkQueue(
+        bus, spec, "me", pb.PrefillJob, handler, alive=lambda _w: True, stopping=stopping
+    )
+    async with asyncio.TaskGroup() as tg:
+        await queue.start(tg)  # no stream yet: a worker may not make it
+        try:
+            assert (
+                queue.problem()
+                == f"the JetStream stream {spec.stream} is missing (its owner makes it)"
+            )
+            await bus.ensure_work_queue(spec.stream, spec.subjects)
+            await until(lambda: queue.problem() is None)
+            await publish(bus, spec, "me", "first")
+            await until(lambda: handler.attempts("first") == [1])
+        finally:
+            stopping.set()

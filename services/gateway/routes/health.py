@@ -31,7 +31,7 @@ async def ready(state: State) -> JSONResponse:
     connected = state.backend.connected()
     # A worker counts once it says it can take work, not merely while it beats.
     missing = missing_role(fleet.ready(now))
-    reason = None if connected else "not connected to NATS"
+    reason = await state.backend.not_ready()
     reason = reason or (f"no live worker can {missing}{_why_not(fleet, now)}" if missing else None)
     workers = [
         WorkerInfo(
