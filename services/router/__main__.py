@@ -6,9 +6,10 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 
-from tokenyard.bus import subjects
+from tokenyard.bus import auth, subjects
 from tokenyard.bus.auth import redact
 from tokenyard.bus.nats import Bus
+from tokenyard.bus.orphans import OrphanedJobs
 from tokenyard.bus.senders import subscribe_heartbeats, subscribe_kv_events
 from tokenyard.http_server import ops_server
 from tokenyard.lifecycle import run_until_signalled, settings_or_exit
@@ -50,6 +51,19 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         await bus.subscribe(
             subjects.ROUTER_ROUTE, pb.RouteRequest, handler.on_route, queue="router"
         )
+        orphans = OrphanedJobs(
+            bus,
+            subjects.PREFILL_STREAM,
+            auth.PREFILL_CONSUMER_PREFIX,
+            subjects.prefill_worker_jobs,
+            pb.PrefillJob,
+            place=handler.place_again,
+            alive=handler.worker_alive,
+            stopping=stop,
+            grace_s=settings.orphans_after_s,
+        )
+        moving = asyncio.create_task(orphans.run(), name="orphaned jobs")
+        stack.push_async_callback(lambda: moving)  # it ends once `stop` is set
         ops = await stack.enter_async_context(
             ops_server(settings.ops_host, settings.ops_port, ready=lambda: _not_ready(bus))
         )

@@ -17,9 +17,10 @@ Who may speak for a worker is bound to the subject: worker `w` may publish only
 ``heartbeat(role, w)`` and ``kv_events(w)``, and every reader takes the id from the subject
 and drops a message whose payload names another (`subjects.heartbeat_sender`). JetStream
 administration is split by owner: the gateway creates the prefill stream (and cannot
-delete it); a worker creates, reads and deletes only its own consumer, whose filter (the
-subject its jobs are pinned to) is part of the API subject it is allowed
-(`$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>`).
+delete it); a worker creates, fetches from and deletes only its own consumer, whose filter
+(the subject its jobs are pinned to) is part of the API subject it is allowed
+(`$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>`); the router, which places jobs, places
+a departed worker's jobs again (tokenyard.bus.orphans).
 
 A deployment (compose, Kubernetes) cannot know its workers' ids in advance, so it has one
 user per pool instead (`pool("decode")`), and its passwords are not in the file: the
@@ -70,26 +71,32 @@ def own_inbox(user: str) -> str:
 
 
 def worker_prefill_api(worker_id: str) -> list[str]:
-    """A prefill worker's JetStream API: wait for the stream, and create, read and delete its
-    own consumer only, filtered on its own jobs' subject.
-
-    NOTE: listing, reading, fetching from (MSG.NEXT) and acking stay open on every consumer
-    of the stream: that is how a live worker adopts the jobs a dead one left
-    (tokenyard.bus.workqueue). It also lets a worker's password pull jobs pinned to a live
-    peer; closing that needs the adoption moved to a party that already decides placement
-    (the router). A departed worker's emptied consumer is left to its inactivity threshold."""
-    # A pool (worker_id "*") may make a consumer of any name for any worker's jobs.
+    """A prefill worker's JetStream API: wait for the stream, and make, read, fetch from,
+    ack on and delete its own consumer only, filtered on its own jobs' subject."""
+    # A pool (worker_id "*") may do so for a consumer of any name, on any worker's jobs.
     own = "*" if worker_id == "*" else prefill_consumer(worker_id)
     return [
         f"{_JS}.INFO",
         f"{_JS}.STREAM.INFO.{_STREAM}",
         f"{_JS}.CONSUMER.CREATE.{_STREAM}.{own}.{subjects.prefill_worker_jobs(worker_id)}",
+        f"{_JS}.CONSUMER.INFO.{_STREAM}.{own}",
         f"{_JS}.CONSUMER.DELETE.{_STREAM}.{own}",
-        f"{_JS}.CONSUMER.LIST.{_STREAM}",
-        f"{_JS}.CONSUMER.INFO.{_STREAM}.*",
-        f"{_JS}.CONSUMER.MSG.NEXT.{_STREAM}.*",
-        f"$JS.ACK.{_STREAM}.>",
+        f"{_JS}.CONSUMER.MSG.NEXT.{_STREAM}.{own}",
+        f"$JS.ACK.{_STREAM}.{own}.>",
     ]
+
+
+# The router places a departed worker's jobs again (tokenyard.bus.orphans): it reads, drains
+# and deletes any worker's consumer, and publishes the jobs pinned to another worker.
+ROUTER_PREFILL_API = [
+    f"{_JS}.INFO",
+    f"{_JS}.CONSUMER.LIST.{_STREAM}",
+    f"{_JS}.CONSUMER.INFO.{_STREAM}.*",
+    f"{_JS}.CONSUMER.MSG.NEXT.{_STREAM}.*",
+    f"{_JS}.CONSUMER.DELETE.{_STREAM}.*",
+    f"$JS.ACK.{_STREAM}.>",
+    subjects.prefill_worker_jobs("*"),
+]
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,11 @@ def _service(
 def router() -> NatsUser:
     return _service(
         "router",
-        publish=[subjects.telemetry_spans("router"), subjects.kv_resync("*")],
+        publish=[
+            subjects.telemetry_spans("router"),
+            subjects.kv_resync("*"),
+            *ROUTER_PREFILL_API,
+        ],
         subscribe=[
             subjects.HEARTBEATS_ALL,
             subjects.KV_EVENTS_ALL,

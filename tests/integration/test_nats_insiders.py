@@ -5,7 +5,7 @@ stolen service password could do before, each tried as the insider it needs, now
   answer, a prefill job JetStream hands its puller;
 - a worker's password speaking for another worker: heartbeats and KV events with another
   worker's id in the payload (the readers take the id from the subject);
-- a worker making a consumer on another worker's jobs;
+- a worker making a consumer on another worker's jobs, or pulling from that worker's own;
 - the gateway's password deleting or purging the prefill stream (and the gateway makes a
   lost stream again, not ready meanwhile).
 """
@@ -144,7 +144,6 @@ def own_consumer(worker_id: str) -> ConsumerConfig:
         ack_wait_s=5,
         max_deliver=3,
         max_in_flight=1,
-        adopt_after_s=0,
     )
     return spec.consumer_config(worker_id)
 
@@ -298,6 +297,29 @@ async def test_a_worker_makes_only_its_own_consumer_on_its_own_jobs(connect, str
     with pytest.raises(Exception):  # noqa: B017
         await thief.js.delete_stream(subjects.PREFILL_STREAM)
     assert await operator.stream_exists(subjects.PREFILL_STREAM)
+
+
+async def test_a_worker_cannot_take_jobs_from_another_workers_consumer(connect, stream):
+    victim = await connect("victim")
+    await victim.js.add_consumer(subjects.PREFILL_STREAM, own_consumer(VICTIM))
+    gateway = await connect("gateway")
+    job = pb.PrefillJob(request_id="r3", prompt_token_ids=PROMPT, gateway_id=GATEWAY_ID)
+    await gateway.js_publish(subjects.prefill_worker_jobs(VICTIM), job)
+    thief = await connect("thief")
+    psub = await thief.js.pull_subscribe_bind(
+        own_consumer(VICTIM).durable_name, subjects.PREFILL_STREAM
+    )
+    with pytest.raises(Exception):  # noqa: B017 - its pull request is refused: nothing comes
+        await psub.fetch(1, timeout=DENIED_S)
+    with pytest.raises(Exception):  # noqa: B017
+        await thief.js.delete_consumer(subjects.PREFILL_STREAM, own_consumer(VICTIM).name)
+    # The job still waits for its worker.
+    mine = await victim.js.pull_subscribe_bind(
+        own_consumer(VICTIM).durable_name, subjects.PREFILL_STREAM
+    )
+    msgs = await mine.fetch(1, timeout=3)
+    assert pb.PrefillJob.FromString(msgs[0].data).request_id == "r3"
+    await msgs[0].ack()
 
 
 async def test_the_gateway_cannot_delete_or_purge_the_stream_and_remakes_a_lost_one(
