@@ -30,6 +30,7 @@ from tokenyard.bus.workqueue import WorkQueueSpec
 from tokenyard.services.gateway.backend import NatsBackend
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.services.launch.procs import ChildProcess, wait_until
+from tokenyard.services.launch.stack import StackConfig
 from tokenyard.services.worker.prefill import CONSUMER_PREFIX
 from tokenyard.v1 import serving_pb2 as pb
 
@@ -347,3 +348,48 @@ async def test_the_gateway_cannot_delete_or_purge_the_stream_and_remakes_a_lost_
         assert await backend.not_ready() is None
     finally:
         await backend.stop()
+
+
+# --- drains ------------------------------------------------------------------------------------
+
+
+async def test_a_drain_over_nats_needs_the_stacks_control_token(launch_stack):
+    """The telemetry user may publish drains, but its password alone drains nothing."""
+    config = StackConfig(
+        prefill=1,
+        decode=0,
+        engine="fake",
+        gateway=False,
+        kvcache=False,
+        facilities=False,
+        telemetry=False,
+        worker_env={"TOKENYARD_WORKER_HEARTBEAT_INTERVAL_S": "0.3"},
+    )
+    with launch_stack(config) as stack:
+        bus = await Bus.connect(stack.nats.url_for(auth.telemetry()), name="telemetry")
+        try:
+            (worker,) = stack.workers
+            request = pb.DrainRequest(worker_id=worker.name, reason="an insider")
+
+            async def drain(headers: dict[str, str] | None) -> pb.DrainReply:
+                return await bus.request(
+                    subjects.drain(worker.name), request, pb.DrainReply, timeout=5, headers=headers
+                )
+
+            assert await settles(lambda: _answers(drain), 120), "the worker never answered"
+            for headers in (None, auth.control_headers("a guess")):
+                refused = await drain(headers)
+                assert not refused.accepted and "control token" in refused.message
+            assert worker.alive()
+            accepted = await drain(auth.control_headers(stack.grpc_token))
+            assert accepted.accepted and "draining" in accepted.message
+        finally:
+            await bus.close()
+
+
+async def _answers(drain: Callable[[dict[str, str] | None], Awaitable[pb.DrainReply]]) -> bool:
+    try:
+        await drain(None)
+    except Exception:  # not subscribed yet: no responders, or a timeout
+        return False
+    return True
