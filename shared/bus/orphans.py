@@ -27,6 +27,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import Message
@@ -106,7 +107,10 @@ class OrphanedJobs(Generic[M]):
                 log.warning("worker %s is gone with jobs; placing them again", worker_id)
                 task = asyncio.create_task(self._move_all(worker_id, info))
                 self.moving[worker_id] = task
-                task.add_done_callback(lambda _t, w=worker_id: self.moving.pop(w, None))
+                task.add_done_callback(partial(self._moved, worker_id))
+
+    def _moved(self, worker_id: str, _task: asyncio.Task[None]) -> None:
+        self.moving.pop(worker_id, None)
 
     def _departed_with_jobs(self, info: ConsumerInfo) -> str | None:
         name = info.name or ""
