@@ -19,6 +19,7 @@ For each it reports output tok/s and TTFT p50/p99 per placement and the ratios
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -78,13 +79,8 @@ def main() -> int:
                 work = Path(tmp) / f"r{r}-{placement}"
                 work.mkdir()
                 flags = ["--workers", str(args.workers), "--router-placement", placement]
-                results[placement] = measure(
-                    placement,
-                    lambda flags=flags, work=work: start_tokenyard(flags, work / "logs", model),
-                    work,
-                    loads,
-                    model.name,
-                )
+                start = functools.partial(start_tokenyard, flags, work / "logs", model)
+                results[placement] = measure(placement, start, work, loads, model.name)
             doc["rounds"].append(results)
             out.write_text(json.dumps(doc, indent=2))
     doc["ratios"] = ratios(doc["rounds"], [w.label for w in loads])

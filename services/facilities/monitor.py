@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
+from tokenyard.bus.senders import subscribe_heartbeats
 from tokenyard.facilities import policy
 from tokenyard.facilities.inventory import Inventory, RackSpec
 from tokenyard.facilities.messages import STATE_TO_PROTO, reading_from_proto, reading_to_proto
@@ -105,7 +106,7 @@ class RackMonitor:
                 if stored.reason.startswith(OPERATOR_DRAIN):
                     rt.operator_drain = stored.reason.removeprefix(OPERATOR_DRAIN)
         await self.bus.subscribe(subjects.FACILITIES_READINGS_ALL, FacilityReading, self.on_reading)
-        await self.bus.subscribe(subjects.HEARTBEATS_ALL, WorkerHeartbeat, self.on_heartbeat)
+        await subscribe_heartbeats(self.bus, self.on_heartbeat)
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

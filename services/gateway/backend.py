@@ -10,6 +10,7 @@ The token subscription opens BEFORE the route request so that no chunk can be mi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -25,6 +26,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from tokenyard.api_errors import ApiError
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
+from tokenyard.bus.senders import subscribe_heartbeats
 from tokenyard.fleet import FleetView
 from tokenyard.fleet.resume import resume_on_live_worker
 from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes, salted_root
@@ -35,7 +37,8 @@ from tokenyard.v1 import serving_pb2 as pb
 log = logging.getLogger(__name__)
 
 ROUTE_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
-PREFILL_SUBJECTS = [subjects.PREFILL_JOBS, f"{subjects.PREFILL_JOBS}.>"]
+STREAM_CHECK_S = 1.0  # how often the gateway checks that the prefill stream it owns is there
+STREAM_INFO_TIMEOUT_S = 2.0
 RESUME_TIMEOUT_S = 5.0  # a decode worker answers a hand-off at once; this only bounds a stuck one
 
 # resume(streamed tokens, the worker not to ask: the dead one, or "" when it came back
@@ -69,6 +72,10 @@ class Backend(Protocol):
     fleet: FleetView
 
     def connected(self) -> bool: ...
+
+    async def not_ready(self) -> str | None:
+        """Why no request can be enqueued now (None: it can), asked now."""
+        ...
 
     async def submit(
         self,
@@ -285,6 +292,7 @@ class NatsBackend:
         self.settings = settings
         self.fleet = FleetView(settings.missed_heartbeats)
         self.bus: Bus | None = None
+        self._stream_keeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         bus = await Bus.connect(
@@ -293,14 +301,54 @@ class NatsBackend:
             first_connect_timeout=self.settings.connect_timeout_s,
         )
         self.bus = bus
-        await bus.ensure_work_queue(
-            subjects.PREFILL_STREAM, PREFILL_SUBJECTS, replicas=self.settings.jetstream_replicas
-        )
-        await bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self._on_heartbeat)
+        await self._make_stream(bus)
+        await subscribe_heartbeats(bus, self._on_heartbeat)
+        self._stream_keeper = asyncio.create_task(self._keep_stream(bus), name="prefill stream")
 
     async def stop(self) -> None:
+        if self._stream_keeper is not None:
+            self._stream_keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stream_keeper
         if self.bus:
             await self.bus.close()
+
+    # --- the prefill stream: the gateway owns it (tokenyard.bus.auth) ---------------------
+
+    async def _make_stream(self, bus: Bus) -> None:
+        await bus.ensure_work_queue(
+            subjects.PREFILL_STREAM,
+            subjects.PREFILL_SUBJECTS,
+            replicas=self.settings.jetstream_replicas,
+        )
+
+    async def _keep_stream(self, bus: Bus) -> None:
+        """Make the prefill stream again once it is gone (deleted by hand, a NATS restart
+        without its store): no worker may, and no job is enqueued without it."""
+        while True:
+            await asyncio.sleep(STREAM_CHECK_S)
+            try:
+                if await self._stream_missing(bus):
+                    log.warning("the %s stream is gone; making it again", subjects.PREFILL_STREAM)
+                    await self._make_stream(bus)
+            except Exception as exc:  # JetStream not answering now: the next check retries
+                log.debug("checking the %s stream failed: %s", subjects.PREFILL_STREAM, exc)
+
+    async def _stream_missing(self, bus: Bus) -> bool:
+        exists = bus.stream_exists(subjects.PREFILL_STREAM)
+        return not await asyncio.wait_for(exists, STREAM_INFO_TIMEOUT_S)
+
+    async def not_ready(self) -> str | None:
+        if not self.connected():
+            return "not connected to NATS"
+        assert self.bus is not None
+        try:
+            missing = await self._stream_missing(self.bus)
+        except Exception as exc:
+            return f"JetStream does not answer ({type(exc).__name__})"
+        if missing:
+            return f"the prefill job stream {subjects.PREFILL_STREAM} is missing (being made again)"
+        return None
 
     async def _on_heartbeat(self, hb: pb.WorkerHeartbeat, _: Msg) -> None:
         self.fleet.on_heartbeat(hb, time.monotonic())

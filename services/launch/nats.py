@@ -3,14 +3,17 @@ or an external one, and the URL each service connects with."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tokenyard.bus import auth
+from tokenyard.bus import auth, subjects
 from tokenyard.bus.embedded import free_port, nats_server_binary
+from tokenyard.bus.nats import Bus, BusError
 from tokenyard.services.launch.config import GATEWAY_ID, StackConfig, StackError
 from tokenyard.services.launch.procs import ChildProcess
 
@@ -58,6 +61,16 @@ class StackNats:
                 time.sleep(0.05)
         raise StackError(f"nats-server did not start:\n{self._server.log_tail()}")
 
+    def make_prefill_stream(self) -> None:
+        """Make the prefill job stream on the embedded server before any worker starts: a
+        worker may not make it (tokenyard.bus.auth), and a stack without a gateway, its
+        owner, would have none. On an external NATS the gateway makes it."""
+        if self.config.nats_url:
+            return
+        # NOTE: in a thread of its own: start() may run inside a caller's event loop.
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, _make_prefill_stream(self.url)).result()
+
     def _write_config(self, port: int, store: Path) -> Path:
         """The server's users, in a file a restarted nats-server reads again."""
         self.users = [
@@ -102,3 +115,16 @@ class StackNats:
             self._server.signal(signal.SIGHUP)
             known[user.name] = user
         return known[user.name].url(self._server_url)
+
+
+async def _make_prefill_stream(url: str) -> None:
+    try:
+        bus = await Bus.connect(url, name="tokenyard-up", first_connect_timeout=START_TIMEOUT_S)
+    except BusError as exc:
+        raise StackError(str(exc)) from exc
+    try:
+        await bus.ensure_work_queue(subjects.PREFILL_STREAM, subjects.PREFILL_SUBJECTS)
+    except Exception as exc:  # nats raises several unrelated types here
+        raise StackError(f"cannot make the prefill job stream: {exc}") from exc
+    finally:
+        await bus.close()

@@ -122,6 +122,7 @@ class LocalStack:
                 self.services.watch(self.nats.launch(self.placement.side_nice()))
                 self.nats.wait_listening()
             self.nats.url = self.nats.url_for(auth.operator())
+            self.nats.make_prefill_stream()
             self._spawn(
                 "router",
                 "tokenyard.services.router",
@@ -280,6 +281,7 @@ class LocalStack:
             "TOKENYARD_TELEMETRY_HOST": self.config.host,
             "TOKENYARD_TELEMETRY_PORT": str(port),
             "TOKENYARD_TELEMETRY_ADMIN_TOKEN": token,
+            "TOKENYARD_GRPC_TOKEN": self.grpc_token,  # a worker's drain asks for it
             **({"TOKENYARD_TELEMETRY_INVENTORY_PATH": str(inventory)} if inventory else {}),
             **(
                 {

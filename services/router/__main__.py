@@ -6,9 +6,11 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 
-from tokenyard.bus import subjects
+from tokenyard.bus import auth, subjects
 from tokenyard.bus.auth import redact
 from tokenyard.bus.nats import Bus
+from tokenyard.bus.orphans import OrphanedJobs
+from tokenyard.bus.senders import subscribe_heartbeats, subscribe_kv_events
 from tokenyard.http_server import ops_server
 from tokenyard.lifecycle import run_until_signalled, settings_or_exit
 from tokenyard.routing.cost import CostConfig
@@ -44,12 +46,25 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         handler = RouterHandler(bus, policy_config(settings))
         stack.push_async_callback(handler.close)
         await handler.fleet.racks.start(bus)  # ty.facilities.state.*: drained / derated racks
-        await bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, handler.on_heartbeat)
-        await bus.subscribe(subjects.KV_EVENTS_ALL, pb.KVEvent, handler.on_kv_event)
+        await subscribe_heartbeats(bus, handler.on_heartbeat)
+        await subscribe_kv_events(bus, handler.on_kv_event)
         # A queue group lets several routers share the load; each builds its own view.
         await bus.subscribe(
             subjects.ROUTER_ROUTE, pb.RouteRequest, handler.on_route, queue="router"
         )
+        orphans = OrphanedJobs(
+            bus,
+            subjects.PREFILL_STREAM,
+            auth.PREFILL_CONSUMER_PREFIX,
+            subjects.prefill_worker_jobs,
+            pb.PrefillJob,
+            place=handler.place_again,
+            alive=handler.worker_alive,
+            stopping=stop,
+            grace_s=settings.orphans_after_s,
+        )
+        moving = asyncio.create_task(orphans.run(), name="orphaned jobs")
+        stack.push_async_callback(lambda: moving)  # it ends once `stop` is set
         ops = await stack.enter_async_context(
             ops_server(settings.ops_host, settings.ops_port, ready=lambda: _not_ready(bus))
         )

@@ -49,6 +49,31 @@ class RouterHandler:
         self.kv = KVSync(self.index)
         self._resyncs: dict[str, asyncio.Task[None]] = {}  # worker id -> its resync, one at a time
 
+    def worker_alive(self, worker_id: str) -> bool:
+        return self.fleet.alive(worker_id, self.clock())
+
+    def place_again(self, job: pb.PrefillJob, gone: str) -> tuple[str, pb.PrefillJob] | None:
+        """Where a job goes that its prefill worker left behind, dead (tokenyard.bus.orphans):
+        the least loaded ready worker that prefills its model; None while there is none."""
+        now = self.clock()
+        takers = [
+            w
+            for w in self.fleet.ready(now)
+            if w.prefills and not w.draining and (not job.model or w.model == job.model)
+        ]
+        if not takers:
+            return None
+        target = min(takers, key=lambda w: (w.load, w.worker_id))
+        moved = pb.PrefillJob()
+        moved.CopyFrom(job)
+        if job.decode_worker_id == gone:  # it was to run both roles there: it does so here
+            moved.decode_worker_id = ""
+        decodes = moved.decode_worker_id in ("", target.worker_id)
+        self.fleet.placed(
+            target.worker_id, decodes=decodes, prompt_tokens=len(job.prompt_token_ids)
+        )
+        return target.worker_id, moved
+
     async def on_heartbeat(self, hb: pb.WorkerHeartbeat, _msg: Msg) -> None:
         if hb.worker_id not in self.fleet:
             log.info("worker %s (%s, %s) joined", hb.worker_id, hb.role, hb.model)
@@ -80,6 +105,10 @@ class RouterHandler:
             except Exception as exc:  # gone, or not answering: the next event or beat asks again
                 log.info("KV resync of %s failed: %s", worker_id, type(exc).__name__)
                 await asyncio.sleep(RESYNC_RETRY_S)
+                self.kv.resync_failed(worker_id)
+                return
+            if dump.worker_id != worker_id:  # only worker_id may answer on its subject
+                log.warning("dropping a KV dump of %s asked of %s", dump.worker_id, worker_id)
                 self.kv.resync_failed(worker_id)
                 return
             again = self.kv.on_dump(dump)

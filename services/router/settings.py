@@ -21,6 +21,9 @@ class RouterSettings(BaseSettings):
     placement: Literal["kv-aware", "round-robin"] = "kv-aware"
     handoff_fixed_ms: float = 10.0  # the cost model's price of one KV hand-off
     missed_heartbeats: int = 3
+    # Place a departed worker's jobs again (tokenyard.bus.orphans), but not this soon after
+    # start: until every worker's heartbeat is heard, every worker looks gone.
+    orphans_after_s: float = Field(default=5.0, ge=0)
     queue_per_worker: int = 64
     overlap_weight: float = 1.0
     kv_weight: float = 0.5

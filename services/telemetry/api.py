@@ -31,9 +31,11 @@ from pydantic import BaseModel, Field
 from tokenyard.api_deps import Admin
 from tokenyard.api_errors import ApiError, install_error_handler
 from tokenyard.bus import subjects
+from tokenyard.bus.auth import control_headers
 from tokenyard.bus.nats import Bus
 from tokenyard.db.telemetry import RequestRecord, SpanRecord
 from tokenyard.facilities.faults import FaultIn
+from tokenyard.grpc_security import GrpcSecurity
 from tokenyard.http_server import ops_router
 from tokenyard.planner import catalog
 from tokenyard.planner.plan import PlanError, Workload, make_plan
@@ -241,6 +243,8 @@ async def drain_worker(worker_id: str, request: Request, collector: CollectorDep
             pb.DrainRequest(worker_id=worker_id, reason="drained from the ops console"),
             pb.DrainReply,
             timeout=5.0,
+            # The worker asks for the stack's control token, as its gRPC control API does.
+            headers=control_headers(GrpcSecurity().token),
         )
     except Exception as exc:
         raise ApiError(

@@ -17,6 +17,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from tokenyard import tracing
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
+from tokenyard.bus.senders import subscribe_heartbeats, subscribe_kv_events
 from tokenyard.db.telemetry import FleetSample, RackSample
 from tokenyard.facilities.inventory import Inventory
 from tokenyard.fleet import FleetView
@@ -52,8 +53,8 @@ class Collector:
         self.requests_seen = 0
 
     async def start(self, bus: Bus) -> None:
-        await bus.subscribe(subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self.on_heartbeat)
-        await bus.subscribe(subjects.KV_EVENTS_ALL, pb.KVEvent, self.on_kv_event)
+        await subscribe_heartbeats(bus, self.on_heartbeat)
+        await subscribe_kv_events(bus, self.on_kv_event)
         await bus.subscribe(subjects.FACILITIES_STATE_ALL, RackState, self.on_rack_state)
         await bus.subscribe(subjects.FACILITIES_READINGS_ALL, FacilityReading, self.on_reading)
         await bus.subscribe(subjects.TELEMETRY_SPANS_ALL, ExportTraceServiceRequest, self.on_spans)

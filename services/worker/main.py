@@ -15,7 +15,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from tokenyard.bus import subjects
+from tokenyard.bus import auth, subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.engine.budget import MemoryBudgetError
 from tokenyard.engine.contract import Engine
@@ -36,6 +36,7 @@ from tokenyard.tracing import setup_tracing
 from tokenyard.v1 import serving_pb2 as pb
 
 log = logging.getLogger("tokenyard.worker")
+DRAIN_REFUSED = "refused: a drain needs the stack's control token (TOKENYARD_GRPC_TOKEN)"
 
 
 def shared_pool(layout: Any, num_blocks: int) -> Any:
@@ -137,7 +138,12 @@ async def run_worker(
 
     async def on_drain(req: pb.DrainRequest, msg: Msg) -> None:
         """An operator's drain over NATS (the ops console): the control API's drain, then
-        the graceful stop of SIGTERM."""
+        the graceful stop of SIGTERM. It must show the stack's control token, as a drain
+        through the control API must: the NATS permission alone is no admin's word."""
+        if not auth.control_token_ok(msg.headers, control_server.security.token):
+            log.warning("refused a drain over NATS without the control token")
+            await bus.reply(msg, pb.DrainReply(accepted=False, message=DRAIN_REFUSED))
+            return
         control.drain(worker, req.reason)
         await bus.reply(msg, pb.DrainReply(accepted=True, message="draining, then exiting"))
         stop.set()

@@ -1,7 +1,7 @@
 """Prefill role: take jobs from the JetStream work queue, prefill, hand off to a decode worker.
 
-The queue (tokenyard.bus.workqueue) pins jobs to workers, redelivers what a dead worker
-left, and acks a job only when :meth:`PrefillHandler.run` says it is done: handed to a
+The queue (tokenyard.bus.workqueue) pins jobs to workers (the router places a dead worker's
+jobs again: tokenyard.bus.orphans), and acks a job only when :meth:`PrefillHandler.run` says it is done: handed to a
 decode worker, or finished here. This module keeps what a prefill job means.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from tokenyard.bus import subjects
+from tokenyard.bus import auth, subjects
 from tokenyard.bus.workqueue import Delivery, Outcome, WorkQueue, WorkQueueSpec
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.convert import error_chunk
@@ -23,20 +23,18 @@ from tokenyard.v1 import serving_pb2 as pb
 _tracer = tracer("tokenyard.worker")
 log = logging.getLogger(__name__)
 
-CONSUMER_PREFIX = "prefill-"
+CONSUMER_PREFIX = auth.PREFILL_CONSUMER_PREFIX
 
 
 def queue_spec(settings: WorkerSettings) -> WorkQueueSpec:
     return WorkQueueSpec(
         stream=subjects.PREFILL_STREAM,
-        subjects=[subjects.PREFILL_JOBS, f"{subjects.PREFILL_JOBS}.>"],
+        subjects=subjects.PREFILL_SUBJECTS,
         consumer_prefix=CONSUMER_PREFIX,
         subject_for=subjects.prefill_worker_jobs,
         ack_wait_s=settings.job_ack_wait_s,
         max_deliver=settings.job_max_deliver,
         max_in_flight=settings.max_num_seqs,
-        # Until we have heard everyone's heartbeat, every peer looks gone.
-        adopt_after_s=3 * settings.heartbeat_interval_s,
         replicas=settings.jetstream_replicas,
     )
 
@@ -53,7 +51,6 @@ class PrefillHandler:
             worker.worker_id,
             pb.PrefillJob,
             self,
-            alive=worker.presence.peer_alive,
             stopping=worker.stopping,
             accepting=worker.accepting,
         )
@@ -73,8 +70,13 @@ class PrefillHandler:
         if not job.gateway_id:  # nobody could read its tokens: a malformed job
             log.warning("dropping job %s: it names no gateway", job.request_id)
             return Outcome.DONE
-        if delivery.adopted or delivery.attempt > 1:
-            log.info("job %s redelivered (delivery %d)", job.request_id, delivery.attempt)
+        if delivery.moved or delivery.attempt > 1:
+            log.info(
+                "job %s redelivered (delivery %d, moved %d times)",
+                job.request_id,
+                delivery.attempt,
+                delivery.moved,
+            )
         # A redelivery of a job still running here waits for it, never re-adds it.
         done = await self.w.streams.run_once(job.request_id, lambda: self.run_job(job))
         return Outcome.DONE if done else Outcome.HAND_BACK  # handed back: a live worker takes it

@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
+from tokenyard.bus.senders import subscribe_heartbeats
 from tokenyard.engine.contract import Engine
 from tokenyard.fleet import FleetView
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
@@ -76,9 +77,7 @@ class Presence:
 
     async def start(self, tg: asyncio.TaskGroup, stopping: asyncio.Event) -> None:
         """Listen to the fleet, publish KV event 1, and beat until ``stopping``."""
-        await self.bus.subscribe(
-            subjects.HEARTBEATS_ALL, pb.WorkerHeartbeat, self.on_peer_heartbeat
-        )
+        await subscribe_heartbeats(self.bus, self.on_peer_heartbeat)
         await self.bus.subscribe(
             subjects.kv_resync(self.worker_id), pb.KVResyncRequest, self.on_kv_resync
         )

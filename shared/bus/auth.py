@@ -9,6 +9,18 @@ its role does:
 
 A new service gets its permissions by adding one function here (see `telemetry`).
 Replies to requests go to the requester's inbox and are allowed by `allow_responses`.
+Each user's inbox is its own, ``_INBOX.<user>.>`` (`inbox_prefix`; `Bus.connect` takes it
+from the URL's user name): requests' answers and the prefill jobs JetStream hands a puller
+travel there, and no other service user may read them.
+
+Who may speak for a worker is bound to the subject: worker `w` may publish only
+``heartbeat(role, w)`` and ``kv_events(w)``, and every reader takes the id from the subject
+and drops a message whose payload names another (`subjects.heartbeat_sender`). JetStream
+administration is split by owner: the gateway creates the prefill stream (and cannot
+delete it); a worker creates, fetches from and deletes only its own consumer, whose filter
+(the subject its jobs are pinned to) is part of the API subject it is allowed
+(`$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>`); the router, which places jobs, places
+a departed worker's jobs again (tokenyard.bus.orphans).
 
 A deployment (compose, Kubernetes) cannot know its workers' ids in advance, so it has one
 user per pool instead (`pool("decode")`), and its passwords are not in the file: the
@@ -18,27 +30,73 @@ server reads each from an environment variable (`deployment_config()`, written b
 
 from __future__ import annotations
 
+import hmac
 import json
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from tokenyard.bus import subjects
 
-INBOX = "_INBOX.>"
-# JetStream's API for the prefill work queue only: not other streams, not the account.
-PREFILL_JS_API = [
-    "$JS.API.INFO",
-    f"$JS.API.STREAM.*.{subjects.PREFILL_STREAM}",
-    f"$JS.API.CONSUMER.*.{subjects.PREFILL_STREAM}",
-    f"$JS.API.CONSUMER.*.{subjects.PREFILL_STREAM}.>",
-    f"$JS.API.CONSUMER.DURABLE.CREATE.{subjects.PREFILL_STREAM}.>",
-    f"$JS.API.CONSUMER.MSG.NEXT.{subjects.PREFILL_STREAM}.>",
+DEFAULT_INBOX_PREFIX = "_INBOX"  # nats-py's, for a connection without a user name
+_JS = "$JS.API"
+_STREAM = subjects.PREFILL_STREAM
+# The prefill stream's owner (the gateway): make it, and again after it is lost; not delete
+# or purge it (a deleted stream failed every chat while the gateway said it was ready).
+PREFILL_STREAM_OWNER_API = [
+    f"{_JS}.INFO",
+    f"{_JS}.STREAM.CREATE.{_STREAM}",
+    f"{_JS}.STREAM.UPDATE.{_STREAM}",
+    f"{_JS}.STREAM.INFO.{_STREAM}",
 ]
-PREFILL_JS_ACK = f"$JS.ACK.{subjects.PREFILL_STREAM}.>"
 DECODE_JOBS_ANY = subjects.decode_jobs("*")
+PREFILL_CONSUMER_PREFIX = "prefill-"  # a prefill worker's durable consumer: prefill-<worker id>
+
+
+def prefill_consumer(worker_id: str) -> str:
+    return f"{PREFILL_CONSUMER_PREFIX}{worker_id}"
+
+
+def inbox_prefix(user: str) -> str:
+    """The inbox prefix a connection as `user` uses: ``_INBOX.<user>``."""
+    if not user or any(c in user for c in ".*> \t"):
+        raise ValueError(f"{user!r} cannot name a NATS inbox (one subject token, no wildcard)")
+    return f"{DEFAULT_INBOX_PREFIX}.{user}"
+
+
+def own_inbox(user: str) -> str:
+    return f"{inbox_prefix(user)}.>"
+
+
+def worker_prefill_api(worker_id: str) -> list[str]:
+    """A prefill worker's JetStream API: wait for the stream, and make, read, fetch from,
+    ack on and delete its own consumer only, filtered on its own jobs' subject."""
+    # A pool (worker_id "*") may do so for a consumer of any name, on any worker's jobs.
+    own = "*" if worker_id == "*" else prefill_consumer(worker_id)
+    return [
+        f"{_JS}.INFO",
+        f"{_JS}.STREAM.INFO.{_STREAM}",
+        f"{_JS}.CONSUMER.CREATE.{_STREAM}.{own}.{subjects.prefill_worker_jobs(worker_id)}",
+        f"{_JS}.CONSUMER.INFO.{_STREAM}.{own}",
+        f"{_JS}.CONSUMER.DELETE.{_STREAM}.{own}",
+        f"{_JS}.CONSUMER.MSG.NEXT.{_STREAM}.{own}",
+        f"$JS.ACK.{_STREAM}.{own}.>",
+    ]
+
+
+# The router places a departed worker's jobs again (tokenyard.bus.orphans): it reads, drains
+# and deletes any worker's consumer, and publishes the jobs pinned to another worker.
+ROUTER_PREFILL_API = [
+    f"{_JS}.INFO",
+    f"{_JS}.CONSUMER.LIST.{_STREAM}",
+    f"{_JS}.CONSUMER.INFO.{_STREAM}.*",
+    f"{_JS}.CONSUMER.MSG.NEXT.{_STREAM}.*",
+    f"{_JS}.CONSUMER.DELETE.{_STREAM}.*",
+    f"$JS.ACK.{_STREAM}.>",
+    subjects.prefill_worker_jobs("*"),
+]
 
 
 @dataclass(frozen=True)
@@ -56,26 +114,37 @@ class NatsUser:
         return urlunsplit(parts._replace(netloc=netloc))
 
 
+def _service(
+    name: str, publish: list[str], subscribe: list[str], *, replies: bool = False
+) -> NatsUser:
+    """A service's user: what it may publish and read, and its own inbox besides."""
+    return NatsUser(name, publish, [*subscribe, own_inbox(name)], replies=replies)
+
+
 def router() -> NatsUser:
-    return NatsUser(
+    return _service(
         "router",
-        publish=[subjects.telemetry_spans("router"), subjects.kv_resync("*")],
+        publish=[
+            subjects.telemetry_spans("router"),
+            subjects.kv_resync("*"),
+            *ROUTER_PREFILL_API,
+        ],
         subscribe=[
             subjects.HEARTBEATS_ALL,
             subjects.KV_EVENTS_ALL,
             subjects.ROUTER_ROUTE,
             subjects.FACILITIES_STATE_ALL,
-            INBOX,
         ],
         replies=True,
     )
 
 
-def gateway(gateway_id: str) -> NatsUser:
-    """Asks the router, queues prefill jobs, resumes decodes; reads the rack states and the
-    tokens and cancels the requests of this gateway only (its own prefix: one gateway never sees another's)."""
-    return NatsUser(
-        f"gateway-{gateway_id}",
+def gateway(gateway_id: str, *, name: str | None = None) -> NatsUser:
+    """Asks the router, queues prefill jobs (and owns their stream), resumes decodes; reads
+    the rack states and the tokens and cancels the requests of this gateway only (its own
+    prefix: one gateway never sees another's)."""
+    return _service(
+        name or f"gateway-{gateway_id}",
         publish=[
             subjects.ROUTER_ROUTE,
             subjects.PREFILL_JOBS,
@@ -84,32 +153,30 @@ def gateway(gateway_id: str) -> NatsUser:
             subjects.cancel(gateway_id, "*"),
             subjects.replay(gateway_id, "*"),
             subjects.telemetry_spans("gateway"),
-            *PREFILL_JS_API,
+            *PREFILL_STREAM_OWNER_API,
         ],
         # Rack states: its /ready says when every rack is drained (facilities).
         subscribe=[
             subjects.tokens(gateway_id, "*"),
             subjects.HEARTBEATS_ALL,
             subjects.FACILITIES_STATE_ALL,
-            INBOX,
         ],
     )
 
 
-def worker(role: str, worker_id: str) -> NatsUser:
+def worker(role: str, worker_id: str, *, name: str | None = None) -> NatsUser:
     """Publishes its own heartbeats and KV events, tokens of the requests it runs, and
     hand-offs (and resumes) to other workers; reads its own decode jobs, KV resync requests
-    and the prefill queue."""
-    return NatsUser(
-        f"worker-{worker_id}",
+    and drains, and its own prefill consumer."""
+    return _service(
+        name or f"worker-{worker_id}",
         publish=[
             subjects.heartbeat(role, worker_id),
             subjects.kv_events(worker_id),
             subjects.tokens("*", "*"),
             DECODE_JOBS_ANY,
-            PREFILL_JS_ACK,
             subjects.telemetry_spans(worker_id),
-            *PREFILL_JS_API,
+            *worker_prefill_api(worker_id),
         ],
         subscribe=[
             subjects.decode_jobs(worker_id),
@@ -119,7 +186,6 @@ def worker(role: str, worker_id: str) -> NatsUser:
             subjects.REPLAY_ALL,
             subjects.FACILITIES_STATE_ALL,
             subjects.HEARTBEATS_ALL,
-            INBOX,
         ],
         replies=True,
     )
@@ -127,17 +193,18 @@ def worker(role: str, worker_id: str) -> NatsUser:
 
 def facilities() -> NatsUser:
     """The only publisher of rack states: a forged drain needs this user's password."""
-    return NatsUser(
+    return _service(
         "facilities",
         publish=[subjects.FACILITIES_STATE_ALL, subjects.FACILITIES_READINGS_ALL],
-        subscribe=[subjects.FACILITIES_READINGS_ALL, subjects.HEARTBEATS_ALL, INBOX],
+        subscribe=[subjects.FACILITIES_READINGS_ALL, subjects.HEARTBEATS_ALL],
     )
 
 
 def telemetry() -> NatsUser:
     """Reads what the fleet says about itself (spans included); publishes only the console's
-    drain requests to workers."""
-    return NatsUser(
+    drain requests to workers (which carry the stack's control token: a worker refuses a
+    drain without it)."""
+    return _service(
         "telemetry",
         publish=[subjects.drain("*")],
         subscribe=[
@@ -146,22 +213,27 @@ def telemetry() -> NatsUser:
             subjects.FACILITIES_STATE_ALL,
             subjects.FACILITIES_READINGS_ALL,
             f"{subjects.PREFIX}.telemetry.>",
-            INBOX,
         ],
     )
 
 
 def pool(role: str) -> NatsUser:
     """Every worker of one role under one user (named after the role): what any of them
-    may do, for a deployment that scales a pool without naming its workers first."""
-    return replace(worker(role, "*"), name=role)
+    may do, for a deployment that scales a pool without naming its workers first.
+
+    NOTE: what is bound to one worker in `worker` is bound to the pool here: any member may
+    send any member's heartbeats and KV events (of its role only), read any member's decode
+    jobs, drains and inbox (``_INBOX.<role>.>``), and make a consumer for any member's
+    prefill jobs. Other roles and services stay out of reach."""
+    return worker(role, "*", name=role)
 
 
 def gateway_pool() -> NatsUser:
     """Every gateway replica under one user `gateway`: each names itself at start
     (TOKENYARD_GATEWAY_INSTANCE_ID, random when unset), so the user reads any gateway's
-    tokens; a deployment that needs gateways kept apart gives each its own `gateway(id)`."""
-    return replace(gateway("*"), name="gateway")
+    tokens and inbox; a deployment that needs gateways kept apart gives each its own
+    `gateway(id)`."""
+    return gateway("*", name="gateway")
 
 
 def operator() -> NatsUser:
@@ -249,6 +321,24 @@ def credentials_from_env(server_url: str, name: str, env: Mapping[str, str]) -> 
     if not password:
         return server_url
     return NatsUser(name, [], [], password=check_password(variable, password)).url(server_url)
+
+
+# A worker's drain over NATS (subjects.drain) carries the stack's control token, the one its
+# WorkerControl gRPC API asks for (TOKENYARD_GRPC_TOKEN), as a NATS header.
+CONTROL_TOKEN_HEADER = "Authorization"
+
+
+def control_headers(token: str) -> dict[str, str]:
+    return {CONTROL_TOKEN_HEADER: f"Bearer {token}"}
+
+
+def control_token_ok(headers: Mapping[str, str] | None, expected: str) -> bool:
+    """Whether a control request may act: it shows `expected`, or no token is configured
+    (an open stack, as its gRPC control API is)."""
+    if not expected:
+        return True
+    given = (headers or {}).get(CONTROL_TOKEN_HEADER, "")
+    return hmac.compare_digest(given.encode(), f"Bearer {expected}".encode())
 
 
 def redact(url: str) -> str:

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+from urllib.parse import unquote, urlsplit
 
 import nats
 from google.protobuf.message import DecodeError, Message
@@ -23,9 +24,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 
-from tokenyard.bus.auth import redact
+from tokenyard.bus.auth import DEFAULT_INBOX_PREFIX, inbox_prefix, redact
 from tokenyard.tracing import extract_context, inject_headers
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,14 @@ class Bus:
     ) -> Bus:
         """Connect, reconnecting forever once up; a first connect that cannot succeed within
         `first_connect_timeout` raises BusError (nats-py would otherwise retry it forever and a
-        service pointed at a wrong URL would hang at start)."""
+        service pointed at a wrong URL would hang at start).
+
+        Replies (and JetStream's deliveries to a puller) come to the inbox of the URL's user,
+        ``_INBOX.<user>``: the only inbox its permissions let it read (tokenyard.bus.auth)."""
+        try:
+            prefix = connection_inbox_prefix(url)
+        except ValueError as exc:
+            raise BusError(f"cannot connect to NATS at {redact(url)}: {exc}") from None
         try:
             nc = await asyncio.wait_for(
                 nats.connect(
@@ -63,6 +71,7 @@ class Bus:
                     connect_timeout=connect_timeout,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
+                    inbox_prefix=prefix,
                 ),
                 first_connect_timeout,
             )
@@ -98,10 +107,16 @@ class Bus:
         await self.nc.publish(subject, message.SerializeToString(), headers=inject_headers(headers))
 
     async def request(
-        self, subject: str, message: Message, reply_type: type[M], *, timeout: float
+        self,
+        subject: str,
+        message: Message,
+        reply_type: type[M],
+        *,
+        timeout: float,
+        headers: dict[str, str] | None = None,
     ) -> M:
         msg = await self.nc.request(
-            subject, message.SerializeToString(), timeout=timeout, headers=inject_headers()
+            subject, message.SerializeToString(), timeout=timeout, headers=inject_headers(headers)
         )
         return parse(reply_type, msg.data)
 
@@ -153,11 +168,29 @@ class Bus:
         except BadRequestError:
             await self.js.update_stream(config)
 
+    async def stream_exists(self, stream: str) -> bool:
+        """Whether JetStream has `stream` now (raises when JetStream does not answer)."""
+        try:
+            await self.js.stream_info(stream)
+        except NotFoundError:
+            return False
+        return True
+
     async def js_publish(
         self, subject: str, message: Message, *, msg_id: str | None = None
     ) -> None:
         headers = inject_headers({"Nats-Msg-Id": msg_id} if msg_id else None)
         await self.js.publish(subject, message.SerializeToString(), headers=headers)
+
+
+def connection_inbox_prefix(url: str) -> str:
+    """The inbox prefix for a connection to `url` (several servers: comma-separated): its
+    user's own, or nats-py's default for a connection without a user."""
+    for server in url.split(","):
+        user = urlsplit(server.strip()).username
+        if user:
+            return inbox_prefix(unquote(user))
+    return DEFAULT_INBOX_PREFIX
 
 
 def parse(message_type: type[M], data: bytes) -> M:

@@ -11,6 +11,7 @@ ROUTER_ROUTE = f"{PREFIX}.router.route"
 PREFILL_STREAM = "TY_PREFILL"
 PREFILL_JOBS = f"{PREFIX}.prefill.jobs"
 PREFILL_QUEUE_GROUP = "prefill"
+PREFILL_SUBJECTS = [PREFILL_JOBS, f"{PREFILL_JOBS}.>"]  # the stream's subjects
 
 
 def prefill_worker_jobs(worker_id: str) -> str:
@@ -62,6 +63,23 @@ def heartbeat(role: str, worker_id: str) -> str:
 
 
 HEARTBEATS_ALL = f"{PREFIX}.workers.*.*.heartbeat"
+
+
+def heartbeat_sender(subject: str) -> tuple[str, str] | None:
+    """(role, worker id) of a heartbeat subject; None for any other subject. NATS lets only
+    that worker's user publish there, so this, not the payload, says who sent it."""
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[:2] != [PREFIX, "workers"] or parts[4] != "heartbeat":
+        return None
+    return parts[2], parts[3]
+
+
+def kv_events_sender(subject: str) -> str | None:
+    """The worker id of a KV events subject (None for any other subject)."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[:3] != [PREFIX, "kv", "events"]:
+        return None
+    return parts[3]
 
 
 def facilities_readings(rack: str) -> str:

@@ -1,5 +1,5 @@
 """The JetStream work queue against a real nats-server: acks, hand-backs, retries and giving
-up, undecodable jobs, in-progress ticks, the in-flight cap, and adopting a departed worker's
+up, undecodable jobs, in-progress ticks, the in-flight cap, and moving a departed worker's
 jobs."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from tokenyard.bus.nats import Bus
+from tokenyard.bus.orphans import OrphanedJobs
 from tokenyard.bus.workqueue import Delivery, Outcome, WorkQueue, WorkQueueSpec
 from tokenyard.v1 import serving_pb2 as pb
 
@@ -31,7 +32,6 @@ def make_spec(**overrides) -> WorkQueueSpec:
         "ack_wait_s": 2.0,
         "max_deliver": 3,
         "max_in_flight": 4,
-        "adopt_after_s": 0.0,
         "fetch_timeout_s": 0.2,
         "scan_interval_s": 0.2,
     }
@@ -82,10 +82,10 @@ async def running(
     spec: WorkQueueSpec,
     handler: Recorder,
     worker_id: str = "me",
-    alive: Callable[[str], bool] = lambda _w: True,
 ) -> AsyncIterator[WorkQueue[pb.PrefillJob]]:
+    await bus.ensure_work_queue(spec.stream, spec.subjects)  # as its owner, the gateway, does
     stopping = asyncio.Event()
-    queue = WorkQueue(bus, spec, worker_id, pb.PrefillJob, handler, alive=alive, stopping=stopping)
+    queue = WorkQueue(bus, spec, worker_id, pb.PrefillJob, handler, stopping=stopping)
     async with asyncio.TaskGroup() as tg:
         await queue.start(tg)
         try:
@@ -112,7 +112,7 @@ async def test_done_jobs_are_acked_once(bus):
         await until(lambda: len(handler.deliveries) == 3)
         await until_settled(bus, spec, "me")
     assert sorted(d.job.request_id for d in handler.deliveries) == ["a", "b", "c"]
-    assert all(d.attempt == 1 and not d.adopted for d in handler.deliveries)
+    assert all(d.attempt == 1 and not d.moved for d in handler.deliveries)
     assert (await bus.js.stream_info(spec.stream)).state.messages == 0  # acked = removed
 
 
@@ -196,20 +196,46 @@ async def test_no_more_jobs_run_at_once_than_max_in_flight(bus):
     assert handler.max_running == 2
 
 
-async def test_a_departed_workers_jobs_are_adopted_and_its_consumer_removed(bus):
+async def test_a_departed_workers_jobs_are_moved_to_a_live_one_and_its_consumer_removed(bus):
     spec = make_spec(ack_wait_s=1.0)
     await bus.ensure_work_queue(spec.stream, spec.subjects)
     for worker_id in ("gone", "peer"):
         await bus.js.add_consumer(spec.stream, spec.consumer_config(worker_id))
     await publish(bus, spec, "gone", "g1", "g2")
     await publish(bus, spec, "peer", "p1")
+    # "gone" took g1 and died before acking it: it comes back once its ack_wait runs out.
+    taken = await bus.js.pull_subscribe_bind(spec.consumer_name("gone"), spec.stream)
+    assert len(await taken.fetch(1, timeout=2)) == 1
+    placed: list[tuple[str, str]] = []
+
+    def place(job: pb.PrefillJob, gone: str) -> tuple[str, pb.PrefillJob]:
+        placed.append((job.request_id, gone))
+        return "me", job
+
+    stopping = asyncio.Event()
+    orphans = OrphanedJobs(
+        bus,
+        spec.stream,
+        spec.consumer_prefix,
+        spec.subject_for,
+        pb.PrefillJob,
+        place=place,
+        alive=lambda w: w != "gone",
+        stopping=stopping,
+        grace_s=0.0,
+        scan_interval_s=0.2,
+        fetch_timeout_s=0.2,
+    )
     handler = Recorder(done)
-    async with running(bus, spec, handler, alive=lambda w: w != "gone") as queue:
+    async with running(bus, spec, handler), asyncio.TaskGroup() as tg:
+        tg.create_task(orphans.run())
         await until(lambda: len(handler.deliveries) == 2)
-        assert all(d.adopted for d in handler.deliveries)
+        assert all(d.moved == 1 and d.attempt == 1 for d in handler.deliveries)
         # Once idle for two ack_waits it lets go and deletes the empty consumer.
-        await until(lambda: not queue.adopting)
+        await until(lambda: not orphans.moving and len(placed) == 2)
+        stopping.set()
     assert sorted(d.job.request_id for d in handler.deliveries) == ["g1", "g2"]
+    assert sorted(placed) == [("g1", "gone"), ("g2", "gone")]
     with pytest.raises(NotFoundError):
         await bus.js.consumer_info(spec.stream, spec.consumer_name("gone"))
     assert await consumer_counts(bus, spec, "peer") == (1, 0)  # a live peer's job stays its own
@@ -244,3 +270,23 @@ async def test_a_deleted_consumer_is_reported_and_made_again(bus):
         # The same pull subscription takes jobs from the new consumer.
         await publish(bus, spec, "me", "after")
         await until(lambda: handler.attempts("after") == [1])
+
+
+async def test_a_queue_waits_for_its_stream_and_makes_its_consumer_once_the_owner_does(bus):
+    spec = make_spec(scan_interval_s=0.2)
+    handler = Recorder(done)
+    stopping = asyncio.Event()
+    queue = WorkQueue(bus, spec, "me", pb.PrefillJob, handler, stopping=stopping)
+    async with asyncio.TaskGroup() as tg:
+        await queue.start(tg)  # no stream yet: a worker may not make it
+        try:
+            assert (
+                queue.problem()
+                == f"the JetStream stream {spec.stream} is missing (its owner makes it)"
+            )
+            await bus.ensure_work_queue(spec.stream, spec.subjects)
+            await until(lambda: queue.problem() is None)
+            await publish(bus, spec, "me", "first")
+            await until(lambda: handler.attempts("first") == [1])
+        finally:
+            stopping.set()

@@ -125,6 +125,9 @@ class FakeBackend:
     def connected(self) -> bool:
         return True
 
+    async def not_ready(self) -> str | None:
+        return None
+
     async def submit(
         self,
         rid: str,

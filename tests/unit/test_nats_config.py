@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from tokenyard.bus import auth, nats_config, subjects
+from tokenyard.bus.nats import connection_inbox_prefix
 from tokenyard.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,3 +93,46 @@ def test_a_service_on_an_external_nats_takes_the_urls_credentials_or_its_own():
         auth.credentials_from_env(
             "nats://h:4222", "router", {"TOKENYARD_NATS_ROUTER_PASSWORD": "1234"}
         )
+
+
+def test_each_user_reads_its_own_inbox_only():
+    users = [*auth.deployment_users()[1:], auth.worker("decode", "decode-2"), auth.gateway("g")]
+    for user in users:
+        inboxes = [s for s in user.subscribe if s.startswith("_INBOX")]
+        assert inboxes == [f"_INBOX.{user.name}.>"], user.name
+    assert auth.pool("decode").subscribe[-1] == "_INBOX.decode.>"  # shared by the pool
+    assert connection_inbox_prefix("nats://router:pw@h:4222") == "_INBOX.router"
+    assert connection_inbox_prefix("nats://h:1,nats://worker-d1:pw@h:2") == "_INBOX.worker-d1"
+    assert connection_inbox_prefix("nats://h:4222") == "_INBOX"  # no user: nats-py's own
+    with pytest.raises(ValueError, match="inbox"):
+        auth.inbox_prefix("a.b")
+
+
+def test_a_worker_may_make_only_its_own_consumer_and_nobody_deletes_the_stream():
+    worker = auth.worker("prefill", "p1")
+    creates = [s for s in worker.publish if ".CONSUMER.CREATE." in s or "DURABLE" in s]
+    assert creates == ["$JS.API.CONSUMER.CREATE.TY_PREFILL.prefill-p1.ty.prefill.jobs.p1"]
+    assert not [s for s in worker.publish if ".STREAM." in s and ".INFO." not in s]
+    gateway = auth.gateway_pool()
+    assert [s for s in gateway.publish if ".STREAM." in s] == [
+        "$JS.API.STREAM.CREATE.TY_PREFILL",
+        "$JS.API.STREAM.UPDATE.TY_PREFILL",
+        "$JS.API.STREAM.INFO.TY_PREFILL",
+    ]
+    assert not [s for s in gateway.publish if ".CONSUMER." in s]
+
+
+def test_the_sender_of_a_heartbeat_or_kv_event_is_its_subject():
+    assert subjects.heartbeat_sender(subjects.heartbeat("decode", "d-1")) == ("decode", "d-1")
+    assert subjects.kv_events_sender(subjects.kv_events("d-1")) == "d-1"
+    for other in ("ty.workers.decode.d-1.heartbeat.x", "ty.kv.events", subjects.kv_events("d")):
+        assert subjects.heartbeat_sender(other) is None
+    assert subjects.kv_events_sender(subjects.heartbeat("decode", "d-1")) is None
+
+
+def test_a_drain_needs_the_control_token_where_one_is_set():
+    assert auth.control_token_ok(auth.control_headers("s3cret"), "s3cret")
+    assert not auth.control_token_ok(auth.control_headers("guess"), "s3cret")
+    assert not auth.control_token_ok(None, "s3cret")
+    assert not auth.control_token_ok({"traceparent": "00-x"}, "s3cret")
+    assert auth.control_token_ok(None, "")  # an open stack, as its gRPC control API

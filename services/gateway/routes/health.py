@@ -32,7 +32,7 @@ async def ready(state: State) -> JSONResponse:
     now = time.monotonic()
     fleet = state.backend.fleet
     connected = state.backend.connected()
-    reason = None if connected else "not connected to NATS"
+    reason = await state.backend.not_ready()  # NATS, and the prefill job stream
     reason = reason or placement_problem(
         fleet,
         now,
