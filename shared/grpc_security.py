@@ -130,6 +130,12 @@ class GrpcSecurity(BaseSettings):
         """The identity whose token this is, or None."""
         return identify(self.peer_digests(), token)
 
+    def may_call(self, token: str, service: str) -> bool:
+        """Whether the holder of `token` may call `service` (a full name in CALLERS) as this
+        process's servers judge it: open servers (no peers) let anyone."""
+        peers = self.peer_digests()
+        return not peers or identify(peers, token) in CALLERS.get(service, frozenset())
+
 
 def identify(peers: Mapping[str, str], token: str) -> str | None:
     """The identity in ``peers`` (name -> token digest) that ``token`` belongs to, or None."""

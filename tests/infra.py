@@ -157,3 +157,32 @@ def nats_server() -> Iterator[str]:
         return
     with EmbeddedNats() as server:
         yield server.url
+
+
+@contextlib.contextmanager
+def nats_with_users(
+    users: list, folder: Path, *, argv: list[str] | None = None, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """A nats-server of the caller's own with users and permissions, on a free port: from
+    `users` (tokenyard.bus.auth's, written as its configuration), or, where `argv` is given,
+    from those arguments (a configuration file of the caller's; `env` its passwords)."""
+    from tokenyard.bus import auth
+    from tokenyard.bus.embedded import free_port, nats_server_binary
+    from tokenyard.services.launch.procs import ChildProcess, wait_until
+
+    port = free_port()
+    if argv is None:
+        conf = folder / "nats.conf"
+        store = str(folder / "js")
+        conf.write_text(auth.server_config(users, host="127.0.0.1", port=port, store_dir=store))
+        argv = ["-c", str(conf)]
+    else:
+        argv = [*argv, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(folder / "js")]
+    proc = ChildProcess(
+        "nats", [nats_server_binary(), *argv], env=env or {}, log_path=folder / "log"
+    ).start()
+    try:
+        assert wait_until(lambda: _accepts("127.0.0.1", port), 10), proc.log_tail()
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.stop()

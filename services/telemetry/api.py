@@ -243,7 +243,7 @@ async def drain_worker(worker_id: str, request: Request, collector: CollectorDep
             pb.DrainRequest(worker_id=worker_id, reason="drained from the ops console"),
             pb.DrainReply,
             timeout=5.0,
-            # The worker asks for the stack's control token, as its gRPC control API does.
+            # The worker asks for the operator's token, as its gRPC control API does.
             headers=control_headers(GrpcSecurity().token),
         )
     except Exception as exc:

@@ -36,7 +36,7 @@ from tokenyard.tracing import setup_tracing
 from tokenyard.v1 import serving_pb2 as pb
 
 log = logging.getLogger("tokenyard.worker")
-DRAIN_REFUSED = "refused: a drain needs the stack's control token (TOKENYARD_GRPC_TOKEN)"
+DRAIN_REFUSED = "refused: a drain needs the operator's token (the control API's)"
 
 
 def shared_pool(layout: Any, num_blocks: int) -> Any:
@@ -140,7 +140,8 @@ async def run_worker(
         """An operator's drain over NATS (the ops console): the control API's drain, then
         the graceful stop of SIGTERM. It must show the stack's control token, as a drain
         through the control API must: the NATS permission alone is no admin's word."""
-        if not auth.control_token_ok(msg.headers, control_server.security.token):
+        token = auth.control_token(msg.headers)
+        if not control_server.security.may_call(token, "tokenyard.v1.WorkerControl"):
             log.warning("refused a drain over NATS without the control token")
             await bus.reply(msg, pb.DrainReply(accepted=False, message=DRAIN_REFUSED))
             return

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import nats
 import pytest
 
+import infra
 from tokenyard.bus import auth, subjects
-from tokenyard.bus.embedded import free_port, nats_server_binary
 from tokenyard.bus.nats import Bus, BusError
-from tokenyard.services.launch.procs import ChildProcess, wait_until
 from tokenyard.v1 import serving_pb2 as pb
 
 WORKER = auth.worker("decode", "decode-1")
@@ -30,29 +28,8 @@ USERS = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp: Path = tmp_path_factory.mktemp("nats-auth")
-    port = free_port()
-    conf = tmp / "nats.conf"
-    store = tmp / "js"
-    conf.write_text(
-        auth.server_config(list(USERS.values()), host="127.0.0.1", port=port, store_dir=str(store))
-    )
-    proc = ChildProcess(
-        "nats", [nats_server_binary(), "-c", str(conf)], env={}, log_path=tmp / "log"
-    )
-    proc.start()
-    import socket
-
-    def listening() -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return True
-        except OSError:
-            return False
-
-    assert wait_until(listening, 10), proc.log_tail()
-    yield f"nats://127.0.0.1:{port}"
-    proc.stop()
+    with infra.nats_with_users(list(USERS.values()), tmp_path_factory.mktemp("nats-auth")) as url:
+        yield url
 
 
 @pytest.fixture

@@ -6,15 +6,15 @@ service from the environment."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from worker_client import Request, connect, wait_disaggregated, wait_router
 
+import infra
 from tokenyard.bus import auth, subjects
-from tokenyard.bus.embedded import free_port, nats_server_binary
+from tokenyard.bus.embedded import nats_server_binary
 from tokenyard.bus.nats import Bus, BusError
 from tokenyard.services.launch.procs import ChildProcess, wait_until
 from tokenyard.services.launch.stack import StackConfig
@@ -31,22 +31,10 @@ def as_user(server: str, name: str) -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("nats-deployment")
-    port = free_port()
-    argv = [nats_server_binary(), "-c", str(USERS_CONF), "-a", "127.0.0.1", "-p", str(port)]
-    argv += ["-js", "-sd", str(tmp / "js")]
-    proc = ChildProcess("nats", argv, env=PASSWORDS, log_path=tmp / "log").start()
-
-    def listening() -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return True
-        except OSError:
-            return False
-
-    assert wait_until(listening, 10), proc.log_tail()
-    yield f"nats://127.0.0.1:{port}"
-    proc.stop()
+    folder = tmp_path_factory.mktemp("nats-deployment")
+    argv = ["-c", str(USERS_CONF)]
+    with infra.nats_with_users([], folder, argv=argv, env=PASSWORDS) as url:
+        yield url
 
 
 def test_without_its_passwords_the_server_does_not_start(tmp_path):

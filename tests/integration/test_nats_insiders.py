@@ -13,23 +13,20 @@ stolen service password could do before, each tried as the insider it needs, now
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
 
 import nats
 import pytest
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig
 
+import infra
 from tokenyard.bus import auth, subjects
-from tokenyard.bus.embedded import free_port, nats_server_binary
 from tokenyard.bus.nats import Bus
 from tokenyard.bus.senders import subscribe_heartbeats, subscribe_kv_events
 from tokenyard.bus.workqueue import WorkQueueSpec
 from tokenyard.services.gateway.backend import NatsBackend
 from tokenyard.services.gateway.settings import GatewaySettings
-from tokenyard.services.launch.procs import ChildProcess, wait_until
 from tokenyard.services.launch.stack import StackConfig
 from tokenyard.services.worker.prefill import CONSUMER_PREFIX
 from tokenyard.v1 import serving_pb2 as pb
@@ -52,29 +49,10 @@ QUIET_S = 0.4  # how long "nothing arrives" is watched for
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp: Path = tmp_path_factory.mktemp("nats-insiders")
-    port = free_port()
-    conf = tmp / "nats.conf"
-    conf.write_text(
-        auth.server_config(
-            list(USERS.values()), host="127.0.0.1", port=port, store_dir=str(tmp / "js")
-        )
-    )
-    proc = ChildProcess(
-        "nats", [nats_server_binary(), "-c", str(conf)], env={}, log_path=tmp / "log"
-    )
-    proc.start()
-
-    def listening() -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return True
-        except OSError:
-            return False
-
-    assert wait_until(listening, 10), proc.log_tail()
-    yield f"nats://127.0.0.1:{port}"
-    proc.stop()
+    with infra.nats_with_users(
+        list(USERS.values()), tmp_path_factory.mktemp("nats-insiders")
+    ) as url:
+        yield url
 
 
 @pytest.fixture
@@ -379,7 +357,7 @@ async def test_a_drain_over_nats_needs_the_stacks_control_token(launch_stack):
             assert await settles(lambda: _answers(drain), 120), "the worker never answered"
             for headers in (None, auth.control_headers("a guess")):
                 refused = await drain(headers)
-                assert not refused.accepted and "control token" in refused.message
+                assert not refused.accepted and "operator's token" in refused.message
             assert worker.alive()
             accepted = await drain(auth.control_headers(stack.grpc_token))
             assert accepted.accepted and "draining" in accepted.message

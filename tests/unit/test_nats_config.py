@@ -130,9 +130,19 @@ def test_the_sender_of_a_heartbeat_or_kv_event_is_its_subject():
     assert subjects.kv_events_sender(subjects.heartbeat("decode", "d-1")) is None
 
 
-def test_a_drain_needs_the_control_token_where_one_is_set():
-    assert auth.control_token_ok(auth.control_headers("s3cret"), "s3cret")
-    assert not auth.control_token_ok(auth.control_headers("guess"), "s3cret")
-    assert not auth.control_token_ok(None, "s3cret")
-    assert not auth.control_token_ok({"traceparent": "00-x"}, "s3cret")
-    assert auth.control_token_ok(None, "")  # an open stack, as its gRPC control API
+def test_a_drain_needs_the_operators_token_where_servers_know_identities():
+    from tokenyard.grpc_security import GrpcSecurity, fresh_tokens, peers_text
+
+    tokens = fresh_tokens()
+    worker = GrpcSecurity(token=tokens["prefill"], peers=peers_text(tokens))
+    control = "tokenyard.v1.WorkerControl"
+
+    def allowed(headers: dict[str, str] | None) -> bool:
+        return worker.may_call(auth.control_token(headers), control)
+
+    assert allowed(auth.control_headers(tokens["operator"]))
+    assert not allowed(auth.control_headers(tokens["prefill"]))  # a worker's own token
+    assert not allowed(auth.control_headers("guess"))
+    assert not allowed(None)
+    assert not allowed({"traceparent": "00-x"})
+    assert GrpcSecurity().may_call("", control)  # an open stack, as its gRPC control API

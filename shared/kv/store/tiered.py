@@ -93,13 +93,17 @@ class TieredStore:
             value = await tier.peek(key)
             if value is None:
                 continue
-            data = unframe(value)
-            if data is None:
-                log.warning("KV block %s corrupt in %s; dropped", key, tier.name)
-                self.corrupt += 1
-                await tier.delete(key)
-            return data
+            return await self._checked(tier, key, value)
         return None
+
+    async def _checked(self, tier: Tier, key: str, value: bytes) -> bytes | None:
+        """A tier's framed value unframed, or None: a copy that fails its crc32 is deleted."""
+        data = unframe(value)
+        if data is None:
+            log.warning("KV block %s corrupt in %s; dropped", key, tier.name)
+            self.corrupt += 1
+            await tier.delete(key)
+        return data
 
     async def get(self, key: str) -> bytes | None:
         """The block's bytes (promoted to RAM) or None; counts a hit or a miss."""
@@ -109,11 +113,8 @@ class TieredStore:
                 if value is None:
                     tier.counters.misses += 1
                     continue
-                data = unframe(value)
+                data = await self._checked(tier, key, value)
                 if data is None:
-                    log.warning("KV block %s corrupt in %s; dropped", key, tier.name)
-                    self.corrupt += 1
-                    await tier.delete(key)
                     break
                 if level > 0:
                     await tier.delete(key)
