@@ -9,7 +9,8 @@ runs, drains that consumer and publishes each job pinned to a live worker of its
     scan (each scan_interval_s) --> consumer <prefix><w>, w not alive, jobs waiting
         --> fetch each job (an unacked one once its ack_wait runs out)
         --> place(job, w) -> (worker, job)  --> publish pinned to it, then ack the old copy
-                          -> None (nobody)  --> nak: asked again a moment later
+                          -> None (nobody)  --> held in progress, asked again each scan
+                                                (nak'd at once if the worker comes back)
         --> idle for two ack_waits and empty --> delete the consumer
 
 A job moved more than `max_moves` times (it kills every worker it lands on) is dropped,
@@ -168,9 +169,16 @@ class OrphanedJobs(Generic[M]):
             await msg.term()
             return
         placed = self.place(job, worker_id)
-        if placed is None:  # no live worker can take it now
-            await msg.nak(delay=self.scan_interval_s)
-            return
+        while placed is None:  # no live worker can take it now: hold it until one can
+            # NOTE: held (in progress), not nak'd: every nak is a delivery, and a job nak'd
+            # each second while the only worker restarts ran out of its max_deliver and was
+            # never delivered again.
+            if self.stopping.is_set() or self.alive(worker_id):
+                await msg.nak()  # its worker is back (restarted): it takes it itself
+                return
+            await msg.in_progress()
+            await asyncio.sleep(self.scan_interval_s)
+            placed = self.place(job, worker_id)
         target, job = placed
         headers = dict(msg.headers or {})
         headers[MOVES_HEADER] = str(moves)

@@ -241,6 +241,48 @@ async def test_a_departed_workers_jobs_are_moved_to_a_live_one_and_its_consumer_
     assert await consumer_counts(bus, spec, "peer") == (1, 0)  # a live peer's job stays its own
 
 
+async def test_a_job_nobody_can_take_is_held_for_its_restarted_worker(bus):
+    """The only worker dies with a job waiting: while nobody can take it the router holds it
+    (no delivery spent each scan), and the worker restarted under the same id runs it."""
+    spec = make_spec(ack_wait_s=1.0, max_deliver=3)
+    await bus.ensure_work_queue(spec.stream, spec.subjects)
+    await bus.js.add_consumer(spec.stream, spec.consumer_config("me"))
+    await publish(bus, spec, "me", "queued")
+    back = asyncio.Event()
+    asked: list[str] = []
+
+    def place(job: pb.PrefillJob, gone: str) -> None:
+        asked.append(job.request_id)  # no live worker: nowhere to put it
+        return None
+
+    stopping = asyncio.Event()
+    orphans = OrphanedJobs(
+        bus,
+        spec.stream,
+        spec.consumer_prefix,
+        spec.subject_for,
+        pb.PrefillJob,
+        place=place,
+        alive=lambda w: back.is_set(),
+        stopping=stopping,
+        grace_s=0.0,
+        scan_interval_s=0.2,
+        fetch_timeout_s=0.2,
+    )
+    handler = Recorder(done)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(orphans.run())
+        # Ten scans without a taker: more than max_deliver deliveries, were each a nak.
+        await until(lambda: len(asked) >= 10)
+        back.set()  # the worker is back under its id
+        async with running(bus, spec, handler):
+            await until(lambda: len(handler.deliveries) == 1)
+            await until_settled(bus, spec, "me")
+        stopping.set()
+    (delivery,) = handler.deliveries
+    assert delivery.job.request_id == "queued" and delivery.attempt <= spec.max_deliver
+
+
 async def test_a_clean_stop_removes_an_empty_consumer_only(bus):
     spec = make_spec()
     handler = Recorder(done)
