@@ -47,6 +47,11 @@ JOINED = "already running here"
 Reply = Callable[[pb.HandoffAck], Awaitable[None]]
 
 
+# How long a hand-off's KV endpoint may take to appear in this worker's fleet view (two
+# heartbeats) before the prompt is recomputed instead of pulled.
+ENDPOINT_WAIT_S = 2.0
+
+
 class Handoffs:
     def __init__(
         self,
@@ -172,7 +177,7 @@ class Handoffs:
         await reply(pb.HandoffAck(request_id=rid, accepted=True))
         attributes = {REQUEST_ID: rid, WORKER_ID: self.worker_id}
         with _tracer.start_as_current_span("kv_transfer", attributes=attributes) as span:
-            endpoint = self.fleet_kv_endpoint(handoff)
+            endpoint = await self.fleet_kv_endpoint(handoff)
             kv_ok = await self.kv.pull(endpoint, rid, list(handoff.src_block_ids), dst)
             span.set_attributes({"kv.blocks": len(dst), "tokenyard.kv_ok": kv_ok})
         if stream.done.done():  # cancelled while we pulled
@@ -185,9 +190,10 @@ class Handoffs:
         with trace.use_span(decode):
             await self.commit(rid, kv_ok=kv_ok)
 
-    def fleet_kv_endpoint(self, handoff: pb.DecodeHandoff) -> str:
+    async def fleet_kv_endpoint(self, handoff: pb.DecodeHandoff) -> str:
         """The hand-off's KV endpoint if a live worker advertises it in its heartbeats, else
-        "" (the prompt is recomputed).
+        "" (the prompt is recomputed). A worker that started a moment ago may not have heard
+        the prefill worker's heartbeat yet: it waits up to ENDPOINT_WAIT_S for one.
 
         NOTE: a hand-off is a NATS message that any service allowed to publish decode jobs
         (the gateway, to resume) can forge; a pull presents this worker's gRPC token, so it
@@ -196,9 +202,14 @@ class Handoffs:
         endpoint = handoff.kv_endpoint
         if not endpoint:
             return ""
-        advertised = {w.heartbeat.kv_endpoint for w in self.fleet.live(time.monotonic())}
-        if endpoint in advertised:
-            return endpoint
+        deadline = time.monotonic() + ENDPOINT_WAIT_S
+        while True:
+            advertised = {w.heartbeat.kv_endpoint for w in self.fleet.live(time.monotonic())}
+            if endpoint in advertised:
+                return endpoint
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.1)
         log.warning(
             "hand-off %s names KV endpoint %r, which no live worker advertises; recomputing "
             "the prompt instead of pulling",
