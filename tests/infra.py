@@ -19,9 +19,10 @@ import contextlib
 import os
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -186,3 +187,22 @@ def nats_with_users(
         yield f"nats://127.0.0.1:{port}"
     finally:
         proc.stop()
+
+
+@contextlib.asynccontextmanager
+async def buses_as(users: dict, server: str) -> AsyncIterator[Callable[[str], Awaitable[Any]]]:
+    """open_as(name): a Bus connected to `server` as users[name]; every one closed at exit."""
+    from tokenyard.bus.nats import Bus
+
+    buses: list[Bus] = []
+
+    async def open_as(name: str) -> Bus:
+        bus = await Bus.connect(users[name].url(server), name=name, first_connect_timeout=5)
+        buses.append(bus)
+        return bus
+
+    try:
+        yield open_as
+    finally:
+        for bus in buses:
+            await bus.close()

@@ -57,16 +57,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture
 async def connect(server: str) -> AsyncIterator[Callable[[str], Awaitable[Bus]]]:
-    buses: list[Bus] = []
-
-    async def open_as(name: str) -> Bus:
-        bus = await Bus.connect(USERS[name].url(server), name=name, first_connect_timeout=5)
-        buses.append(bus)
-        return bus
-
-    yield open_as
-    for bus in buses:
-        await bus.close()
+    async with infra.buses_as(USERS, server) as open_as:
+        yield open_as
 
 
 @pytest.fixture
