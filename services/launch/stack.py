@@ -338,6 +338,17 @@ class LocalStack:
             f"the stack was not ready after {timeout:.0f} s\n{self.describe_failures()}"
         )
 
+    def readiness_urls(self) -> dict[str, str]:
+        """The /ready of every process this stack started that serves one, by name."""
+        urls = {name: f"{url}/ready" for name, url in self.ops_urls.items()}
+        if self.facilities_url:
+            urls["facilities"] = f"{self.facilities_url}/ready"
+        if self.console_url:
+            urls["telemetry"] = f"{self.console_url}ready"
+        if self.config.gateway:
+            urls["gateway"] = f"{self.gateway_url}/ready"
+        return urls
+
     def all_workers_registered(self, body: dict) -> bool:
         live = {w["worker_id"] for w in body.get("workers", [])}
         wanted = {p.name for p in self.workers if p.alive()}

@@ -388,8 +388,11 @@ def _wait_ready(stack: LocalStack, stop: threading.Event, timeout: float) -> boo
     from tokenyard.services.launch.stack import StackError
 
     waited = 0.0
+    progress = StartProgress(stack.readiness_urls())
     while not stop.is_set():
         stack.supervise()
+        for line in progress.poll(waited):
+            print(line, flush=True)
         body = stack.ready()
         if body is not None and stack.all_workers_registered(body):
             return True
@@ -432,3 +435,29 @@ def _banner(stack: LocalStack) -> None:
         f"addresses from {running.path()} while this runs)"
     )
     print("Ctrl-C stops everything.", flush=True)
+
+
+class StartProgress:
+    """One line per service the first time its /ready says 200, while the stack starts.
+
+    A worker loading a large model takes most of a start; the lines say who is still missing.
+    """
+
+    def __init__(self, urls: dict[str, str], timeout: float = 0.3) -> None:
+        self.pending = dict(urls)
+        self.timeout = timeout
+
+    def poll(self, elapsed: float) -> list[str]:
+        import urllib.request
+
+        lines = []
+        for name, url in list(self.pending.items()):
+            try:
+                with urllib.request.urlopen(url, timeout=self.timeout):
+                    pass  # 200: ready (a 503 raises)
+            except Exception:
+                continue
+            del self.pending[name]
+            waiting = f"; waiting for {', '.join(self.pending)}" if self.pending else ""
+            lines.append(f"  {name} ready ({elapsed:.0f} s){waiting}")
+        return lines

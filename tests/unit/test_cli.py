@@ -323,3 +323,32 @@ def test_up_refuses_bad_numbers_before_it_starts(argv, needle, capsys):
     assert cli.main(["up", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.splitlines()) == 1
+
+
+def test_start_progress_prints_each_service_once_when_its_ready_answers_200():
+    import http.server
+    import threading
+
+    from tokenyard.cli.up import StartProgress
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        ready = {"/router/ready"}
+
+        def do_GET(self):
+            self.send_response(200 if self.path in self.ready else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    try:
+        progress = StartProgress({"router": f"{base}/router/ready", "both-1": f"{base}/w/ready"})
+        assert progress.poll(1.0) == ["  router ready (1 s); waiting for both-1"]
+        assert progress.poll(1.5) == []  # the worker still says 503; the router is not repeated
+        Handler.ready.add("/w/ready")
+        assert progress.poll(12.0) == ["  both-1 ready (12 s)"]
+    finally:
+        server.shutdown()
