@@ -22,6 +22,8 @@ from tokenyard.bench.client import Target, stream_request
 from tokenyard.bench.records import RequestRecord, TokenCounter, make_record
 from tokenyard.bench.workloads import Conversation, Session
 
+KEEPALIVE_S = 2.0  # seconds an idle client connection is kept
+
 LOOP_PROBE_S = 0.05  # how often the event-loop lag probe wakes (each wake-up costs CPU too)
 
 
@@ -151,7 +153,12 @@ async def run_load(
     counter: TokenCounter | None = None,
 ) -> RunResult:
     pool = load.pool_size
-    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+    # NOTE: idle connections are dropped after 2 s, before a server's own keep-alive timeout
+    # (5 s in uvicorn and llama.cpp's server): a request sent on a connection the server is
+    # closing fails with "Server disconnected without sending a response".
+    limits = httpx.Limits(
+        max_connections=pool, max_keepalive_connections=pool, keepalive_expiry=KEEPALIVE_S
+    )
     timeout = httpx.Timeout(target.timeout_s, connect=10.0, pool=None)
     # NOTE: trust_env=False: a proxy from the environment would sit inside every timing.
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as http:
