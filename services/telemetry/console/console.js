@@ -57,13 +57,18 @@ function smoothed(key) {
 
 // --- charts ----------------------------------------------------------------------------------
 
+/** Time-axis ticks as a 24-hour clock: uPlot's default adds a date line that overlaps on narrow charts. */
+function clockLabels(u, splits) {
+  return splits.map((ts) => new Date(1000 * ts).toLocaleTimeString([], { hour12: false }));
+}
+
 function makeChart(el, { title, unit, lines, digits, height = 170 }) {
   const opts = {
     title, width: Math.max(200, el.clientWidth), height,
     scales: { x: { time: true } },
     cursor: { drag: { x: false, y: false } },
     legend: { live: true },
-    axes: [{ ...AXIS }, { ...AXIS, label: unit, size: 56, labelSize: 18 }],
+    axes: [{ ...AXIS, values: clockLabels, space: 70 }, { ...AXIS, label: unit, size: 56, labelSize: 18 }],
     series: [
       { label: "time", value: (u, ts) => (ts == null ? "–" : new Date(1000 * ts).toLocaleTimeString()) },
       ...lines.map((label, i) => ({
