@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -18,6 +19,8 @@ from pydantic_settings import BaseSettings
 # A service's exit code for "cannot run as configured" (sysexits' EX_CONFIG): a restart would
 # fail the same way, so the launcher gives up at once and shows the reason.
 CONFIG_EXIT = 78
+# How long a service may take to wind down after SIGINT/SIGTERM before it exits anyway.
+STOP_GRACE_S = 30.0
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -43,16 +46,32 @@ def settings_or_exit(cls: type[S], service: str, **values: Any) -> S:
         exit_for_config(service, f"bad setting {prefix}{name}: {first['msg']}")
 
 
-def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+def run_until_signalled(
+    serve: Callable[[asyncio.Event], Awaitable[None]], grace_s: float = STOP_GRACE_S
+) -> None:
     """Run `serve(stop)` on a fresh event loop; SIGINT/SIGTERM set `stop`, and `serve` is
-    expected to wind down (drain NATS, stop servers) once it is set."""
+    expected to wind down (drain NATS, stop servers) once it is set.
+
+    A wind-down that has not ended `grace_s` after the signal exits the process with code 1:
+    a service whose launcher died (the parent-death signal) must not wait forever on a NATS
+    server or a peer that died with it."""
 
     async def run() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve(stop)
+        serving = asyncio.ensure_future(serve(stop))
+        signalled = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({serving, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        if not serving.done():
+            done, _ = await asyncio.wait({serving}, timeout=grace_s)
+            if not done:
+                sys.stderr.write(f"not stopped {grace_s:.0f} s after the signal: exiting\n")
+                sys.stderr.flush()
+                os._exit(1)  # NOTE: a thread stuck in a call would also block a normal exit
+        await serving
 
     asyncio.run(run())
 

@@ -22,7 +22,12 @@ from tokenyard.engine.contract import Engine
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.fleet.roles import ROLES, Role
 from tokenyard.http_server import ReadyFlag, ops_server
-from tokenyard.lifecycle import exit_for_config, run_until_signalled, settings_or_exit
+from tokenyard.lifecycle import (
+    STOP_GRACE_S,
+    exit_for_config,
+    run_until_signalled,
+    settings_or_exit,
+)
 from tokenyard.models.errors import ModelLoadError
 from tokenyard.net import advertise_address, host_endpoint
 from tokenyard.services.worker import control
@@ -213,7 +218,9 @@ def main(default_role: Role) -> None:
     setup_tracing(f"worker-{settings.role}")
 
     try:
-        run_until_signalled(lambda stop: serve(settings, stop))
+        # The drain may take drain_timeout_s, then hand-offs and the bus's own drain.
+        grace = settings.drain_timeout_s + STOP_GRACE_S
+        run_until_signalled(lambda stop: serve(settings, stop), grace)
     except ModelLoadError as exc:  # a missing or unreadable model: a restart cannot help
         log.exception("cannot load the model")
         exit_for_config(f"worker {settings.worker_id}", f"cannot load the model: {exc}")
