@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="arrival rate as a share of the decode replicas' capacity "
-        "(default 0.9; with --autoscale the day's peak, default 0.5)",
+        "(default 0.9; with --autoscale the day's peak, default 0.4)",
     )
     parser.add_argument("--policy", default="all", choices=["all", *POLICIES])
     parser.add_argument(

@@ -21,7 +21,7 @@ from tokenyard.sim.fleet import FleetSpec, build_fleet
 from tokenyard.sim.simulator import SimConfig, Simulation
 from tokenyard.sim.workload import WorkloadSpec, day_rate, generate
 
-DEFAULT_PEAK_LOAD = 0.5
+DEFAULT_PEAK_LOAD = 0.4
 
 
 def simulate_day(

@@ -30,12 +30,12 @@ from tokenyard.routing.policy import PolicyConfig, RouteInput, choose
 from tokenyard.sim.candidates import CandidateIndex
 from tokenyard.sim.fleet import Live, SimWorker
 from tokenyard.sim.workload import SimRequest
-
-if TYPE_CHECKING:
-    from tokenyard.sim.autoscale import SimAutoscaler
 from tokenyard.stats import percentile
 from tokenyard.v1 import serving_pb2 as pb
 from tokenyard.v1.facilities_pb2 import RackState
+
+if TYPE_CHECKING:
+    from tokenyard.sim.autoscale import SimAutoscaler
 
 POLICIES = ("round-robin", "kv-aware", "kv-aware+facilities")
 

@@ -33,7 +33,7 @@ def test_the_day_follows_its_curve_and_its_burst():
 
 def _run(mode: str, reqs, scaler_class=SimAutoscaler, **settings):
     dep = Deployment(M8B, H100, tp=8)
-    spec = FleetSpec(0, 0, slots=16, max_num_seqs=32, rack_cap_spread=0.6)
+    spec = FleetSpec(0, 0, slots=16, max_num_seqs=8, rack_cap_spread=0.6)
     workers, inventory = build_fleet(dep, spec, M8B.name)
     node = inventory.racks[0].nodes[0]
     s = AutoscaleSettings(mode=mode, worker_full_kw=node.gpus * node.gpu_tdp_w / 1000,
@@ -83,8 +83,8 @@ def test_energy_counts_only_switched_on_nodes():
 
 
 def test_cli_autoscale_json_reports_both_modes(capsys):
-    argv = ["simulate", "--model", "llama-3.1-8b", "--gpu", "h100", "--gpus", "64",
-            "--autoscale", "both", "--day-s", "12", "--json"]  # fmt: skip
+    argv = ["simulate", "--model", "llama-3.1-8b", "--gpu", "h100", "--gpus", "16",
+            "--autoscale", "both", "--day-s", "6", "--json"]  # fmt: skip
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["autoscale"] for r in out["runs"]] == ["sla", "power"]
@@ -94,6 +94,6 @@ def test_cli_autoscale_json_reports_both_modes(capsys):
 
 
 def test_cli_autoscale_refuses_round_robin(capsys):
-    argv = ["simulate", "--gpus", "64", "--autoscale", "sla", "--policy", "round-robin"]
+    argv = ["simulate", "--gpus", "16", "--autoscale", "sla", "--policy", "round-robin"]
     assert main(argv) == 2
     assert "--autoscale" in capsys.readouterr().err
