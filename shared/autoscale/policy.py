@@ -21,7 +21,7 @@ Where, the one difference between the modes:
 - `sla` ignores the racks: a new worker takes the first free node in inventory order, and
   the least busy workers drain first;
 - `power` budgets each rack: a rack's committed power (the fixed draw of its running nodes
-  plus every worker at its full-load draw) stays within `rack_budget` of the rack's cap.
+  plus every worker at its role's full-load draw) stays within `rack_budget` of its cap.
   A new worker goes to the rack with the most budget left; scaling down drains from the
   rack with the least. A start no rack has budget for is not made (`Decision.blocked`).
 """
@@ -80,9 +80,17 @@ class AutoscaleSettings:
     max_down_share: float = 0.1  # of a pool drained in one decision (at least one worker)
     min_workers: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     max_workers: dict[str, int] = field(default_factory=lambda: {"prefill": 10**6, "decode": 10**6})
-    # power mode: a worker's full-load draw and its node's fixed draw while on, in kW
-    worker_full_kw: float = 1.0
+    # power mode: a worker's draw at full load by role (a decode step draws less than a
+    # prefill) and its node's fixed draw while on, in kW
+    worker_full_kw: dict[str, float] = field(
+        default_factory=lambda: {"prefill": 1.0, "decode": 1.0}
+    )
     node_fixed_kw: float = 0.0
+
+    def draw_kw(self, role: str) -> float:
+        """What one more worker of `role` commits of its rack's budget."""
+        return self.worker_full_kw[role] + self.node_fixed_kw
+
     rack_budget: float = 0.95  # of a rack's cap (the facilities' power derate threshold)
 
 
@@ -194,9 +202,7 @@ def place(grow: list[str], signals: Signals, s: AutoscaleSettings) -> tuple[list
             rack = next((r.rack for r in signals.racks if free[r.rack]), None)
         else:
             room = {
-                r: s.rack_budget * caps[r] - committed[r] - s.worker_full_kw - s.node_fixed_kw
-                for r in free
-                if free[r]
+                r: s.rack_budget * caps[r] - committed[r] - s.draw_kw(role) for r in free if free[r]
             }
             fits = [r for r, left in room.items() if left >= 0]
             rack = max(fits, key=lambda r: (room[r] / caps[r], r)) if fits else None
@@ -204,7 +210,7 @@ def place(grow: list[str], signals: Signals, s: AutoscaleSettings) -> tuple[list
             blocked += 1
             continue
         starts.append(Start(role, rack, free[rack].pop(0)))
-        committed[rack] += s.worker_full_kw + s.node_fixed_kw
+        committed[rack] += s.draw_kw(role)
     return starts, blocked
 
 
@@ -221,8 +227,7 @@ def _interleave(roles: list[str]) -> list[str]:
 
 def committed_kw(rack: str, signals: Signals, s: AutoscaleSettings) -> float:
     """A rack's power if every worker on it (draining ones too) ran at full load."""
-    n = sum(1 for w in signals.workers if w.rack == rack)
-    return n * (s.worker_full_kw + s.node_fixed_kw)
+    return sum(s.draw_kw(w.role) for w in signals.workers if w.rack == rack)
 
 
 def pick_drains(role: str, n: int, signals: Signals, s: AutoscaleSettings) -> list[str]:

@@ -16,7 +16,7 @@ from tokenyard.autoscale.policy import AutoscaleSettings
 from tokenyard.planner.catalog import Hardware, ModelSpec
 from tokenyard.planner.plan import Plan, Workload
 from tokenyard.planner.roofline import Deployment
-from tokenyard.sim.autoscale import SimAutoscaler, SimScaling
+from tokenyard.sim.autoscale import SimAutoscaler, SimScaling, full_load_kw
 from tokenyard.sim.fleet import FleetSpec, build_fleet
 from tokenyard.sim.simulator import SimConfig, Simulation
 from tokenyard.sim.workload import WorkloadSpec, day_rate, generate
@@ -55,11 +55,13 @@ def simulate_day(
                           rack_cap_spread=args.rack_cap_spread)  # fmt: skip
         workers, inventory = build_fleet(dep, fleet, model.name)
         node = inventory.racks[0].nodes[0]
+        config = SimConfig(policy=policy, ttft_slo_s=wl.ttft_slo_ms / 1e3,
+                           itl_slo_s=wl.itl_target_s, network_gbs=args.network_gbs)  # fmt: skip
         settings = AutoscaleSettings(
             mode=mode,  # type: ignore[arg-type]
             ttft_p99_s=wl.ttft_slo_ms / 1e3,
             itl_p99_s=wl.itl_target_s,
-            worker_full_kw=node.gpus * node.gpu_tdp_w / 1000,
+            worker_full_kw=full_load_kw(node, config),
             node_fixed_kw=node.gpus * node.gpu_tdp_w * workers[0].fixed_share / 1000,
         )
         first = day_rate(0.0, spec)
@@ -68,8 +70,6 @@ def simulate_day(
             math.ceil(first * answer_s / plan.decode_batch / settings.target),
         )
         scaler = SimAutoscaler(settings, SimScaling(start_s=args.start_s, initial=initial))
-        config = SimConfig(policy=policy, ttft_slo_s=wl.ttft_slo_ms / 1e3,
-                           itl_slo_s=wl.itl_target_s, network_gbs=args.network_gbs)  # fmt: skip
         t = time.perf_counter()
         result = Simulation(workers, inventory, requests, config, scaler).run()
         runs.append(

@@ -25,8 +25,9 @@ from tokenyard.autoscale.policy import (
 from tokenyard.stats import percentile
 
 if TYPE_CHECKING:
+    from tokenyard.facilities.inventory import NodeSpec
     from tokenyard.sim.fleet import SimWorker
-    from tokenyard.sim.simulator import Simulation
+    from tokenyard.sim.simulator import SimConfig, Simulation
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,15 @@ class SimAutoscaler:
             sim.prefix_index.get(key, set()).discard(w.worker_id)
         w.cache.clear()
         w.role = role
+        w.busy_share = 0.0
         w.power = "on" if ready_s <= sim.now else "starting"
         w.ready_s = ready_s
         self.started += 1
+
+
+def full_load_kw(node: NodeSpec, config: SimConfig) -> dict[str, float]:
+    """A worker's accelerators' draw at full load by role, in the simulator's power model: a
+    prefill draws all of their TDP, a full decode batch `decode_power_share` of it above idle."""
+    tdp_kw = node.gpus * node.gpu_tdp_w / 1000
+    idle = config.idle_power_share
+    return {"prefill": tdp_kw, "decode": tdp_kw * (idle + (1 - idle) * config.decode_power_share)}

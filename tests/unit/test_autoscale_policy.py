@@ -27,6 +27,7 @@ def _signals(now: float, workers: list[WorkerSignal], racks, **kw) -> Signals:
     return Signals(now, tuple(workers), racks, **kw)
 
 
+ONE_KW = {"prefill": 1.0, "decode": 1.0}
 BALANCED = [_worker(0, "prefill", "r0", 0.5), _worker(0, "decode", "r0", 0.5)]
 
 
@@ -93,7 +94,7 @@ def test_never_below_the_minimum_nor_above_the_maximum():
 def test_sla_mode_fills_the_first_free_nodes_whatever_the_power():
     workers = [_worker(i, "decode", "r0", 1.0) for i in range(2)] + BALANCED[:1]
     racks = _racks({"r0": 4, "r1": 4}, cap_kw=2.0)
-    s = AutoscaleSettings(mode="sla", worker_full_kw=1.0)
+    s = AutoscaleSettings(mode="sla", worker_full_kw=ONE_KW)
     d = decide(_signals(0, workers, racks), ScalerState(), s)
     assert [x.rack for x in d.start] == ["r0"] * len(d.start) and d.blocked == 0
 
@@ -104,7 +105,7 @@ def test_power_mode_keeps_each_rack_inside_its_budget():
         _worker(i, "decode", "r0", 1.0) for i in range(2)
     ]
     racks = (RackSignal("r0", 4.0, 3.0, ("a", "b")), RackSignal("r1", 3.0, 0.0, ("c", "d", "e")))
-    s = AutoscaleSettings(mode="power", worker_full_kw=1.0, rack_budget=0.95)
+    s = AutoscaleSettings(mode="power", worker_full_kw=ONE_KW, rack_budget=0.95)
     d = decide(_signals(0, workers, racks), ScalerState(), s)
     # demand 2 / 0.6: 4 decode workers wanted; r1 takes two (2 kW of its 2.85), r0 none
     assert [x.rack for x in d.start] == ["r1", "r1"]
@@ -123,7 +124,7 @@ def test_power_mode_drains_the_rack_with_the_least_budget_first():
         _worker(3, "decode", "r1", 0.2),
     ]
     racks = (RackSignal("r0", 10.0, 1.0, ()), RackSignal("r1", 4.0, 3.0, ()))
-    s = AutoscaleSettings(mode="power", worker_full_kw=1.0, down_after_s=0, down_cooldown_s=0,
+    s = AutoscaleSettings(mode="power", worker_full_kw=ONE_KW, down_after_s=0, down_cooldown_s=0,
                           max_down_share=0.5)  # fmt: skip
     state = ScalerState()
     decide(_signals(0, workers, racks), state, s)

@@ -10,7 +10,7 @@ from tokenyard.autoscale.policy import AutoscaleSettings
 from tokenyard.cli import main
 from tokenyard.planner import catalog
 from tokenyard.planner.roofline import Deployment
-from tokenyard.sim.autoscale import SimAutoscaler, SimScaling
+from tokenyard.sim.autoscale import SimAutoscaler, SimScaling, full_load_kw
 from tokenyard.sim.fleet import FleetSpec, build_fleet
 from tokenyard.sim.simulator import SimConfig, Simulation
 from tokenyard.sim.workload import DAY_CURVE, WorkloadSpec, day_rate, generate
@@ -36,7 +36,7 @@ def _run(mode: str, reqs, scaler_class=SimAutoscaler, **settings):
     spec = FleetSpec(0, 0, slots=16, max_num_seqs=8, rack_cap_spread=0.6)
     workers, inventory = build_fleet(dep, spec, M8B.name)
     node = inventory.racks[0].nodes[0]
-    s = AutoscaleSettings(mode=mode, worker_full_kw=node.gpus * node.gpu_tdp_w / 1000,
+    s = AutoscaleSettings(mode=mode, worker_full_kw=full_load_kw(node, SimConfig()),
                           node_fixed_kw=node.gpus * node.gpu_tdp_w * workers[0].fixed_share / 1000,
                           down_after_s=4, down_cooldown_s=6, **settings)  # fmt: skip
     scaler = scaler_class(s, SimScaling(interval_s=1.0, start_s=2.0, initial=(1, 1)))
@@ -62,10 +62,10 @@ def test_power_mode_keeps_every_rack_inside_its_budget():
     class Checked(SimAutoscaler):
         def apply(self, sim, decision):  # after every decision, the committed power
             super().apply(sim, decision)
-            per_worker = self.settings.worker_full_kw + self.settings.node_fixed_kw
             for rack in sim.inventory.racks:
-                on = sum(1 for wid in rack.worker_ids if sim.workers[wid].power != "off")
-                seen.append(on * per_worker / (self.settings.rack_budget * rack.power_cap_kw))
+                on = [sim.workers[w] for w in rack.worker_ids if sim.workers[w].power != "off"]
+                committed = sum(self.settings.draw_kw(w.role) for w in on)
+                seen.append(committed / (self.settings.rack_budget * rack.power_cap_kw))
 
     result, scaler, _, _ = _run("power", REQS, scaler_class=Checked)
     assert result.completed == len(REQS)
