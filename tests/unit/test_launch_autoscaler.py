@@ -95,3 +95,15 @@ def test_the_controller_starts_on_load_and_retires_after_it_falls():
     stack.retired[0].running = False  # its graceful stop ended
     scaler.tick(now=26.0)
     assert scaler.retiring == {}
+
+
+def test_a_retired_worker_is_neither_restarted_nor_an_error(tmp_path):
+    from tokenyard.services.launch.group import ServiceGroup
+    from tokenyard.services.launch.supervise import RestartPolicy
+
+    group = ServiceGroup(RestartPolicy(), tmp_path)
+    gone = FakeProc("decode-2", running=False)
+    group.procs.append(gone)  # type: ignore[arg-type]
+    group.retire(gone)  # type: ignore[arg-type]
+    assert group.supervise() == []
+    group.check_alive()  # no StackError: it stopped on purpose
