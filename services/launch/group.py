@@ -28,6 +28,7 @@ class ServiceGroup:
         self.log_dir = log_dir
         self.procs: list[ChildProcess] = []
         self.supervisor = Supervisor(policy, optional=optional)
+        self.retired: set[str] = set()  # stopping on purpose: not restarted, still stopped
 
     @property
     def down(self) -> dict[str, str]:
@@ -50,8 +51,17 @@ class ServiceGroup:
         self.procs.append(proc)
         self.supervisor.watch(proc)
 
+    def retire(self, proc: ChildProcess) -> None:
+        """Stop restarting `proc`: it is being stopped on purpose (it is still stopped with
+        the others if it outlives its own stop)."""
+        self.retired.add(proc.name)
+
     def check_alive(self) -> None:
-        dead = [p for p in self.procs if not p.alive() and p.name not in self.down]
+        dead = [
+            p
+            for p in self.procs
+            if not p.alive() and p.name not in self.down and p.name not in self.retired
+        ]
         if dead:
             raise StackError(
                 f"{', '.join(p.name for p in dead)} exited\n{self.describe_failures()}"
@@ -64,7 +74,7 @@ class ServiceGroup:
         ConfigError; either names the reason and the log. An optional service is left
         down instead (``down``)."""
         try:
-            return self.supervisor.poll(self.procs)
+            return self.supervisor.poll([p for p in self.procs if p.name not in self.retired])
         except GaveUp as exc:
             raise (ConfigError if exc.config else StackError)(str(exc)) from None
 

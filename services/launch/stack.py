@@ -21,6 +21,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import tempfile
 import time
 import urllib.request
@@ -70,6 +71,7 @@ class LocalStack:
             config.restart_policy, self.log_dir, optional=OPTIONAL_SERVICES
         )
         self.workers: list[ChildProcess] = []
+        self.worker_roles: dict[str, str] = {}  # worker id -> prefill | decode | both
         self._worker_count = 0
         self.kvcache_endpoint = ""  # host:port once the KV-cache service is started
         self.model_id = ""  # known once the gateway is ready
@@ -186,6 +188,20 @@ class LocalStack:
         }
         proc = self._spawn(worker_id, module, settings, nice=0)
         self.workers.append(proc)
+        self.worker_roles[worker_id] = role
+        return proc
+
+    def worker_role(self, proc: ChildProcess) -> str:
+        return self.worker_roles[proc.name]
+
+    def retire_worker(self, worker_id: str) -> ChildProcess:
+        """Stop a worker for good (an autoscaler's scale-down): no longer supervised, it gets
+        SIGTERM, its graceful stop: it takes nothing new, finishes what it runs, hands back
+        what does not finish within its drain timeout, and exits."""
+        proc = next(p for p in self.workers if p.name == worker_id)
+        self.workers.remove(proc)
+        self.services.retire(proc)
+        proc.signal(signal.SIGTERM)
         return proc
 
     def _start_gateway(self) -> None:

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload",
         default="shared-prefix",
-        choices=["poisson", "bursts", "shared-prefix", "multi-turn"],
+        choices=["poisson", "bursts", "shared-prefix", "multi-turn", "day"],
     )
     parser.add_argument(
         "--bench",
@@ -49,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--load",
         type=float,
-        default=0.9,
-        help="arrival rate as a share of the decode replicas' capacity",
+        default=None,
+        help="arrival rate as a share of the decode replicas' capacity "
+        "(default 0.9; with --autoscale the day's peak, default 0.4)",
     )
     parser.add_argument("--policy", default="all", choices=["all", *POLICIES])
     parser.add_argument(
@@ -69,6 +70,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.15,
         help="racks' caps spread down to this share below the oversubscribed cap",
+    )
+    parser.add_argument(
+        "--autoscale",
+        default=None,
+        choices=["sla", "power", "both"],
+        help="scale the fleet over a day's load curve with a burst (--workload day): "
+        "to the SLOs alone, or inside each rack's power budget",
+    )
+    parser.add_argument(
+        "--day-s",
+        type=float,
+        default=240.0,
+        help="with --autoscale: simulated seconds the day is compressed into",
+    )
+    parser.add_argument(
+        "--burst-factor",
+        type=float,
+        default=1.5,
+        help="with --autoscale: the burst's rate over the curve's",
+    )
+    parser.add_argument(
+        "--burst-s",
+        type=float,
+        default=10.0,
+        help="with --autoscale: how long the burst lasts (at mid-day)",
+    )
+    parser.add_argument(
+        "--start-s",
+        type=float,
+        default=5.0,
+        help="with --autoscale: from starting a worker to its serving",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
@@ -111,6 +143,12 @@ def simulate(args: argparse.Namespace) -> dict:
     replicas = args.gpus // dep.gpus
     if replicas < 2:
         raise ValueError(f"--gpus {args.gpus}: fewer than two replicas of {dep.gpus} GPUs")
+    if args.autoscale:
+        from tokenyard.cli.simulate_day import simulate_day
+
+        return simulate_day(args, model, hw, wl, plan, dep, replicas)
+    if args.load is None:
+        args.load = 0.9
     ratios = _ratios(args.pd_ratios) or [(plan.prefill_replicas, plan.decode_replicas)]
     policies = list(POLICIES) if args.policy == "all" else [args.policy]
     runs = []
@@ -181,6 +219,15 @@ LATENCY_COLUMNS = (
     ("ITL p50\nms", "itl_p50_ms"),
     ("ITL p99\nms", "itl_p99_ms"),
 )
+DAY_COLUMNS = (
+    ("P:D", "pd_ratio"),
+    ("policy", "policy"),
+    ("SLO\nattained", "slo_attainment"),
+    ("GPU-h", "gpu_hours"),
+    ("energy\nkWh", "energy_kwh"),
+    ("capping\nevents", "capping_events"),
+    ("peak\nworkers", "peak_workers"),
+)
 FLEET_COLUMNS = (
     ("P:D", "pd_ratio"),
     ("policy", "policy"),
@@ -199,6 +246,8 @@ def show(report: dict, console: Console | None = None) -> None:
         f"{report['model']} on {report['gpus']} x {report['hardware']} (tp {report['tp']}), "
         f"{report['workload']}"
     )
+    if report["workload"] == "day":
+        console.print(_table("autoscaling over the day", DAY_COLUMNS, report["runs"]))
     console.print(_table("latency", LATENCY_COLUMNS, report["runs"]))
     console.print(_table("fleet and power", FLEET_COLUMNS, report["runs"]))
 

@@ -31,6 +31,8 @@ from tokenyard.engine.config import auto_dtype, kv_cache_dtype_for
 from tokenyard.engine.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    from tokenyard.autoscale.policy import Decision
+    from tokenyard.services.launch.autoscaler import StackAutoscaler
     from tokenyard.services.launch.stack import LocalStack, StackConfig
 
 # Below this many cores a CPU host runs one aggregated worker unless a split is asked for: two
@@ -200,6 +202,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for the workers"
     )
+    parser.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="start and drain prefill and decode workers with the load (docs/autoscaling.md); "
+        "a split layout, each pool between --min-workers and --max-workers",
+    )
+    parser.add_argument(
+        "--min-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --autoscale: the fewest workers of each role",
+    )
+    parser.add_argument(
+        "--max-workers",
+        type=int,
+        default=4,
+        metavar="M",
+        help="with --autoscale: the most workers of each role",
+    )
 
 
 def config_from(args: argparse.Namespace) -> StackConfig:
@@ -224,6 +246,10 @@ def config_from(args: argparse.Namespace) -> StackConfig:
             )
     if args.ready_timeout <= 0:
         raise SystemExit("--ready-timeout must be above 0 seconds")
+    if args.autoscale and (args.workers is not None or args.aggregated):
+        raise SystemExit("--autoscale scales prefill and decode pools: drop --workers/--aggregated")
+    if args.autoscale and not 1 <= args.min_workers <= args.max_workers:
+        raise SystemExit("--autoscale needs 1 <= --min-workers <= --max-workers")
     speculative = {}
     if args.speculative:
         try:
@@ -251,9 +277,11 @@ def config_from(args: argparse.Namespace) -> StackConfig:
     return StackConfig(
         port=args.port,
         host=args.host,
-        prefill=1 if args.prefill is None else args.prefill,
-        decode=1 if args.decode is None else args.decode,
-        aggregated=_aggregated(args),
+        prefill=(args.min_workers if args.autoscale else 1)
+        if args.prefill is None
+        else args.prefill,
+        decode=(args.min_workers if args.autoscale else 1) if args.decode is None else args.decode,
+        aggregated=False if args.autoscale else _aggregated(args),
         workers=args.workers or 1,
         router_env={"TOKENYARD_ROUTER_PLACEMENT": args.router_placement},
         nats_url=args.nats_url,
@@ -335,12 +363,14 @@ def run(args: argparse.Namespace) -> int:
             _banner(stack)
             reported: set[str] = set()
             _report_down(stack, reported)  # given up on while the stack started
-            while not stop.wait(0.5):
-                for name in stack.supervise():
-                    print(
-                        f"{name} exited; restarted it (log: {stack.log_dir / name}.log)", flush=True
-                    )
-                _report_down(stack, reported)
+            with _autoscaler(stack, args) as scaler:
+                while not stop.wait(0.5):
+                    for name in stack.supervise():
+                        print(f"{name} exited; restarted it (log: {stack.log_dir / name}.log)",
+                              flush=True)  # fmt: skip
+                    _report_down(stack, reported)
+                    if scaler is not None:
+                        _report_scaling(scaler.tick())
         print("\nStopping ...", flush=True)
         return 0
     except ConfigError as exc:  # a service that cannot run as configured; the line names its log
@@ -352,6 +382,33 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         stack.stop(keep_logs=keep_logs)
+
+
+@contextlib.contextmanager
+def _autoscaler(stack: LocalStack, args: argparse.Namespace) -> Iterator[StackAutoscaler | None]:
+    """With --autoscale: the heartbeat listener and the autoscaler, for the main loop."""
+    if not args.autoscale:
+        yield None
+        return
+    from tokenyard.autoscale.policy import AutoscaleSettings
+    from tokenyard.services.launch.autoscaler import HeartbeatWatch, StackAutoscaler
+
+    bounds = {"prefill": args.min_workers, "decode": args.min_workers}
+    settings = AutoscaleSettings(
+        mode="sla",
+        min_workers=bounds,
+        max_workers={"prefill": args.max_workers, "decode": args.max_workers},
+    )
+    watch = HeartbeatWatch(stack.nats_url).start()
+    try:
+        yield StackAutoscaler(stack, watch, settings)
+    finally:
+        watch.stop()
+
+
+def _report_scaling(decision: Decision | None) -> None:
+    if decision is not None and (decision.start or decision.drain):
+        print(f"autoscale: {'; '.join(decision.reasons)}", flush=True)
 
 
 def _report_down(stack: LocalStack, reported: set[str]) -> None:

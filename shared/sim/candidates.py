@@ -44,7 +44,8 @@ class CandidateIndex:
     def update(self, w: WorkerView) -> None:
         """A worker's view changed (a placement): push its new score."""
         facility = self.facilities.get(w.worker_id, NORMAL)
-        score = free_score(w, facility, self.config) if facility.state != "drain" else None
+        takes_work = facility.state != "drain" and not w.draining
+        score = free_score(w, facility, self.config) if takes_work else None
         self.score[w.worker_id] = score
         if score is None:
             return

@@ -64,6 +64,14 @@ class SimWorker:
     tokens: int = 0  # tokens produced since the last heartbeat
     slowdown: float = 1.0  # > 1 while the rack's power is capped
     seq_cap: int = 0  # from the facilities derate (what the worker itself would announce)
+    # off -> starting -> on -> draining -> off, under an autoscaler; always "on" without one
+    power: str = "on"
+    ready_s: float = 0.0  # when a starting worker begins to serve
+    busy_share: float = 0.0  # the last heartbeat interval's load, for the autoscaler
+    # The server's fixed draw as a share of `gpu_tdp_w`, drawn through the worker while its
+    # node is on; 0 where the rack's idle power carries it (a fleet that is always on).
+    fixed_share: float = 0.0
+    inbound: int = 0  # sequences placed on it for decoding, still on their way from prefill
 
     @property
     def running(self) -> int:
@@ -90,7 +98,13 @@ class SimWorker:
             block_size=self.block_size,
             heartbeat_interval_ms=interval_ms,
             seq_cap=self.seq_cap,
+            draining=self.power == "draining",
         )
+
+    @property
+    def empty(self) -> bool:
+        """Nothing running, queued or being handed over: a draining worker may stop."""
+        return not (self.finishing or self.waiting or self.admitting or self.busy or self.inbound)
 
     # --- prefix cache ------------------------------------------------------------------
 
@@ -144,6 +158,8 @@ class FleetSpec:
     server_fixed_share: float = 0.3  # of a server's non-accelerator power, drawn even when idle
     seed: int = 0
     coolant_delta_t_c: float = 10.0
+    # Nodes with no role yet (`slot-<i>`): an autoscaler gives each its role when it starts.
+    slots: int = 0
 
 
 def build_fleet(dep: Deployment, spec: FleetSpec, model: str) -> tuple[list[SimWorker], Inventory]:
@@ -158,6 +174,7 @@ def build_fleet(dep: Deployment, spec: FleetSpec, model: str) -> tuple[list[SimW
         ["prefill"] * spec.prefill_replicas
         + ["decode"] * spec.decode_replicas
         + ["both"] * spec.both_replicas
+        + ["slot"] * spec.slots
     )
     # Interleave roles evenly so every rack holds the fleet's mix, as a scheduler spreading
     # pods would: the k-th of a role's n workers goes at (k + 0.5) / n along the racks.
@@ -183,6 +200,12 @@ def build_fleet(dep: Deployment, spec: FleetSpec, model: str) -> tuple[list[SimW
     count = -(-len(workers) // per_rack)
     spread = [1.0 - spec.rack_cap_spread * i / max(1, count - 1) for i in range(count)]
     random.Random(spec.seed).shuffle(spread)
+    # NOTE: an autoscaled fleet switches nodes off, and an off node draws nothing: its fixed
+    # draw goes with its worker, not into the rack's idle power.
+    switched = spec.slots > 0
+    for w in workers:
+        w.fixed_share = 1000 * fixed_kw_per_gpu / gpu_w if switched else 0.0
+        w.power = "off" if w.role == "slot" else "on"
     for r in range(0, len(workers), per_rack):
         members = workers[r : r + per_rack]
         gpus = len(members) * dep.gpus
@@ -198,7 +221,7 @@ def build_fleet(dep: Deployment, spec: FleetSpec, model: str) -> tuple[list[SimW
                 loop=f"{name}-loop",
                 cooling="liquid",
                 power_cap_kw=nameplate * spec.racks_power_oversubscription * spread[r // per_rack],
-                idle_power_kw=gpus * fixed_kw_per_gpu,
+                idle_power_kw=0.0 if switched else gpus * fixed_kw_per_gpu,
                 nodes=[
                     NodeSpec(name=f"node-{w.worker_id}", gpus=dep.gpus, gpu_tdp_w=gpu_w,
                              workers=[w.worker_id])

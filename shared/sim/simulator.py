@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenyard.facilities import policy as fpolicy
 from tokenyard.facilities.inventory import Inventory
@@ -32,6 +33,9 @@ from tokenyard.sim.workload import SimRequest
 from tokenyard.stats import percentile
 from tokenyard.v1 import serving_pb2 as pb
 from tokenyard.v1.facilities_pb2 import RackState
+
+if TYPE_CHECKING:
+    from tokenyard.sim.autoscale import SimAutoscaler
 
 POLICIES = ("round-robin", "kv-aware", "kv-aware+facilities")
 
@@ -83,14 +87,22 @@ class SimResult:
     rack_mean_fraction_of_cap: (
         float  # over racks and readings: how close the fleet runs to its caps
     )
+    # requests within both SLOs over all requests (rejected ones included)
+    slo_attainment: float = 0.0
+    gpu_hours: float = 0.0  # accelerators switched on (starting, serving or draining) x time
+    energy_kwh: float = 0.0  # the racks' power (a capped rack draws at most its cap) x time
     route_errors: dict[str, int] = field(default_factory=dict)
     rack_tokens: dict[str, int] = field(default_factory=dict)
     power_timeline: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    # under an autoscaler: (time, prefill workers, decode workers) serving or starting
+    workers_timeline: list[tuple[float, int, int]] = field(default_factory=list)
 
     def to_json(self, timeline: bool = False) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k != "power_timeline"}
+        hidden = ("power_timeline", "workers_timeline")
+        out = {k: v for k, v in self.__dict__.items() if k not in hidden}
         if timeline:
             out["power_timeline"] = self.power_timeline
+            out["workers_timeline"] = self.workers_timeline
         return out
 
 
@@ -101,6 +113,7 @@ class Simulation:
         inventory: Inventory,
         requests: list[SimRequest],
         config: SimConfig,
+        autoscaler: SimAutoscaler | None = None,
     ) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown policy {config.policy!r} (known: {', '.join(POLICIES)})")
@@ -142,6 +155,13 @@ class Simulation:
             str, WorkerThrottle
         ] = {}  # the router's facilities input, as of the last tick
         self.index = CandidateIndex(config.router) if config.candidate_index else None
+        self.autoscaler = autoscaler
+        self.energy_kwh = 0.0
+        self.gpu_s = 0.0
+        self.last_power: dict[str, float] = {r.name: 0.0 for r in inventory.racks}
+        # first-token and inter-token times since the autoscaler last looked
+        self.recent_ttft: list[float] = []
+        self.recent_itl: list[float] = []
 
     # --- the event loop ----------------------------------------------------------------
 
@@ -183,6 +203,8 @@ class Simulation:
         prefill = self.workers[placement.prefill_worker_id]
         live.prefill_worker = prefill.worker_id
         live.decode_worker = placement.decode_worker_id or prefill.worker_id
+        if live.decode_worker != prefill.worker_id:
+            self.workers[live.decode_worker].inbound += 1
         live.cached = min(prefill.cached_tokens(req.prefix_key), req.prefix_len, req.prompt_len - 1)
         live.routed_s = self.now
         prefill.waiting.append(live)
@@ -291,6 +313,7 @@ class Simulation:
     def prefilled(self, w: SimWorker, live: Live) -> None:
         w.waiting.popleft()
         live.first_token_s = self.now
+        self.recent_ttft.append(self.now - live.req.arrival_s)
         req = live.req
         self.remember(w, req.cache_key, min(req.cache_len, req.prompt_len))
         if live.decode_worker == w.worker_id:
@@ -305,6 +328,7 @@ class Simulation:
         self.at(self.now + delay, "handoff", (self.workers[live.decode_worker], live))
 
     def handoff(self, w: SimWorker, live: Live) -> None:
+        w.inbound -= 1
         if live.req.output_len <= 1:
             self.finish(w, live)
             return
@@ -313,6 +337,8 @@ class Simulation:
 
     def finish(self, w: SimWorker, live: Live) -> None:
         live.done_s = self.now
+        if live.req.output_len > 1 and live.first_token_s >= 0:
+            self.recent_itl.append((self.now - live.first_token_s) / (live.req.output_len - 1))
         self.done.append(live)
         self.outstanding -= 1
         if w.role != "decode":  # a worker that can prefill keeps the whole conversation
@@ -333,17 +359,14 @@ class Simulation:
         interval_ms = int(dt * 1000)
         utils: dict[str, float] = {}
         for w in self.workers.values():
-            self.fleet.on_heartbeat(w.heartbeat(interval_ms), self.now)
-            busy = min(1.0, w.busy_s / dt)
-            prefill = min(1.0, w.prefill_s / dt)
-            decode = min(1.0, w.batch_s / dt) - prefill
-            activity = prefill + max(0.0, decode) * self.cfg.decode_power_share
-            idle = self.cfg.idle_power_share
-            utils[w.worker_id] = min(1.0, idle + (1 - idle) * activity) if busy else idle
-            w.busy_s = w.batch_s = w.prefill_s = 0.0
-            w.tokens = 0
+            if w.power != "off":
+                utils[w.worker_id] = self._beat(w, dt, interval_ms) + w.fixed_share
+                self.gpu_s += w.dep.gpus * dt
         for rack in self.inventory.racks:
             reading = self.racks[rack.name].step(self.now, utils, Faults())
+            self.last_power[rack.name] = reading.power_kw
+            # Power capping holds a rack at its cap (and slows its work, below).
+            self.energy_kwh += min(reading.power_kw, rack.power_cap_kw) * dt / 3600
             self.timeline[rack.name].append((round(self.now, 3), round(reading.power_kw, 2)))
             self.peak_kw = max(self.peak_kw, reading.power_kw)
             ratio = reading.power_kw / rack.power_cap_kw
@@ -379,12 +402,34 @@ class Simulation:
                 w = self.workers[wid]
                 w.slowdown = slowdown
                 w.seq_cap = cap if self.facilities_on else 0
+        if self.autoscaler is not None:
+            self.autoscaler.tick(self)
         # Rack states change only here, so the router's view of them is built once a tick.
         self.throttles = self.tracker.by_worker()
         if self.index is not None:
             self.index.rebuild(self.fleet.workers, self.throttles if self.facilities_on else {})
         if self.outstanding > 0:
             self.at(self.now + dt, "tick")
+
+    def _beat(self, w: SimWorker, dt: float, interval_ms: int) -> float:
+        """A switched-on worker's heartbeat (none while starting); returns its accelerators'
+        draw as a share of their TDP over the interval."""
+        idle = self.cfg.idle_power_share
+        if w.power == "starting":
+            return idle
+        if w.power == "draining" and w.empty:
+            w.power = "off"  # drained: it stops, and the router forgets it
+            self.fleet.workers.pop(w.worker_id, None)
+            return idle
+        self.fleet.on_heartbeat(w.heartbeat(interval_ms), self.now)
+        busy = min(1.0, w.busy_s / dt)
+        prefill = min(1.0, w.prefill_s / dt)
+        decode = min(1.0, w.batch_s / dt) - prefill
+        activity = prefill + max(0.0, decode) * self.cfg.decode_power_share
+        w.busy_share = busy if w.role == "prefill" else w.running / max(1, self.cap(w))
+        w.busy_s = w.batch_s = w.prefill_s = 0.0
+        w.tokens = 0
+        return min(1.0, idle + (1 - idle) * activity) if busy else idle
 
     def _state_message(
         self, rack: str, workers: list[str], status: fpolicy.RackStatus, cap: int, pressure: float
@@ -424,6 +469,7 @@ class Simulation:
         end = max((d.done_s for d in done), default=start)
         duration = max(end - start, 1e-9)
         prompt = sum(d.req.prompt_len for d in done) or 1
+        timeline = self.autoscaler.timeline if self.autoscaler is not None else []
         return SimResult(
             policy=self.cfg.policy,
             requests=len(self.requests),
@@ -443,9 +489,13 @@ class Simulation:
             rack_peak_kw=round(self.peak_kw, 2),
             rack_peak_fraction_of_cap=round(self.peak_fraction, 3),
             rack_mean_fraction_of_cap=round(self.fraction_sum / max(1, self.readings), 3),
+            slo_attainment=round(good / max(1, len(self.requests)), 5),
+            gpu_hours=round(self.gpu_s / 3600, 3),
+            energy_kwh=round(self.energy_kwh, 3),
             route_errors=dict(self.route_errors),
             rack_tokens=dict(sorted(self.rack_tokens.items())),
             power_timeline=self.timeline,
+            workers_timeline=timeline,
         )
 
 

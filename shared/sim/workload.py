@@ -27,7 +27,7 @@ class SimRequest:
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    kind: str = "poisson"  # poisson | bursts | shared-prefix | multi-turn
+    kind: str = "poisson"  # poisson | bursts | shared-prefix | multi-turn | day
     requests: int = 1000
     rate: float = 10.0  # mean requests per second
     prompt_len: int = 1024
@@ -42,7 +42,22 @@ class WorkloadSpec:
     # multi-turn: conversations of `turns` turns, `think_s` between answer and next prompt
     turns: int = 4
     think_s: float = 5.0
+    # day: a day's load curve (DAY_CURVE, `rate` at its peak) compressed into `day_s`
+    # seconds, with a burst of `day_burst_factor` x the curve for `day_burst_s` seconds from
+    # `day_burst_at` (a share of the day); `requests` is ignored, the curve decides
+    day_s: float = 240.0
+    day_burst_at: float = 0.5
+    day_burst_s: float = 10.0
+    day_burst_factor: float = 1.5
     seed: int = 0
+
+
+# The request rate of each hour of a day as a share of the peak: a trough before dawn, a
+# morning ramp, a plateau through the working day and a second peak in the evening.
+DAY_CURVE = (
+    0.45, 0.38, 0.32, 0.28, 0.26, 0.27, 0.32, 0.42, 0.55, 0.68, 0.78, 0.85,
+    0.88, 0.9, 0.9, 0.88, 0.86, 0.87, 0.92, 0.98, 1.0, 0.92, 0.75, 0.58,
+)  # fmt: skip
 
 
 def _lengths(rng: random.Random, spec: WorkloadSpec) -> tuple[int, int]:
@@ -60,6 +75,8 @@ def generate(spec: WorkloadSpec) -> list[SimRequest]:
     rng = random.Random(spec.seed)
     if spec.kind == "multi-turn":
         return _multi_turn(spec, rng)
+    if spec.kind == "day":
+        return _day(spec, rng)
     out: list[SimRequest] = []
     t = 0.0
     weights = _zipf_weights(spec.groups, spec.zipf_s)
@@ -102,6 +119,31 @@ def _multi_turn(spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
             at += spec.think_s + output * 0.03
     out.sort(key=lambda r: r.arrival_s)
     return [replace(r, rid=i) for i, r in enumerate(out)]
+
+
+def day_rate(t: float, spec: WorkloadSpec) -> float:
+    """The day's request rate at `t` seconds: the hourly curve, linear between hours."""
+    hour = (t / spec.day_s * 24.0) % 24.0
+    h = int(hour)
+    a, b = DAY_CURVE[h], DAY_CURVE[(h + 1) % 24]
+    rate = spec.rate * (a + (b - a) * (hour - h))
+    burst_from = spec.day_burst_at * spec.day_s
+    if burst_from <= t < burst_from + spec.day_burst_s:
+        rate *= spec.day_burst_factor
+    return rate
+
+
+def _day(spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
+    """Poisson arrivals at the day's rate (by thinning: exact for a rate that changes)."""
+    peak = spec.rate * max(DAY_CURVE) * max(1.0, spec.day_burst_factor)
+    out: list[SimRequest] = []
+    t = rng.expovariate(peak)
+    while t < spec.day_s:
+        if rng.random() * peak < day_rate(t, spec):
+            prompt, output = _lengths(rng, spec)
+            out.append(SimRequest(len(out), t, prompt, output))
+        t += rng.expovariate(peak)
+    return out
 
 
 def _rate_at(t: float, spec: WorkloadSpec) -> float:
