@@ -182,14 +182,18 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # The model's thinking, split from the answer by the served model's reasoning parser.
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent_calls(self, handler: SerializerFunctionWrapHandler) -> dict:
-        # OpenAI leaves `tool_calls` out of a message that makes none.
+        # OpenAI leaves `tool_calls` out of a message that makes none (and a message
+        # without reasoning has no `reasoning_content`).
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -238,6 +242,7 @@ class ToolCallDelta(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
