@@ -143,7 +143,7 @@ class _Llama3Scanner(_Scanner):
             return self._give_back() if final else None
         if self.text[at] != "{":
             return self._give_back()
-        end = tools._object_end(self.text, at)
+        end = tools.object_end(self.text, at)
         if end is None:
             return self._give_back() if final else None
         call = _json_call(self.text[at:end], self.names, ("parameters", "arguments"))
@@ -177,7 +177,7 @@ class _MistralScanner(_Scanner):
             return self._give_back() if final else None
         if self.text[at] != "[":
             return self._give_back()
-        end = tools._object_end(self.text, at)
+        end = tools.object_end(self.text, at)
         if end is None:
             return self._give_back() if final else None
         calls = _json_call_list(self.text[at:end], self.names)

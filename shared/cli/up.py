@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -302,10 +302,11 @@ def _parsers_env(args: argparse.Namespace) -> dict[str, str]:
     from tokenyard.services.gateway.tool_parsers import parser_named
 
     env = {}
-    for flag, value, check, setting in (
+    options: list[tuple[str, str | None, Callable[[str], object], str]] = [
         ("--tool-call-parser", args.tool_call_parser, parser_named, "TOOL_CALL_PARSER"),
         ("--reasoning-parser", args.reasoning_parser, syntax_named, "REASONING_PARSER"),
-    ):
+    ]
+    for flag, value, check, setting in options:
         if value is None:
             continue
         try:
