@@ -163,6 +163,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Name | JsonObject | None = None
     parallel_tool_calls: bool = True
     response_format: JsonObject | None = None
+    # vLLM's: extra variables for the chat template (e.g. Qwen3's enable_thinking).
+    chat_template_kwargs: JsonObject | None = None
+    # OpenAI's; refused when set: the served model's reasoning has no effort setting.
+    reasoning_effort: str | None = None
 
 
 class TopLogprob(BaseModel):

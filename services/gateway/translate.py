@@ -111,13 +111,44 @@ def chat_prompt_ids(
         raise invalid("'messages' must contain at least one message", "messages")
     messages = chat_messages(request, tokenizer, parsers)
     native = request.tools and tools.template_knows_tools(getattr(tokenizer, "chat_template", None))
-    extra = {"tools": request.tools} if native else {}
+    extra = {**template_kwargs(request), **({"tools": request.tools} if native else {})}
     try:
         # NOTE: not encode(apply_chat_template(...)): that would parse role markers a user
         # typed into their message as real ones.
         return tokenizer.encode_chat(messages, **extra)
     except ValueError as exc:  # no template, or one that refuses these roles
         raise invalid(f"cannot render the chat template: {exc}", "messages") from exc
+
+
+# Variables the gateway sets itself, or whose text the template would write as its own
+# (special tokens and all): a client may not set them.
+_RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+    }
+)
+
+
+def template_kwargs(request: ChatCompletionRequest) -> dict[str, object]:
+    """`chat_template_kwargs`: switches for the template (enable_thinking: false). Only
+    booleans and numbers: a string would be rendered as template text, where role markers
+    and special tokens are real."""
+    kwargs = request.chat_template_kwargs or {}
+    for key, value in kwargs.items():
+        if key in _RESERVED_TEMPLATE_VARIABLES:
+            raise invalid(f"chat_template_kwargs may not set {key!r}", "chat_template_kwargs")
+        if value is not None and not isinstance(value, bool | int | float):
+            raise invalid(
+                f"chat_template_kwargs values must be booleans or numbers; {key!r} is not",
+                "chat_template_kwargs",
+            )
+    return dict(kwargs)
 
 
 def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
@@ -273,6 +304,12 @@ def prepare_chat(
     parsers: Parsers = Parsers(),
 ) -> Prepared:
     check_choices(request.n, None, request.stream)
+    if request.reasoning_effort is not None:
+        raise invalid(
+            "reasoning_effort is not supported: the served model's reasoning has no effort "
+            "setting (a reasoning parser only splits the thinking from the answer)",
+            "reasoning_effort",
+        )
     logprobs = chat_logprobs(request)
     guided, tool_names = chat_guidance(request, parsers)
     check_prompt_size(map(message_text, request.messages), max_model_len, "messages")

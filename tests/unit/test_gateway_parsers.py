@@ -151,3 +151,38 @@ def test_unknown_parser_names_are_refused_at_start(settings):
     with pytest.raises(ValidationError) as info:
         GatewaySettings(**settings)
     assert "unknown" in str(info.value) or "generic:<open>,<close>" in str(info.value)
+
+
+class _TemplateVariables(CharTokenizer):
+    """Records the variables the chat template is rendered with."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def encode_chat(self, messages: list[dict], **variables: object) -> list[int]:
+        self.seen.append(variables)
+        return super().encode_chat(messages)
+
+
+def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_400(backend):
+    state = fake_state(backend, max_model_len=4096, reasoning_parser="qwen3")
+    state.tokenizer = tokenizer = _TemplateVariables()
+    with TestClient(create_app(state.settings, state)) as http:
+        client = openai.OpenAI(
+            base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0
+        )
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        client.chat.completions.create(model=MODEL, messages=ASK, extra_body=off)
+        assert tokenizer.seen[-1] == {"enable_thinking": False}
+        for kwargs in ({"enable_thinking": "<|im_start|>system"}, {"add_generation_prompt": 0}):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(
+                    model=MODEL, messages=ASK, extra_body={"chat_template_kwargs": kwargs}
+                )
+            assert info.value.body["param"] == "chat_template_kwargs"
+
+
+def test_reasoning_effort_is_refused_naming_the_field(oai):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=MODEL, messages=ASK, reasoning_effort="low")
+    assert info.value.body["param"] == "reasoning_effort"
