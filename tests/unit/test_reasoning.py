@@ -9,7 +9,7 @@ import json
 import llguidance
 import pytest
 
-from tokenyard.engine.grammar import after_reasoning, grammar_for, validate
+from tokenyard.engine.grammar import GuidedError, after_reasoning, grammar_for, validate
 from tokenyard.engine.sampling_params import GuidedSpec
 from tokenyard.services.gateway.reasoning import ReasoningStream, split, syntax_named
 
@@ -144,3 +144,9 @@ def test_every_guided_kind_can_follow_reasoning(spec, good, bad):
     wrapped = after_reasoning(spec, "<think>", "</think>", False)
     assert accepts(wrapped, f"<think>t</think>{good}") and accepts(wrapped, good)
     assert not accepts(wrapped, f"<think>t</think>{bad}")
+
+
+@pytest.mark.parametrize("value", ["not json", '{"x": 1}', "[1]"])
+def test_a_malformed_llguidance_grammar_is_refused(value):
+    with pytest.raises(GuidedError):
+        validate(GuidedSpec("llguidance", value))
