@@ -9,9 +9,10 @@ template (:func:`detect`):
   writes its calls this way (vLLM serves it with `hermes`); `qwen` names the same parser.
 - `llama3_json`: the answer is `{"name": ..., "parameters": {...}}` (several separated by
   `;`), after an optional `<|python_tag|>`; text first means no call.
-- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` anywhere in the answer; a
-  bare list of calls that opens the answer counts too (the marker is a special token that
-  a detokenizer skipping special tokens leaves out).
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` anywhere in the answer, or
+  `[TOOL_CALLS]name[ARGS]{...}` per call (tokenizer v11 and later); a bare list of calls
+  that opens the answer counts too (the marker is a special token that a detokenizer
+  skipping special tokens leaves out).
 
 The JSON families send each call in one delta once its JSON is complete; hermes streams the
 arguments as they are written. Either way the whole answer is parsed by the same code that
@@ -21,6 +22,7 @@ reads the stream, so the two agree.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -29,6 +31,8 @@ from tokenyard.engine.sampling_params import GuidedSpec
 from tokenyard.services.gateway import tools
 from tokenyard.services.gateway.reasoning import partial_len
 from tokenyard.services.gateway.tools import CallDelta, ToolCall, new_call_id
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 
 
 class ToolStream(Protocol):
@@ -166,6 +170,7 @@ class _Llama3Scanner(_Scanner):
 
 class _MistralScanner(_Scanner):
     TAG = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
 
     def _step(self, final: bool) -> tuple[str, list[ToolCall]] | None:
         if self.mode == "start":
@@ -176,7 +181,7 @@ class _MistralScanner(_Scanner):
         if at == len(self.text):
             return self._give_back() if final else None
         if self.text[at] != "[":
-            return self._give_back()
+            return self._named_call(at, final)
         end = tools.object_end(self.text, at)
         if end is None:
             return self._give_back() if final else None
@@ -185,6 +190,34 @@ class _MistralScanner(_Scanner):
             return self._give_back(end)
         self.mode, self.pos = "content", end
         return "", calls
+
+    def _named_call(self, at: int, final: bool) -> tuple[str, list[ToolCall]] | None:
+        """Tokenizer v11 and later write one call as `name[ARGS]{...}` after the marker."""
+        name = _NAME.match(self.text, at)
+        if name is None:
+            return self._give_back()
+        args_at = name.end()
+        rest = self.text[args_at:]
+        if not final and (not rest or (self.ARGS.startswith(rest) and rest != self.ARGS)):
+            return None  # the name or the [ARGS] marker may go on
+        if rest.startswith(self.ARGS):
+            args_at += len(self.ARGS)
+        if args_at == len(self.text):
+            return self._give_back() if final else None
+        if self.text[args_at] != "{":
+            return self._give_back()
+        end = tools.object_end(self.text, args_at)
+        if end is None:
+            return self._give_back() if final else None
+        try:
+            args = json.loads(self.text[args_at:end])
+        except ValueError:
+            args = None
+        call = _call_from({"name": name.group(), "arguments": args}, self.names, ("arguments",))
+        if call is None:
+            return self._give_back(end)
+        self.mode, self.pos = "content", end
+        return "", [call]
 
     def _start(self, final: bool) -> tuple[str, list[ToolCall]] | None:
         """A bare list of calls may open the answer (the marker skipped as special)."""

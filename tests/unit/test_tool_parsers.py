@@ -95,6 +95,15 @@ CASES = [
         None,
         [("get_weather", PARIS), ("get_weather", ROME)],
     ),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None, [("get_weather", PARIS)]),
+    (
+        "mistral",
+        'On it [TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]plan[ARGS]{"n": 2} ok',
+        "On it  ok",
+        [("get_weather", PARIS), ("plan", {"n": 2})],
+    ),
+    ("mistral", '[TOOL_CALLS]nope[ARGS]{"a": 1}', '[TOOL_CALLS]nope[ARGS]{"a": 1}', []),
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS]", "[TOOL_CALLS]get_weather[ARGS]", []),
     ("mistral", "[1] is a footnote", "[1] is a footnote", []),
     ("mistral", "[TOOL_CALLS][{oops}] x", "[TOOL_CALLS][{oops}] x", []),
     (
