@@ -11,7 +11,9 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from tokenyard.services.gateway import tools
+from tokenyard.services.gateway import tool_parsers, tools
+from tokenyard.services.gateway.parsers import Parsers
+from tokenyard.services.gateway.reasoning import ReasoningStream, split
 from tokenyard.services.gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -193,7 +195,9 @@ class ChatFormat:
     include_usage: bool
     n: int = 1
     tool_names: frozenset[str] = frozenset()
-    _parsers: dict[int, tools.ToolStreamParser] = field(default_factory=dict)
+    parsers: Parsers = field(default_factory=Parsers)
+    _tool_streams: dict[int, tool_parsers.ToolStream] = field(default_factory=dict)
+    _thinking: dict[int, ReasoningStream] = field(default_factory=dict)
     _called: set[int] = field(default_factory=set)
 
     def _chunk(self, choice: ChatChunkChoice | None, usage: Usage | None = None) -> str:
@@ -218,16 +222,20 @@ class ChatFormat:
             )
 
     def events(self, chunk: pb.TokenChunk, index: int = 0) -> Iterator[str]:
-        text = chunk.text
+        thought, text = self._split_reasoning(chunk, index)
         calls: list[tools.CallDelta] = []
         if self.tool_names:
-            parser = self._parsers.setdefault(index, tools.ToolStreamParser(set(self.tool_names)))
-            text, calls = parser.feed(chunk.text)
+            parser = self._tool_streams.get(index)
+            if parser is None:
+                parser = self._tool_streams[index] = self.parsers.tool.stream(set(self.tool_names))
+            text, calls = parser.feed(text)
             if chunk.finished:
                 text += parser.flush()
-        if text or chunk.logprobs:
+        if text or thought or chunk.logprobs:
             lps = chat_logprobs(list(chunk.logprobs), self.tokenizer) if self.logprobs else None
-            delta = DeltaMessage(content=text)
+            delta = DeltaMessage(
+                content=text if text or not thought else None, reasoning_content=thought or None
+            )
             yield self._chunk(ChatChunkChoice(index=index, delta=delta, logprobs=lps))
         if calls:
             yield self._chunk(ChatChunkChoice(index=index, delta=self._call_delta(index, calls)))
@@ -235,6 +243,17 @@ class ChatFormat:
             reason = self._reason(finish_reason(chunk.finish_reason), index in self._called)
             delta = DeltaMessage()
             yield self._chunk(ChatChunkChoice(index=index, delta=delta, finish_reason=reason))
+
+    def _split_reasoning(self, chunk: pb.TokenChunk, index: int) -> tuple[str, str]:
+        """(reasoning, answer) of a chunk's text: all answer without a reasoning parser."""
+        if self.parsers.reasoning is None:
+            return "", chunk.text
+        stream = self._thinking.setdefault(index, ReasoningStream(self.parsers.reasoning))
+        thought, text = stream.feed(chunk.text)
+        if chunk.finished:
+            more_thought, more_text = stream.flush()
+            thought, text = thought + more_thought, text + more_text
+        return thought, text
 
     def _call_delta(self, index: int, calls: list[tools.CallDelta]) -> DeltaMessage:
         self._called.add(index)
@@ -271,11 +290,15 @@ class ChatFormat:
     def _choice(self, index: int, acc: Accumulator) -> ChatChoice:
         lps = chat_logprobs(acc.logprobs, self.tokenizer) if self.logprobs else None
         content: str | None = "".join(acc.text)
+        reasoning = None
+        if self.parsers.reasoning is not None:
+            reasoning, content = split(self.parsers.reasoning, content or "")
         calls: list[tools.ToolCall] = []
         if self.tool_names:
-            content, calls = tools.parse(content or "", set(self.tool_names))
+            content, calls = self.parsers.tool.parse(content or "", set(self.tool_names))
         message = AssistantMessage(
             content=content,
+            reasoning_content=reasoning,
             tool_calls=[
                 ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                 for c in calls

@@ -163,6 +163,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Name | JsonObject | None = None
     parallel_tool_calls: bool = True
     response_format: JsonObject | None = None
+    # vLLM's: extra variables for the chat template (e.g. Qwen3's enable_thinking).
+    chat_template_kwargs: JsonObject | None = None
+    # OpenAI's; refused when set: the served model's reasoning has no effort setting.
+    reasoning_effort: str | None = None
 
 
 class TopLogprob(BaseModel):
@@ -182,14 +186,18 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # The model's thinking, split from the answer by the served model's reasoning parser.
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent_calls(self, handler: SerializerFunctionWrapHandler) -> dict:
-        # OpenAI leaves `tool_calls` out of a message that makes none.
+        # OpenAI leaves `tool_calls` out of a message that makes none (and a message
+        # without reasoning has no `reasoning_content`).
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -238,6 +246,7 @@ class ToolCallDelta(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -8,6 +8,9 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from tokenyard.services.gateway.reasoning import syntax_named
+from tokenyard.services.gateway.tool_parsers import parser_named
+
 
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENYARD_GATEWAY_", protected_namespaces=())
@@ -33,6 +36,12 @@ class GatewaySettings(BaseSettings):
     # 0 = take it from the workers' heartbeats (the smallest one seen).
     max_model_len: int = Field(default=0, ge=0)
     block_size: int = Field(default=16, ge=1)
+    # How the model writes tool calls (vLLM's names: hermes, llama3_json, mistral; qwen is
+    # hermes). None = the family the chat template writes, hermes when it names none.
+    tool_call_parser: str | None = None
+    # How the model marks its reasoning (deepseek_r1, qwen3, granite, generic:<open>,<close>).
+    # None = no reasoning parser: the thinking stays in the content.
+    reasoning_parser: str | None = None
 
     # Empty (and no keys_db_url) = open gateway. From the environment: a comma-separated list.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
@@ -88,6 +97,20 @@ class GatewaySettings(BaseSettings):
     # Optional services whose /health the gateway's /ready reports (never waits on): from
     # the environment "name=url,name=url", e.g. "kvcache=http://127.0.0.1:9101/health".
     optional_services: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_parser(cls, value: str | None) -> str | None:
+        if value:
+            parser_named(value)  # ValueError naming the known ones
+        return value or None
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str | None) -> str | None:
+        if value:
+            syntax_named(value)
+        return value or None
 
     @field_validator("optional_services", mode="before")
     @classmethod

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from tokenyard.api_errors import ApiError
 from tokenyard.services.gateway.backend import Backend
 from tokenyard.services.gateway.keylimits import MemoryMinuteLimits, MinuteLimits
 from tokenyard.services.gateway.keys import KeyStore
 from tokenyard.services.gateway.metrics import GatewayMetrics
+from tokenyard.services.gateway.parsers import Parsers, parsers_for
 from tokenyard.services.gateway.ratelimit import RateLimiter
 from tokenyard.services.gateway.readiness import OptionalServices
 from tokenyard.services.gateway.settings import GatewaySettings
@@ -28,6 +30,15 @@ class GatewayState:
     minute_limits: MinuteLimits = field(default_factory=MemoryMinuteLimits)
     optional_services: OptionalServices = field(default_factory=lambda: OptionalServices({}))
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @cached_property
+    def parsers(self) -> Parsers:
+        """The served model's tool-call and reasoning parsers (names checked by settings)."""
+        return parsers_for(
+            self.settings.tool_call_parser,
+            self.settings.reasoning_parser,
+            getattr(self.tokenizer, "chat_template", None),
+        )
 
     def max_model_len(self) -> int:
         return self.settings.max_model_len or self.backend.fleet.max_model_len(time.monotonic())

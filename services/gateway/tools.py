@@ -147,7 +147,7 @@ def _one_call(body: str, names: set[str]) -> ToolCall | None:
     streamed = _streamable(body, names)
     if streamed is not None:
         name, args_at = streamed
-        end = _object_end(body, args_at)
+        end = object_end(body, args_at)
         if end is not None and _is_object(body[args_at:end]):
             # The arguments exactly as written, as a stream sends them.
             return ToolCall(name, body[args_at:end], new_call_id())
@@ -182,7 +182,7 @@ def _streamable(body: str, names: set[str]) -> tuple[str, int] | None:
     return head.group(1), head.end()
 
 
-def _object_end(text: str, start: int) -> int | None:
+def object_end(text: str, start: int) -> int | None:
     """Index just past the JSON object that opens at `text[start]`; None while it is open."""
     depth, in_string, escaped = 0, False, False
     for i in range(start, len(text)):
@@ -291,7 +291,7 @@ class ToolStreamParser:
             deltas.append(self._open)
         # Up to the end of the arguments object; while it is open, all but what could be
         # the start of the closing tag.
-        end = _object_end(self._buffer, self._args_at)
+        end = object_end(self._buffer, self._args_at)
         stop = end if end is not None else len(self._buffer) - _partial_len(self._buffer, CLOSE)
         return deltas + self._send_arguments(self._buffer, stop)
 
@@ -313,7 +313,7 @@ class ToolStreamParser:
             return [CallDelta(self.num_calls - 1, call.arguments, call.id, call.name)], ""
         # NOTE: announced calls stay calls: arguments that turn out not to be a JSON object
         # cannot be taken back from the client (the whole answer keeps such text as content).
-        end = _object_end(body, self._args_at)
+        end = object_end(body, self._args_at)
         deltas = self._send_arguments(body, end if end is not None else len(body))
         self._open = None
         return deltas, ""

@@ -11,8 +11,11 @@ from dataclasses import dataclass
 from typing import Protocol, cast
 
 from tokenyard.api_errors import ApiError
+from tokenyard.engine.grammar import GuidedError, after_reasoning
+from tokenyard.engine.sampling_params import GuidedSpec
 from tokenyard.services.gateway import tools
 from tokenyard.services.gateway.errors import invalid
+from tokenyard.services.gateway.parsers import Parsers
 from tokenyard.services.gateway.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -75,9 +78,11 @@ def message_text(message: ChatMessage) -> str:
     return "".join(part.text for part in message.content)
 
 
-def chat_messages(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[dict]:
-    """The messages as the chat template reads them; tools described in a system message
-    when the template does not render them itself."""
+def chat_messages(
+    request: ChatCompletionRequest, tokenizer: Tokenizer, parsers: Parsers = Parsers()
+) -> list[dict]:
+    """The messages as the chat template reads them; tools described in a system message,
+    in the tool-call parser's format, when the template does not render them itself."""
     native = tools.template_knows_tools(getattr(tokenizer, "chat_template", None))
     messages = []
     for m in request.messages:
@@ -85,13 +90,13 @@ def chat_messages(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[
         if m.tool_calls and native:
             message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         elif m.tool_calls:
-            calls = tools.written_calls([c.model_dump() for c in m.tool_calls])
+            calls = parsers.tool.written_calls([c.model_dump() for c in m.tool_calls])
             message["content"] = "\n".join(t for t in (message["content"], calls) if t)
         if m.tool_call_id:
             message["tool_call_id"] = m.tool_call_id
         messages.append(message)
     if request.tools and not native:
-        system = tools.system_prompt(tools.functions(request.tools))
+        system = parsers.tool.system_prompt(tools.functions(request.tools))
         if messages[0]["role"] in ("system", "developer"):
             messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + system}
         else:
@@ -99,18 +104,51 @@ def chat_messages(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[
     return messages
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt_ids(
+    request: ChatCompletionRequest, tokenizer: Tokenizer, parsers: Parsers = Parsers()
+) -> list[int]:
     if not request.messages:
         raise invalid("'messages' must contain at least one message", "messages")
-    messages = chat_messages(request, tokenizer)
+    messages = chat_messages(request, tokenizer, parsers)
     native = request.tools and tools.template_knows_tools(getattr(tokenizer, "chat_template", None))
-    extra = {"tools": request.tools} if native else {}
+    extra = {**template_kwargs(request), **({"tools": request.tools} if native else {})}
     try:
         # NOTE: not encode(apply_chat_template(...)): that would parse role markers a user
         # typed into their message as real ones.
         return tokenizer.encode_chat(messages, **extra)
     except ValueError as exc:  # no template, or one that refuses these roles
         raise invalid(f"cannot render the chat template: {exc}", "messages") from exc
+
+
+# Variables the gateway sets itself, or whose text the template would write as its own
+# (special tokens and all): a client may not set them.
+_RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+    }
+)
+
+
+def template_kwargs(request: ChatCompletionRequest) -> dict[str, object]:
+    """`chat_template_kwargs`: switches for the template (enable_thinking: false). Only
+    booleans and numbers: a string would be rendered as template text, where role markers
+    and special tokens are real."""
+    kwargs = request.chat_template_kwargs or {}
+    for key, value in kwargs.items():
+        if key in _RESERVED_TEMPLATE_VARIABLES:
+            raise invalid(f"chat_template_kwargs may not set {key!r}", "chat_template_kwargs")
+        if value is not None and not isinstance(value, bool | int | float):
+            raise invalid(
+                f"chat_template_kwargs values must be booleans or numbers; {key!r} is not",
+                "chat_template_kwargs",
+            )
+    return dict(kwargs)
 
 
 def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
@@ -263,12 +301,19 @@ def prepare_chat(
     tokenizer: Tokenizer,
     max_model_len: int,
     default_cap: int | None = None,
+    parsers: Parsers = Parsers(),
 ) -> Prepared:
     check_choices(request.n, None, request.stream)
+    if request.reasoning_effort is not None:
+        raise invalid(
+            "reasoning_effort is not supported: the served model's reasoning has no effort "
+            "setting (a reasoning parser only splits the thinking from the answer)",
+            "reasoning_effort",
+        )
     logprobs = chat_logprobs(request)
-    guided, tool_names = chat_guidance(request)
+    guided, tool_names = chat_guidance(request, parsers)
     check_prompt_size(map(message_text, request.messages), max_model_len, "messages")
-    prompt_ids = chat_prompt_ids(request, tokenizer)
+    prompt_ids = chat_prompt_ids(request, tokenizer, parsers)
     check_prompt(prompt_ids, max_model_len, "messages")
     requested = request.max_completion_tokens or request.max_tokens
     param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
@@ -285,10 +330,11 @@ def prepare_chat(
 
 
 def chat_guidance(
-    request: ChatCompletionRequest,
+    request: ChatCompletionRequest, parsers: Parsers = Parsers()
 ) -> tuple[pb.GuidedDecoding | None, frozenset[str]]:
-    """The grammar (response_format, guided_*, or a forced tool call) and the tools whose
-    calls are parsed out of the output."""
+    """The grammar (response_format, guided_*, or a forced tool call in the parser's
+    format) and the tools whose calls are parsed out of the output. With a reasoning parser
+    the grammar holds the answer only: free reasoning may come first."""
     fns = tools.functions(request.tools) if request.tools else {}
     forced = tools.chosen(request.tool_choice, list(fns)) if fns else None
     if request.tool_choice not in (None, "none", "auto") and not fns:
@@ -301,14 +347,26 @@ def chat_guidance(
     if forced:
         # A named function is called once, as OpenAI does; `required` may call several.
         parallel = request.parallel_tool_calls and request.tool_choice == "required"
-        specs.append(("tool_choice", tools.call_grammar(fns, forced, parallel)))
+        specs.append(("tool_choice", parsers.tool.call_grammar(fns, forced, parallel)))
     if len(specs) > 1:
         names = " and ".join(name for name, _ in specs)
         raise invalid(f"{names} cannot be combined: each constrains the whole output", specs[1][0])
     parsed = frozenset(fns) if fns and request.tool_choice != "none" else frozenset()
     if not specs:
         return None, parsed
-    return checked(specs[0][1], specs[0][0]), parsed
+    param, spec = specs[0]
+    if parsers.reasoning is not None:
+        spec = _after_reasoning(spec, parsers, param)
+    return checked(spec, param), parsed
+
+
+def _after_reasoning(spec: GuidedSpec, parsers: Parsers, param: str) -> GuidedSpec:
+    syntax = parsers.reasoning
+    assert syntax is not None
+    try:
+        return after_reasoning(spec, syntax.start, syntax.end, syntax.opened_in_prompt)
+    except GuidedError as exc:
+        raise invalid(str(exc), param) from exc
 
 
 def _guided_fields(request: SamplingFields) -> dict[str, object]:

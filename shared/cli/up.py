@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,6 +82,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model", help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help="how the model writes tool calls, by vLLM's names: hermes (Qwen2.5 too; also "
+        "'qwen'), llama3_json, mistral (default: the family the chat template writes, "
+        "hermes when it names none)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        help="split the model's thinking into reasoning_content: deepseek_r1, qwen3, granite, "
+        "or generic:<open>,<close> (default: none, the thinking stays in the content)",
     )
     parser.add_argument(
         "--dtype",
@@ -269,6 +282,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         raise SystemExit("--tensor-parallel-size must be at least 1")
     if args.tensor_parallel_size > 1 and args.speculative:
         raise SystemExit("--speculative runs on one rank only: drop it or --tensor-parallel-size")
+    gateway_env = _parsers_env(args)
     dtype = auto_dtype(args.device) if args.dtype == "auto" else args.dtype
     try:
         kv_dtype = kv_cache_dtype_for(args.kv_cache_dtype, dtype, args.device)
@@ -284,6 +298,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         aggregated=False if args.autoscale else _aggregated(args),
         workers=args.workers or 1,
         router_env={"TOKENYARD_ROUTER_PLACEMENT": args.router_placement},
+        gateway_env=gateway_env,
         nats_url=args.nats_url,
         model=args.model,
         kvcache=not args.no_kvcache,
@@ -307,6 +322,27 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         cpu_memory_utilization=args.cpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
     )
+
+
+def _parsers_env(args: argparse.Namespace) -> dict[str, str]:
+    """The gateway's parser settings; an unknown name stops here, before anything starts."""
+    from tokenyard.services.gateway.reasoning import syntax_named
+    from tokenyard.services.gateway.tool_parsers import parser_named
+
+    env = {}
+    options: list[tuple[str, str | None, Callable[[str], object], str]] = [
+        ("--tool-call-parser", args.tool_call_parser, parser_named, "TOOL_CALL_PARSER"),
+        ("--reasoning-parser", args.reasoning_parser, syntax_named, "REASONING_PARSER"),
+    ]
+    for flag, value, check, setting in options:
+        if value is None:
+            continue
+        try:
+            check(value)
+        except ValueError as exc:
+            raise SystemExit(f"{flag}: {exc}") from exc
+        env[f"TOKENYARD_GATEWAY_{setting}"] = value
+    return env
 
 
 def _aggregated(args: argparse.Namespace) -> bool:

@@ -52,11 +52,15 @@ def grammar_for(spec: GuidedSpec) -> str:
             return M.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_DEFAULTS)
         if spec.kind == "regex":
             return M.grammar_from_regex(spec.value)
+        if spec.kind == "llguidance":
+            if not isinstance(json.loads(spec.value).get("grammars"), list):
+                raise ValueError("an llguidance grammar is an object with a 'grammars' list")
+            return spec.value
         if spec.kind == "choice":
             choices = json.loads(spec.value)
             return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
         return M.grammar_from_lark(spec.value)
-    except (ValueError, TypeError) as exc:  # json and llguidance both raise ValueError
+    except (ValueError, TypeError, AttributeError) as exc:  # json and llguidance: ValueError
         raise GuidedError(f"invalid {spec.kind}: {exc}") from exc
 
 
@@ -122,3 +126,37 @@ ANY_OBJECT = {
     "additionalProperties": {"$ref": "#/$defs/value"},
     "$defs": {"value": _any_value()},
 }
+
+
+# The answer's grammar, referenced from the reasoning block's grammar (`@answer`).
+_ANSWER = "answer"
+_REGEX_SPECIAL = set(r"\.+*?()|[]{}^$#&-~/")
+
+
+def after_reasoning(spec: GuidedSpec, start: str, end: str, opened_in_prompt: bool) -> GuidedSpec:
+    """A grammar that lets free reasoning between `start` and `end` come first, then holds
+    the answer to `spec`. With `opened_in_prompt` the output begins inside the reasoning
+    (the prompt wrote `start`), so the block must be closed before the answer; otherwise
+    the block is optional. Whitespace between the block and the answer is free."""
+    grammars = _top_level(grammar_for(spec))["grammars"]
+    answer = {**grammars[0], "name": grammars[0].get("name") or _ANSWER}
+    # NOTE: lazy: the reasoning ends at the first closing marker, as the parser reads it.
+    block = f"reasoning[lazy]: /(?s:.*){_regex_literal(end)}/"
+    opener = f"{json.dumps(start)}?" if opened_in_prompt else json.dumps(start)
+    think = f"{opener} reasoning /[ \\t\\r\\n]*/"
+    head = think if opened_in_prompt else f"({think})?"
+    lark = f"start: {head} @{answer['name']}\n{block}\n"
+    top = {"grammars": [{"lark_grammar": lark}, answer, *grammars[1:]]}
+    return GuidedSpec("llguidance", json.dumps(top))
+
+
+def _top_level(grammar: str) -> dict[str, Any]:
+    """llguidance's grammar builders answer JSON (TopLevelGrammar), or Lark text as is."""
+    try:
+        return json.loads(grammar)
+    except ValueError:
+        return {"grammars": [{"lark_grammar": grammar}]}
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)

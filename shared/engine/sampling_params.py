@@ -5,14 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
-GUIDED_KINDS: tuple[GuidedKind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "llguidance"]
+GUIDED_KINDS: tuple[GuidedKind, ...] = (
+    "json_schema",
+    "json_object",
+    "regex",
+    "choice",
+    "grammar",
+    "llguidance",
+)
 
 
 @dataclass(frozen=True)
 class GuidedSpec:
     """What the output must follow (engine/guided.py). `value`: the JSON schema text, the
-    regex, the Lark grammar, or the JSON list of choices; empty for json_object."""
+    regex, the Lark grammar, or the JSON list of choices; empty for json_object; for
+    llguidance, a grammar already in llguidance's own JSON form (made by the gateway, e.g. a
+    reasoning block before another grammar: `grammar.after_reasoning`)."""
 
     kind: GuidedKind
     value: str = ""

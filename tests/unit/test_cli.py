@@ -152,6 +152,15 @@ def test_up_picks_quantization_per_device():
         up_config("--device", "cuda", "--quantization", "int4")
 
 
+def test_up_passes_the_parsers_to_the_gateway():
+    config = up_config("--tool-call-parser", "mistral", "--reasoning-parser", "deepseek_r1")
+    assert config.gateway_env == {
+        "TOKENYARD_GATEWAY_TOOL_CALL_PARSER": "mistral",
+        "TOKENYARD_GATEWAY_REASONING_PARSER": "deepseek_r1",
+    }
+    assert up_config().gateway_env == {}
+
+
 def test_up_sizes_the_kv_pool_by_its_dtype():
     mib = 1024**2
     fp32 = up_config("--dtype", "float32")  # an fp16 pool beside it by default
@@ -317,6 +326,8 @@ def test_up_saves_its_control_token_for_ctl_and_prints_it(tmp_path, monkeypatch,
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be above 0"),
         (["--cpu-memory-utilization", "0"], "--cpu-memory-utilization must be above 0"),
         (["--ready-timeout", "0"], "--ready-timeout must be above 0"),
+        (["--tool-call-parser", "nope"], "--tool-call-parser: unknown tool-call parser 'nope'"),
+        (["--reasoning-parser", "think"], "--reasoning-parser: unknown reasoning parser"),
     ],
 )
 def test_up_refuses_bad_numbers_before_it_starts(argv, needle, capsys):

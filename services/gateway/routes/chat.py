@@ -36,6 +36,7 @@ async def create_chat_completion(
         state.tokenizer,
         state.max_model_len(),
         state.settings.default_max_tokens,
+        state.parsers,
     )
     await admit_prepared(state, caller, prepared)
     fmt = ChatFormat(
@@ -47,5 +48,6 @@ async def create_chat_completion(
         include_usage=prepared.include_usage,
         n=prepared.n,
         tool_names=prepared.tool_names,
+        parsers=state.parsers,
     )
     return await Generation(state, "chat", prepared, fmt).serve(request, body.model)
