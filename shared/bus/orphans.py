@@ -20,13 +20,13 @@ with a log line: the gateway then ends the request as its worker lost.
 
     orphans = OrphanedJobs(bus, stream, "prefill-", subjects.prefill_worker_jobs,
                            pb.PrefillJob, place=..., alive=..., announce=..., stopping=stop)
+    tg.create_task(orphans.run())
 
 What the router may do here is bounded by who checks it, not by the router's own code (its
 NATS password could run other code): a gateway takes a moved request's tokens from the new
 worker only when its own fleet view says the old one is dead and the new one alive
 (tokenyard.services.gateway.senders), and the new worker runs the job under the request's
 own id, so it joins, never doubles, a copy already running.
-    tg.create_task(orphans.run())
 """
 
 from __future__ import annotations
