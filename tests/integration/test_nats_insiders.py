@@ -406,7 +406,7 @@ async def test_a_worker_cannot_send_tokens_for_a_request_it_was_not_given(server
         assert not tokens.has_chunk()
         own = subjects.tokens(GATEWAY_ID, "r-victim", VICTIM)
         await victim.publish(own, text_chunk(0, "blue"))
-        await victim.publish(own, text_chunk(1, ".", finished=True))
+        await victim.publish(own, text_chunk(4, ".", finished=True))  # after 4 tokens
         got = [c async for c in tokens]
         await tokens.close()
     assert "".join(c.text for c in got) == "blue." and {c.worker_id for c in got} == {VICTIM}
