@@ -31,7 +31,7 @@ from tokenyard.fleet import FleetView
 from tokenyard.fleet.resume import resume_on_live_worker
 from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes, salted_root
 from tokenyard.services.gateway.responses import ChunkOrderer
-from tokenyard.services.gateway.senders import RequestSenders
+from tokenyard.services.gateway.senders import MAX_HELD_CHUNKS, RequestSenders
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.v1 import serving_pb2 as pb
 
@@ -429,8 +429,9 @@ class NatsBackend:
 
         async def on_chunk(chunk: pb.TokenChunk, msg: Msg) -> None:
             sender = subjects.tokens_sender(msg.subject)
-            if senders is None:
-                early.append((sender, chunk))
+            if senders is None:  # a few at most: none is due before the job is queued
+                if len(early) < MAX_HELD_CHUNKS:
+                    early.append((sender, chunk))
                 return
             for admitted in senders.admit(sender, chunk):
                 queue.put_nowait(admitted)
