@@ -31,6 +31,7 @@ from tokenyard.fleet import FleetView
 from tokenyard.fleet.resume import resume_on_live_worker
 from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes, salted_root
 from tokenyard.services.gateway.responses import ChunkOrderer
+from tokenyard.services.gateway.senders import MAX_HELD_CHUNKS, RequestSenders
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.v1 import serving_pb2 as pb
 
@@ -99,6 +100,8 @@ def route_error(error: pb.RouteError, retry_after_s: int) -> ApiError:
         return ApiError(
             404, error.message or "unknown model", param="model", code="model_not_found"
         )
+    if error.code == pb.RouteError.CONTEXT_TOO_LONG:
+        return ApiError(400, error.message, code="context_length_exceeded")
     message = error.message or "no worker can take this request now"
     return ApiError(503, message, code=code, retry_after_s=retry)
 
@@ -114,7 +117,7 @@ class NatsTokenStream:
 
     def __init__(
         self,
-        sub: Subscription,
+        subs: list[Subscription],
         queue: asyncio.Queue[pb.TokenChunk],
         placement: pb.Placement,
         fleet: FleetView,
@@ -122,8 +125,12 @@ class NatsTokenStream:
         resume: Resume | None = None,
         replay: Replay | None = None,
         reconnects: Callable[[], int] = lambda: 0,
+        senders: RequestSenders | None = None,
     ) -> None:
-        self._sub, self._queue, self._placement = sub, queue, placement
+        """`queue` holds the chunks `senders` admitted (their worker_id is their sender);
+        `subs` (the tokens subscription first) end with the stream."""
+        self._subs, self._queue, self._placement = subs, queue, placement
+        self._senders = senders
         self._fleet, self._settings = fleet, settings
         self._resume = resume
         self._replay, self._reconnects = replay, reconnects
@@ -137,6 +144,7 @@ class NatsTokenStream:
         # restarted under the same id is alive, yet knows nothing of this request.
         self._incarnation = self._epoch(self._worker)
         self._told_waiting = False  # logged that no worker could resume it yet
+        self._lost_at: float | None = None  # when its owner was first seen lost
         self._streamed: list[int] = []  # output tokens released in order so far
         # The last release in order, and the bus's reconnect count then.
         self._progress_at, self._progress_reconnects = self._last_chunk, reconnects()
@@ -155,6 +163,7 @@ class NatsTokenStream:
             try:
                 chunk = await asyncio.wait_for(self._queue.get(), timeout=poll)
             except TimeoutError:
+                self._recheck_moves(time.monotonic())
                 await self._check_stall(time.monotonic())
                 continue
             if chunk.error.code:
@@ -171,6 +180,12 @@ class NatsTokenStream:
 
     def has_chunk(self) -> bool:
         return bool(self._ready) or not self._queue.empty()
+
+    def _recheck_moves(self, now: float) -> None:
+        """Chunks of a moved job, once this gateway's fleet view agrees with the move."""
+        if self._senders is not None:
+            for chunk in self._senders.recheck(now):
+                self._queue.put_nowait(chunk)
 
     @property
     def placement(self) -> pb.Placement:
@@ -190,7 +205,7 @@ class NatsTokenStream:
 
     def _set_owner(self, worker_id: str) -> None:
         self._worker, self._incarnation = worker_id, self._epoch(worker_id)
-        self._told_waiting = False
+        self._told_waiting, self._lost_at = False, None
 
     def _owner_lost(self, now: float) -> bool:
         """The owner died, or came back restarted (a new incarnation under the same id)."""
@@ -225,12 +240,40 @@ class NatsTokenStream:
                 504, f"no tokens for {silent:.0f} s: the request timed out", code="timeout"
             )
         if not self._owner_lost(now):
+            self._lost_at = None
             return
+        if not self._streamed and self._restarted(now):
+            self._adopt_restarted(now)
+            return
+        if self._lost_at is None:
+            self._lost_at = now
         if self._streamed and self._resume is not None and await self._resume_elsewhere(now):
             return
-        if silent > self._grace():
+        # NOTE: the grace counts from the loss, not from the last chunk: a request that sat
+        # in the queue longer than the grace before its worker died was refused at once.
+        if now - max(self._lost_at, self._last_chunk) > self._grace():
             why = "no live worker could resume the request" if self._streamed else "it was lost"
             raise self._lost(why)
+
+    def _restarted(self, now: float) -> bool:
+        """The owner is alive again under a new incarnation (restarted under the same id)."""
+        return self._fleet.alive(self._worker, now) and self._owner_lost(now)
+
+    def _adopt_restarted(self, now: float) -> None:
+        """A request with no token yet whose worker restarted: its job waits in that worker's
+        work-queue consumer, which delivers it again to the new incarnation, so the request
+        waits for it as for a newly queued one (its silence counted from now).
+
+        NOTE: before, the new incarnation made the owner "lost" for good (no chunk had come
+        to adopt it), so the queued request was refused once the grace, counted from its
+        submission, ran out, while the restarted worker was about to run it."""
+        log.info(
+            "worker %s restarted before %s's first token; waiting for its redelivered job",
+            self._worker,
+            self._subs[0].subject,
+        )
+        self._set_owner(self._worker)
+        self._last_chunk = now
 
     def _grace(self) -> float:
         """How long a request whose owner died may wait for a worker to go on with it.
@@ -252,19 +295,22 @@ class NatsTokenStream:
         lost = self._worker
         exclude = lost if self._fleet.is_dead(lost, now) else ""  # "": it came back, restarted
         taker = await self._resume(list(self._streamed), exclude)
+        if taker is not None and self._senders is not None:
+            for chunk in self._senders.allow(taker):  # what it sent before its answer came
+                self._queue.put_nowait(chunk)
         if taker is None:
             if not self._told_waiting:
                 self._told_waiting = True
                 log.warning(
                     "worker %s lost %s and no live worker could resume it yet; waiting",
                     lost,
-                    self._sub.subject,
+                    self._subs[0].subject,
                 )
             return False
         log.warning(
             "worker %s lost %s; resumed it on %s after %d tokens",
             lost,
-            self._sub.subject,
+            self._subs[0].subject,
             taker,
             len(self._streamed),
         )
@@ -281,10 +327,11 @@ class NatsTokenStream:
         )
 
     async def close(self) -> None:
-        try:
-            await self._sub.unsubscribe()
-        except Exception:  # the connection may already be closing; nothing left to free
-            log.debug("unsubscribe failed", exc_info=True)
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the connection may already be closing; nothing left to free
+                log.debug("unsubscribe failed", exc_info=True)
 
 
 class NatsBackend:
@@ -377,17 +424,37 @@ class NatsBackend:
     ) -> NatsTokenStream:
         bus = self._bus()
         queue: asyncio.Queue[pb.TokenChunk] = asyncio.Queue()
+        senders: RequestSenders | None = None
+        early: list[tuple[str | None, pb.TokenChunk]] = []  # before the placement is known
 
-        async def on_chunk(chunk: pb.TokenChunk, _: Msg) -> None:
-            queue.put_nowait(chunk)
+        async def on_chunk(chunk: pb.TokenChunk, msg: Msg) -> None:
+            sender = subjects.tokens_sender(msg.subject)
+            if senders is None:  # a few at most: none is due before the job is queued
+                if len(early) < MAX_HELD_CHUNKS:
+                    early.append((sender, chunk))
+                return
+            for admitted in senders.admit(sender, chunk):
+                queue.put_nowait(admitted)
+
+        async def on_moved(moved: pb.JobMoved, _: Msg) -> None:
+            if senders is not None:
+                for admitted in senders.on_moved(moved, time.monotonic()):
+                    queue.put_nowait(admitted)
 
         gateway_id = self.settings.instance_id
-        sub = await bus.subscribe(subjects.tokens(gateway_id, rid), pb.TokenChunk, on_chunk)
+        subs = [
+            await bus.subscribe(subjects.request_tokens(gateway_id, rid), pb.TokenChunk, on_chunk)
+        ]
         try:
+            subs.append(await bus.subscribe(subjects.moved(gateway_id, rid), pb.JobMoved, on_moved))
             if placement is None:
                 placement = await self._route(
                     bus, rid, model, prompt_ids, params.max_tokens, params.cache_salt
                 )
+            senders = RequestSenders(rid, placement, self.fleet)
+            for sender, chunk in early:
+                for admitted in senders.admit(sender, chunk):
+                    queue.put_nowait(admitted)
             job = pb.PrefillJob(
                 request_id=rid,
                 model=model,
@@ -401,11 +468,12 @@ class NatsBackend:
                 subjects.prefill_worker_jobs(placement.prefill_worker_id), job, msg_id=rid
             )
         except BaseException:
-            await sub.unsubscribe()
+            for sub in subs:
+                await sub.unsubscribe()
             raise
         resume = partial(self._resume, rid, model, prompt_ids, params)
         return NatsTokenStream(
-            sub,
+            subs,
             queue,
             placement,
             self.fleet,
@@ -413,6 +481,7 @@ class NatsBackend:
             resume,
             replay=partial(self._replay, rid),
             reconnects=lambda: bus.nc.stats["reconnects"],
+            senders=senders,
         )
 
     async def _replay(self, rid: str, from_index: int) -> None:

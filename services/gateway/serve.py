@@ -79,8 +79,8 @@ class Generation:
     ) -> None:
         self.state, self.route, self.prepared, self.fmt = state, route, prepared, fmt
         self.accs = [Accumulator() for _ in range(prepared.best_of)]
-        # NOTE: "-", not ".": a request id is one token of a NATS subject (ty.tokens.<gw>.<id>),
-        # and the bus permissions grant `ty.tokens.<gw>.*`.
+        # NOTE: "-", not ".": a request id is one token of a NATS subject
+        # (ty.tokens.<gw>.<id>.<worker>), and the bus permissions grant `ty.tokens.<gw>.*.*`.
         self.rids = [fmt.rid] + [f"{fmt.rid}-{i}" for i in range(1, prepared.best_of)]
         self.streams: list[TokenStream] = []
         self.t0 = time.perf_counter()

@@ -33,7 +33,8 @@ class GatewaySettings(BaseSettings):
     # The name clients put in "model" (None = the model file's name, as the workers say it);
     # heartbeats may add the names workers report.
     model_id: str | None = None
-    # 0 = take it from the workers' heartbeats (the smallest one seen).
+    # 0 = take it from the workers' heartbeats (the longest a live worker serves; the router
+    # places a request only on a worker whose own context holds it).
     max_model_len: int = Field(default=0, ge=0)
     block_size: int = Field(default=16, ge=1)
     # How the model writes tool calls (vLLM's names: hermes, llama3_json, mistral; qwen is

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tokenyard.services.launch.supervise import RestartPolicy
 
-# The stack's one gateway: its NATS user reads only ty.tokens.<GATEWAY_ID>.*.
+# The stack's one gateway: its NATS user reads only ty.tokens.<GATEWAY_ID>.*.*.
 GATEWAY_ID = "gw-1"
 
 

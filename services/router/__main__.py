@@ -60,6 +60,7 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
             pb.PrefillJob,
             place=handler.place_again,
             alive=handler.worker_alive,
+            announce=handler.announce_move,
             stopping=stop,
             grace_s=settings.orphans_after_s,
         )

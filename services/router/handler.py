@@ -54,8 +54,12 @@ class RouterHandler:
 
     def place_again(self, job: pb.PrefillJob, gone: str) -> tuple[str, pb.PrefillJob] | None:
         """Where a job goes that its prefill worker left behind, dead (tokenyard.bus.orphans):
-        the least loaded ready worker that prefills its model; None while there is none."""
+        the least loaded ready worker that prefills its model; None while there is none, or
+        while `gone` is alive. The moved job is the same request (its id, gateway, prompt
+        and parameters), with only its decode worker cleared when that was `gone` too."""
         now = self.clock()
+        if self.fleet.alive(gone, now):
+            return None
         takers = [
             w
             for w in self.fleet.ready(now)
@@ -73,6 +77,19 @@ class RouterHandler:
             target.worker_id, decodes=decodes, prompt_tokens=len(job.prompt_token_ids)
         )
         return target.worker_id, moved
+
+    async def announce_move(self, job: pb.PrefillJob, gone: str, target: str) -> None:
+        """Tell the request's gateway where its job went (it takes the new worker's tokens
+        only when its own fleet view agrees that `gone` is dead and `target` alive)."""
+        if not job.gateway_id:
+            return
+        moved = pb.JobMoved(
+            request_id=job.request_id,
+            from_worker_id=gone,
+            to_worker_id=target,
+            decode_worker_id=job.decode_worker_id,
+        )
+        await self.bus.publish(subjects.moved(job.gateway_id, job.request_id), moved)
 
     async def on_heartbeat(self, hb: pb.WorkerHeartbeat, _msg: Msg) -> None:
         if hb.worker_id not in self.fleet:

@@ -293,7 +293,7 @@ class Handoffs:
                 timeout_s=HAND_OVER_TIMEOUT_S,
             )
             if taker is not None:
-                stream.hand_back()
+                await stream.handed_to(taker)
             else:
                 await stream.fail(
                     pb.Error.INTERNAL,

@@ -87,7 +87,8 @@ class PrefillHandler:
         chunk = error_chunk(
             rid, 0, self.w.worker_id, pb.Error.INTERNAL, f"the request failed: {error}"
         )
-        await self.bus.publish(subjects.tokens(delivery.job.gateway_id, rid), chunk)
+        subject = subjects.tokens(delivery.job.gateway_id, rid, self.w.worker_id)
+        await self.bus.publish(subject, chunk)
 
     # --- one job -------------------------------------------------------------------------
 

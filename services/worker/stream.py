@@ -1,5 +1,6 @@
 """One request's token stream: engine outputs in, TokenChunks out on
-``ty.tokens.<gateway>.<rid>`` (the prefix of the gateway that waits for them)."""
+``ty.tokens.<gateway>.<rid>.<worker>`` (the prefix of the gateway that waits for them, then
+this worker's id: the gateway takes a request's chunks only from the request's workers)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class TokenStream:
         self.bus = bus
         self.worker_id = worker_id
         self.request_id = request_id
-        self.subject = subjects.tokens(gateway_id, request_id)
+        self.subject = subjects.tokens(gateway_id, request_id, worker_id)
         self.decode = decode
         self.next_index = start_index
         self.cached_tokens = cached_tokens
@@ -102,6 +103,18 @@ class TokenStream:
 
     def hand_back(self) -> None:
         self._finish(HANDED_BACK)
+
+    async def handed_to(self, taker: str) -> None:
+        """The request goes on on worker `taker`: tell the gateway, which takes chunks only
+        from the workers a request was placed on or handed to, then stop here."""
+        notice = pb.TokenChunk(
+            request_id=self.request_id,
+            index=self.next_index,
+            worker_id=self.worker_id,
+            handed_to=taker,
+        )
+        await self.bus.publish(self.subject, notice)
+        self.hand_back()
 
     def _finish(self, reason: str) -> None:
         if self.done.done():

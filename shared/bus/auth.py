@@ -95,6 +95,9 @@ ROUTER_PREFILL_API = [
     f"{_JS}.CONSUMER.DELETE.{_STREAM}.*",
     f"$JS.ACK.{_STREAM}.>",
     subjects.prefill_worker_jobs("*"),
+    # It tells the request's gateway where it moved a job, which believes it only when its
+    # own fleet view agrees (tokenyard.services.gateway.senders).
+    subjects.moved("*", "*"),
 ]
 
 
@@ -156,7 +159,8 @@ def gateway(gateway_id: str, *, name: str | None = None) -> NatsUser:
         ],
         # Rack states: its /ready says when every rack is drained (facilities).
         subscribe=[
-            subjects.tokens(gateway_id, "*"),
+            subjects.tokens(gateway_id, "*", "*"),
+            subjects.moved(gateway_id, "*"),
             subjects.HEARTBEATS_ALL,
             subjects.FACILITIES_STATE_ALL,
         ],
@@ -164,15 +168,16 @@ def gateway(gateway_id: str, *, name: str | None = None) -> NatsUser:
 
 
 def worker(role: str, worker_id: str, *, name: str | None = None) -> NatsUser:
-    """Publishes its own heartbeats and KV events, tokens of the requests it runs, and
-    hand-offs (and resumes) to other workers; reads its own decode jobs, KV resync requests
+    """Publishes its own heartbeats and KV events, token chunks in its own name (the gateway
+    takes them only for the requests it placed or handed to this worker), and hand-offs (and
+    resumes) to other workers; reads its own decode jobs, KV resync requests
     and drains, and its own prefill consumer."""
     return _service(
         name or f"worker-{worker_id}",
         publish=[
             subjects.heartbeat(role, worker_id),
             subjects.kv_events(worker_id),
-            subjects.tokens("*", "*"),
+            subjects.tokens("*", "*", worker_id),
             DECODE_JOBS_ANY,
             subjects.telemetry_spans(worker_id),
             *worker_prefill_api(worker_id),

@@ -8,7 +8,9 @@ runs, drains that consumer and publishes each job pinned to a live worker of its
 
     scan (each scan_interval_s) --> consumer <prefix><w>, w not alive, jobs waiting
         --> fetch each job (an unacked one once its ack_wait runs out)
-        --> place(job, w) -> (worker, job)  --> publish pinned to it, then ack the old copy
+        --> place(job, w) -> (worker, job)  --> announce(job, w, worker) (the request's gateway
+                                                takes the new worker's tokens), publish pinned
+                                                to it, then ack the old copy
                           -> None (nobody)  --> held in progress, asked again each scan
                                                 (nak'd at once if the worker comes back)
         --> idle for two ack_waits and empty --> delete the consumer
@@ -17,8 +19,14 @@ A job moved more than `max_moves` times (it kills every worker it lands on) is d
 with a log line: the gateway then ends the request as its worker lost.
 
     orphans = OrphanedJobs(bus, stream, "prefill-", subjects.prefill_worker_jobs,
-                           pb.PrefillJob, place=..., alive=..., stopping=stop)
+                           pb.PrefillJob, place=..., alive=..., announce=..., stopping=stop)
     tg.create_task(orphans.run())
+
+What the router may do here is bounded by who checks it, not by the router's own code (its
+NATS password could run other code): a gateway takes a moved request's tokens from the new
+worker only when its own fleet view says the old one is dead and the new one alive
+(tokenyard.services.gateway.senders), and the new worker runs the job under the request's
+own id, so it joins, never doubles, a copy already running.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Generic, TypeVar
 
@@ -60,6 +68,7 @@ class OrphanedJobs(Generic[M]):
         place: Callable[[M, str], tuple[str, M] | None],
         alive: Callable[[str], bool],
         stopping: asyncio.Event,
+        announce: Callable[[M, str, str], Awaitable[None]] | None = None,
         grace_s: float,
         scan_interval_s: float = 1.0,
         fetch_timeout_s: float = 1.0,
@@ -72,6 +81,7 @@ class OrphanedJobs(Generic[M]):
         self.message_type = message_type
         self.place = place  # (job, departed worker) -> (the worker to run it, the job to send)
         self.alive = alive
+        self.announce = announce  # (job, departed worker, new worker): tell who waits for it
         self.stopping = stopping
         # Move nothing this soon after start: the workers' heartbeats are not heard yet.
         self.grace_s = grace_s
@@ -180,6 +190,11 @@ class OrphanedJobs(Generic[M]):
             await asyncio.sleep(self.scan_interval_s)
             placed = self.place(job, worker_id)
         target, job = placed
+        if self.alive(worker_id):  # back while we placed it: its own consumer runs it
+            await msg.nak()
+            return
+        if self.announce is not None:
+            await self.announce(job, worker_id, target)
         headers = dict(msg.headers or {})
         headers[MOVES_HEADER] = str(moves)
         # NOTE: a fresh id: the publisher's own would be a duplicate inside JetStream's

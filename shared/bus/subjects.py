@@ -23,10 +23,31 @@ def decode_jobs(worker_id: str) -> str:
     return f"{PREFIX}.decode.{worker_id}.jobs"
 
 
-def tokens(gateway_id: str, request_id: str) -> str:
-    """One request's token chunks, under the prefix of the gateway that waits for them:
-    each gateway's NATS user may read only ``tokens(its id, "*")``."""
-    return f"{PREFIX}.tokens.{gateway_id}.{request_id}"
+def tokens(gateway_id: str, request_id: str, worker_id: str) -> str:
+    """One request's token chunks from one worker, under the prefix of the gateway that waits
+    for them: each gateway's NATS user may read only ``tokens(its id, "*", "*")``, and each
+    worker's may publish only ``tokens("*", "*", its id)``, so the subject says who sent a
+    chunk (`tokens_sender`), and the gateway takes it only from the request's workers."""
+    return f"{PREFIX}.tokens.{gateway_id}.{request_id}.{worker_id}"
+
+
+def request_tokens(gateway_id: str, request_id: str) -> str:
+    """Every worker's chunks of one request (the gateway's subscription)."""
+    return tokens(gateway_id, request_id, "*")
+
+
+def tokens_sender(subject: str) -> str | None:
+    """The worker that published on a tokens subject (None for any other subject)."""
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[:2] != [PREFIX, "tokens"]:
+        return None
+    return parts[4]
+
+
+def moved(gateway_id: str, request_id: str) -> str:
+    """The router placed a departed worker's job of this request again (JobMoved); only the
+    router may publish here."""
+    return f"{PREFIX}.moved.{gateway_id}.{request_id}"
 
 
 def cancel(gateway_id: str, request_id: str) -> str:

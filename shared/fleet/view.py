@@ -183,9 +183,13 @@ class FleetView:
         return counts
 
     def max_model_len(self, now: float) -> int:
-        """The smallest context any live worker serves (0 = unknown)."""
+        """The longest context a live worker serves (0 = unknown).
+
+        NOTE: the longest, not the smallest: a worker says what it likes about itself, and
+        one claiming a context of 1 token must not shorten everyone's. The router places a
+        request only on workers whose own context holds it (routing.policy.fits)."""
         lens = [w.heartbeat.max_model_len for w in self.live(now) if w.heartbeat.max_model_len]
-        return min(lens) if lens else 0
+        return max(lens) if lens else 0
 
     def models(self, now: float) -> set[str]:
         return {w.model for w in self.live(now) if w.model}

@@ -90,6 +90,17 @@ def choose(
                 f"model {request.model!r} is not served (serving: {models})",
             )
         live = serving
+    # A worker's context is what its heartbeat says: one that claims a short one gets no
+    # request beyond it, and the others still serve those.
+    fitting = [w for w in live if fits(w, request)]
+    if live and not fitting:
+        longest = max(w.heartbeat.max_model_len for w in live)
+        return _error(
+            pb.RouteError.CONTEXT_TOO_LONG,
+            f"no worker's context holds {request.num_prompt_tokens} prompt tokens and "
+            f"{request.max_tokens} more (the longest is {longest} tokens)",
+        )
+    live = fitting
     # Local prefill on a decode worker is a whole request there: never under "always".
     local_ok = config.disaggregation != "always"
     prefill_live = [w for w in live if w.prefills or (local_ok and w.local_prefill)]
@@ -170,6 +181,13 @@ def _place(
         reason=reason,
         expected_cached_tokens=cached,
     )
+
+
+def fits(w: WorkerView, request: RouteInput) -> bool:
+    """The worker's context holds the prompt and the tokens asked for (0: it did not say)."""
+    limit = w.heartbeat.max_model_len
+    needed = request.num_prompt_tokens + max(request.max_tokens, 1)
+    return not limit or needed <= limit
 
 
 def _cap(w: WorkerView, facility: WorkerThrottle) -> int:

@@ -99,11 +99,13 @@ class RouteError(_message.Message):
         ALL_DRAINED: _ClassVar[RouteError.Code]
         OVERLOADED: _ClassVar[RouteError.Code]
         UNKNOWN_MODEL: _ClassVar[RouteError.Code]
+        CONTEXT_TOO_LONG: _ClassVar[RouteError.Code]
     CODE_UNSPECIFIED: RouteError.Code
     NO_WORKERS: RouteError.Code
     ALL_DRAINED: RouteError.Code
     OVERLOADED: RouteError.Code
     UNKNOWN_MODEL: RouteError.Code
+    CONTEXT_TOO_LONG: RouteError.Code
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
@@ -207,7 +209,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[Error.Code, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "text", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "error", "worker_id")
+    __slots__ = ("request_id", "index", "token_ids", "text", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "error", "worker_id", "handed_to")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +222,7 @@ class TokenChunk(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDED_TO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -232,7 +235,20 @@ class TokenChunk(_message.Message):
     num_cached_tokens: int
     error: Error
     worker_id: str
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    handed_to: str
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., worker_id: _Optional[str] = ..., handed_to: _Optional[str] = ...) -> None: ...
+
+class JobMoved(_message.Message):
+    __slots__ = ("request_id", "from_worker_id", "to_worker_id", "decode_worker_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    from_worker_id: str
+    to_worker_id: str
+    decode_worker_id: str
+    def __init__(self, request_id: _Optional[str] = ..., from_worker_id: _Optional[str] = ..., to_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("request_id", "reason")

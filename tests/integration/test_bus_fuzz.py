@@ -89,7 +89,7 @@ async def test_garbage_on_every_subject_leaves_every_service_running(stack: Loca
         subjects.decode_jobs("decode-2"),
         subjects.cancel("nobody", "nobody"),
         subjects.facilities_state("rack-a"),
-        subjects.tokens("nobody", "nobody"),
+        subjects.tokens("nobody", "nobody", "nobody"),
     ]
     bus = await Bus.connect(stack.nats_url, name="fuzzer")
     try:

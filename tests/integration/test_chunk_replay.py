@@ -50,11 +50,11 @@ async def gateway_stream(
             subjects.replay(GATEWAY, rid), pb.Replay(request_id=rid, from_index=from_index)
         )
 
-    sub = await bus.subscribe(subjects.tokens(GATEWAY, rid), pb.TokenChunk, on_chunk)
+    sub = await bus.subscribe(subjects.request_tokens(GATEWAY, rid), pb.TokenChunk, on_chunk)
     placement = pb.Placement(prefill_worker_id="w1", decode_worker_id="w1")
     settings = GatewaySettings(instance_id=GATEWAY, idle_timeout_s=30)
     return NatsTokenStream(
-        sub,
+        [sub],
         queue,
         placement,
         FleetView(),

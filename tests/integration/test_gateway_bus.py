@@ -80,7 +80,7 @@ async def test_request_goes_through_router_and_queue_and_comes_back_in_order(bac
     assert seen[0].num_prompt_tokens == 40 and len(seen[0].block_hashes) == 2
     # out of order, with a duplicate (a redelivered job's first token)
     for c in (chunk(0, "ab"), chunk(3, "d", finished=True), chunk(0, "ab"), chunk(2, "c")):
-        await bus.publish(subjects.tokens(backend.settings.instance_id, "r1"), c)
+        await bus.publish(subjects.tokens(backend.settings.instance_id, "r1", WORKER), c)
     got = [c async for c in stream]
     await stream.close()
     assert "".join(c.text for c in got) == "abcd" and got[-1].finished
@@ -150,7 +150,7 @@ async def test_worker_error_chunk_is_an_openai_error(backend, bus):
         finish_reason="error",
         error=pb.Error(code=pb.Error.INVALID_REQUEST, message="bad params"),
     )
-    await bus.publish(subjects.tokens(backend.settings.instance_id, "r4"), error)
+    await bus.publish(subjects.tokens(backend.settings.instance_id, "r4", WORKER), error)
     with pytest.raises(ApiError) as info:
         await anext(stream)
     assert info.value.status == 400 and info.value.message == "bad params"
@@ -165,7 +165,7 @@ async def test_a_dead_worker_fails_the_request_instead_of_hanging(backend, bus):
     )
     stream = await backend.submit("r5", "m", [1], pb.SamplingParams(max_tokens=5))
     await take_job(bus)
-    await bus.publish(subjects.tokens(backend.settings.instance_id, "r5"), chunk(0, "a"))
+    await bus.publish(subjects.tokens(backend.settings.instance_id, "r5", WORKER), chunk(0, "a"))
     assert (await anext(stream)).text == "a"
     t0 = time.monotonic()
     with pytest.raises(ApiError) as info:  # no more heartbeats, no more chunks
@@ -186,7 +186,7 @@ async def test_a_request_past_its_deadline_ends_with_504_while_tokens_still_flow
         with pytest.raises(ApiError) as info:
             for i in range(100):  # a worker that keeps sending, slowly, never finishing
                 await bus.publish(
-                    subjects.tokens(backend.settings.instance_id, "r-late"), chunk(i, "x")
+                    subjects.tokens(backend.settings.instance_id, "r-late", WORKER), chunk(i, "x")
                 )
                 await anext(stream)
                 await asyncio.sleep(0.05)
@@ -214,9 +214,12 @@ async def test_a_job_waiting_for_its_restarted_prefill_worker_is_not_given_up(na
         await asyncio.sleep(2.0)  # the worker is dead (no heartbeats) for 4x the grace
         assert not first.done()
         await bus.publish(subjects.heartbeat("both", WORKER), beat)  # back after a restart
-        await bus.publish(subjects.tokens(backend.settings.instance_id, "r-back"), chunk(0, "a"))
         await bus.publish(
-            subjects.tokens(backend.settings.instance_id, "r-back"), chunk(1, "b", finished=True)
+            subjects.tokens(backend.settings.instance_id, "r-back", WORKER), chunk(0, "a")
+        )
+        await bus.publish(
+            subjects.tokens(backend.settings.instance_id, "r-back", WORKER),
+            chunk(1, "b", finished=True),
         )
         assert (await asyncio.wait_for(first, 5)).text == "a"
         assert [c.text async for c in stream] == ["b"]
@@ -245,7 +248,7 @@ async def test_a_stream_whose_only_worker_died_is_resumed_on_it_once_restarted(n
             worker_id=WORKER, role="both", heartbeat_interval_ms=100, kv_epoch=epoch
         )
 
-    tokens = subjects.tokens(settings.instance_id, "r-hold")
+    tokens = subjects.tokens(settings.instance_id, "r-hold", WORKER)
     try:
         await serve_router(bus, PLACED, [])
         await bus.subscribe(subjects.decode_jobs(WORKER), pb.DecodeHandoff, on_resume)
@@ -268,6 +271,46 @@ async def test_a_stream_whose_only_worker_died_is_resumed_on_it_once_restarted(n
         await bus.publish(tokens, chunk(2, "c", finished=True))
         assert (await asyncio.wait_for(second, 5)).text == "b"
         assert [c.text async for c in stream] == ["c"]
+        await stream.close()
+    finally:
+        await backend.stop()
+
+
+async def test_a_queued_request_waits_for_its_restarted_worker_past_the_grace(nats_url, bus):
+    """One worker: a request waits in its queue longer than the grace, then the worker dies
+    and restarts (a new epoch) before its first token. The job waits for the restarted
+    worker in its work queue, so the request waits too: the grace counts from the loss, and
+    the restart is adopted, instead of the request being refused as worker_lost."""
+    settings = GatewaySettings(
+        nats_url=nats_url, dead_worker_grace_s=0.5, prefill_redelivery_grace_s=3.0
+    )
+    backend = NatsBackend(settings)
+    await backend.start()
+
+    def beat(epoch: str) -> pb.WorkerHeartbeat:
+        return pb.WorkerHeartbeat(
+            worker_id=WORKER, role="both", heartbeat_interval_ms=100, kv_epoch=epoch
+        )
+
+    async def beat_for(seconds: float, epoch: str) -> None:
+        for _ in range(int(seconds / 0.1)):
+            await bus.publish(subjects.heartbeat("both", WORKER), beat(epoch))
+            await asyncio.sleep(0.1)
+
+    tokens = subjects.tokens(settings.instance_id, "r-queued", WORKER)
+    try:
+        await serve_router(bus, PLACED, [])
+        await bus.publish(subjects.heartbeat("both", WORKER), beat("first"))
+        stream = await backend.submit("r-queued", "m", [1], pb.SamplingParams(max_tokens=2))
+        first = asyncio.ensure_future(anext(stream))
+        await beat_for(3.5, "first")  # queued behind others, past the grace
+        await asyncio.sleep(1.0)  # killed: dead for twice dead_worker_grace_s
+        await beat_for(1.5, "second")  # restarted, loading, then running its queue
+        assert not first.done(), first.exception() if first.done() else None
+        await bus.publish(tokens, chunk(0, "a"))
+        await bus.publish(tokens, chunk(1, "b", finished=True))
+        assert (await asyncio.wait_for(first, 5)).text == "a"
+        assert [c.text async for c in stream] == ["b"]
         await stream.close()
     finally:
         await backend.stop()

@@ -118,7 +118,7 @@ async def hand_off(bus: Bus, rid: str, first: int, kv_endpoint: str) -> list[int
         if chunk.finished:
             finished.set()
 
-    sub = await bus.subscribe(subjects.tokens(GW, rid), pb.TokenChunk, on_chunk)
+    sub = await bus.subscribe(subjects.request_tokens(GW, rid), pb.TokenChunk, on_chunk)
     forged = pb.DecodeHandoff(
         request_id=rid,
         prompt_token_ids=PROMPT,

@@ -81,7 +81,7 @@ async def run(bus: Bus, handler: PrefillHandler, rid: str, prompt: list[int]) ->
     async def on_chunk(chunk: pb.TokenChunk, _msg) -> None:
         chunks.append(chunk)
 
-    sub = await bus.subscribe(subjects.tokens(GW, rid), pb.TokenChunk, on_chunk)
+    sub = await bus.subscribe(subjects.request_tokens(GW, rid), pb.TokenChunk, on_chunk)
     job = pb.PrefillJob(
         request_id=rid,
         gateway_id=GW,

@@ -73,17 +73,17 @@ async def test_a_worker_publishes_only_its_own_heartbeats(connect):
 
 async def test_only_the_gateway_reads_tokens_and_only_facilities_sets_rack_states(connect):
     operator = await connect("operator")
-    gateway_seen = await collect(await connect("gateway"), subjects.tokens("gw-a", "*"))
-    worker_seen = await collect(await connect("worker"), subjects.tokens("*", "*"))
+    gateway_seen = await collect(await connect("gateway"), subjects.tokens("gw-a", "*", "*"))
+    worker_seen = await collect(await connect("worker"), subjects.tokens("*", "*", "*"))
     telemetry_seen = await collect(await connect("telemetry"), subjects.FACILITIES_STATE_ALL)
-    await operator.publish(subjects.tokens("gw-a", "r1"), pb.WorkerHeartbeat())
+    await operator.publish(subjects.tokens("gw-a", "r1", "decode-1"), pb.WorkerHeartbeat())
     gateway = await connect("gateway")
     await gateway.publish(subjects.facilities_state("rack-a"), pb.WorkerHeartbeat())
     facilities = await connect("facilities")
     await facilities.publish(subjects.facilities_state("rack-b"), pb.WorkerHeartbeat())
     assert await _eventually(lambda: gateway_seen and telemetry_seen)
     await asyncio.sleep(0.3)
-    assert gateway_seen == [subjects.tokens("gw-a", "r1")] and worker_seen == []
+    assert gateway_seen == [subjects.tokens("gw-a", "r1", "decode-1")] and worker_seen == []
     assert telemetry_seen == [subjects.facilities_state("rack-b")]
 
 
@@ -92,12 +92,14 @@ async def test_the_router_answers_route_requests_but_publishes_nothing_else(conn
 
     async def on_route(req: pb.RouteRequest, msg) -> None:
         await router.reply(msg, pb.RouteReply(placement=pb.Placement(prefill_worker_id="p")))
-        await router.publish(subjects.tokens("gw-a", req.request_id), pb.WorkerHeartbeat())
+        await router.publish(
+            subjects.tokens("gw-a", req.request_id, "decode-1"), pb.WorkerHeartbeat()
+        )
 
     await router.subscribe(subjects.ROUTER_ROUTE, pb.RouteRequest, on_route)
     await router.sync()
     gateway = await connect("gateway")
-    tokens = await collect(gateway, subjects.tokens("gw-a", "*"))
+    tokens = await collect(gateway, subjects.tokens("gw-a", "*", "*"))
     reply = await gateway.request(
         subjects.ROUTER_ROUTE, pb.RouteRequest(request_id="r2"), pb.RouteReply, timeout=2
     )
@@ -121,24 +123,27 @@ async def test_a_gateway_cannot_read_or_cancel_another_gateways_requests(server:
         async def on(msg) -> None:
             got.append(msg.subject)
 
-        await other.subscribe(subjects.tokens("gw-a", "*"), cb=on)
-        await other.subscribe(subjects.tokens("gw-a", "r7"), cb=on)
-        await other.subscribe(subjects.tokens("gw-b", "*"), cb=on)  # its own: allowed
+        await other.subscribe(subjects.tokens("gw-a", "*", "*"), cb=on)
+        await other.subscribe(subjects.tokens("gw-a", "r7", "decode-1"), cb=on)
+        await other.subscribe(subjects.tokens("gw-b", "*", "*"), cb=on)  # its own: allowed
         await other.flush()
         await other.flush()
         # The server refuses both subscriptions by name ...
         assert await _eventually(lambda: len(errors) >= 2), errors
         refused = " ".join(str(e) for e in errors)
         assert "permissions violation for subscription" in refused, refused
-        assert subjects.tokens("gw-a", "*") in refused and subjects.tokens("gw-a", "r7") in refused
+        assert (
+            subjects.tokens("gw-a", "*", "*") in refused
+            and subjects.tokens("gw-a", "r7", "decode-1") in refused
+        )
         # ... and delivers nothing of gw-a's to it, while its own tokens still come.
         operator = await connect("operator")
-        await operator.publish(subjects.tokens("gw-a", "r7"), pb.WorkerHeartbeat())
-        await operator.publish(subjects.tokens("gw-b", "r8"), pb.WorkerHeartbeat())
+        await operator.publish(subjects.tokens("gw-a", "r7", "decode-1"), pb.WorkerHeartbeat())
+        await operator.publish(subjects.tokens("gw-b", "r8", "decode-1"), pb.WorkerHeartbeat())
         await operator.sync()
         assert await _eventually(lambda: got)
         await asyncio.sleep(0.3)
-        assert got == [subjects.tokens("gw-b", "r8")]
+        assert got == [subjects.tokens("gw-b", "r8", "decode-1")]
         # Nor may it cancel gw-a's requests.
         cancels = await collect(operator, subjects.CANCEL_ALL)
         await other.publish(subjects.cancel("gw-a", "r7"), b"")

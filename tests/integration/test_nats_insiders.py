@@ -7,12 +7,16 @@ stolen service password could do before, each tried as the insider it needs, now
   worker's id in the payload (the readers take the id from the subject);
 - a worker making a consumer on another worker's jobs, or pulling from that worker's own;
 - the gateway's password deleting or purging the prefill stream (and the gateway makes a
-  lost stream again, not ready meanwhile).
+  lost stream again, not ready meanwhile);
+- a worker's password sending token chunks for a request it was not given, or claiming a
+  tiny context to shorten the gateway's limit for everyone;
+- the router's password moving a live worker's request to another worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import nats
@@ -318,6 +322,135 @@ async def test_the_gateway_cannot_delete_or_purge_the_stream_and_remakes_a_lost_
         assert await backend.not_ready() is None
     finally:
         await backend.stop()
+
+
+# --- token chunks, a worker's own claims, and moved jobs --------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def gateway_serving(server: str, connect, placement: pb.Placement) -> AsyncIterator:
+    """A gateway (as its own user) and a router that places every request as `placement`."""
+    router = await connect("router")
+
+    async def on_route(_req: pb.RouteRequest, msg: Msg) -> None:
+        await router.reply(msg, pb.RouteReply(placement=placement))
+
+    await router.subscribe(subjects.ROUTER_ROUTE, pb.RouteRequest, on_route)
+    await router.sync()
+    settings = GatewaySettings(
+        nats_url=USERS["gateway"].url(server),
+        instance_id=GATEWAY_ID,
+        idle_timeout_s=10,
+        dead_worker_grace_s=30,
+        prefill_redelivery_grace_s=30,
+    )
+    backend = NatsBackend(settings)
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        await backend.stop()
+
+
+@contextlib.asynccontextmanager
+async def beating(bus: Bus, worker_id: str, max_model_len: int = 4096) -> AsyncIterator[None]:
+    """`worker_id` sends heartbeats (10 a second) on its own subject until the block ends."""
+    beat = pb.WorkerHeartbeat(
+        worker_id=worker_id,
+        role="prefill",
+        model="m",
+        max_model_len=max_model_len,
+        heartbeat_interval_ms=100,
+    )
+
+    async def loop() -> None:
+        while True:
+            await bus.publish(subjects.heartbeat("prefill", worker_id), beat)
+            await asyncio.sleep(0.1)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def text_chunk(index: int, text: str, *, finished: bool = False) -> pb.TokenChunk:
+    return pb.TokenChunk(
+        index=index,
+        token_ids=[ord(c) for c in text],
+        text=text,
+        finished=finished,
+        finish_reason="stop" if finished else "",
+    )
+
+
+async def test_a_worker_cannot_send_tokens_for_a_request_it_was_not_given(server, connect, stream):
+    """The thief's password publishes chunks for the victim's request: in its own name they
+    are ignored (it was not placed there), in the victim's name NATS refuses them."""
+    placement = pb.Placement(prefill_worker_id=VICTIM, decode_worker_id=VICTIM)
+    victim, thief = await connect("victim"), await connect("thief")
+    async with gateway_serving(server, connect, placement) as backend:
+        tokens = await backend.submit("r-victim", "m", PROMPT, pb.SamplingParams(max_tokens=2))
+        as_itself = subjects.tokens(GATEWAY_ID, "r-victim", THIEF)
+        await thief.publish(as_itself, text_chunk(0, "EVIL"))
+        await thief.publish(as_itself, pb.TokenChunk(index=0, handed_to=THIEF))
+        await thief.publish(as_itself, text_chunk(1, "!", finished=True))
+        forged = subjects.tokens(GATEWAY_ID, "r-victim", VICTIM)
+        await thief.publish(forged, text_chunk(0, "EVIL"))  # not its subject: refused
+        await thief.publish(forged, text_chunk(1, "!", finished=True))
+        await thief.sync()
+        await asyncio.sleep(QUIET_S)
+        assert not tokens.has_chunk()
+        own = subjects.tokens(GATEWAY_ID, "r-victim", VICTIM)
+        await victim.publish(own, text_chunk(0, "blue"))
+        await victim.publish(own, text_chunk(4, ".", finished=True))  # after 4 tokens
+        got = [c async for c in tokens]
+        await tokens.close()
+    assert "".join(c.text for c in got) == "blue." and {c.worker_id for c in got} == {VICTIM}
+
+
+async def test_a_worker_claiming_a_tiny_context_does_not_shorten_the_gateways(
+    server, connect, stream
+):
+    """The thief's own heartbeat says its context is 1 token: that is its business (the
+    router gives it nothing longer), not everyone's limit."""
+    victim, thief = await connect("victim"), await connect("thief")
+    placement = pb.Placement(prefill_worker_id=VICTIM, decode_worker_id=VICTIM)
+    async with (
+        gateway_serving(server, connect, placement) as backend,
+        beating(victim, VICTIM, 4096),
+        beating(thief, THIEF, 1),
+    ):
+        assert await eventually(lambda: THIEF in backend.fleet and VICTIM in backend.fleet)
+        await asyncio.sleep(QUIET_S)
+        assert backend.fleet.max_model_len(asyncio.get_running_loop().time()) == 4096
+
+
+async def test_the_router_cannot_move_a_live_workers_request_to_another(server, connect, stream):
+    """With the router's password a move of the victim's job to the thief is announced while
+    the victim lives: the gateway's own fleet view disagrees, so the thief's chunks stay out.
+    Once the victim is dead, the same move is believed (the check is what stops it)."""
+    placement = pb.Placement(prefill_worker_id=VICTIM, decode_worker_id=VICTIM)
+    victim, thief, router = await connect("victim"), await connect("thief"), await connect("router")
+    moved = pb.JobMoved(request_id="r-moved", from_worker_id=VICTIM, to_worker_id=THIEF)
+    async with gateway_serving(server, connect, placement) as backend:
+        tokens = await backend.submit("r-moved", "m", PROMPT, pb.SamplingParams(max_tokens=2))
+        as_thief = subjects.tokens(GATEWAY_ID, "r-moved", THIEF)
+        async with beating(thief, THIEF):
+            async with beating(victim, VICTIM):
+                assert await eventually(lambda: VICTIM in backend.fleet and THIEF in backend.fleet)
+                await router.publish(subjects.moved(GATEWAY_ID, "r-moved"), moved)
+                await thief.publish(as_thief, text_chunk(0, "EVIL"))
+                await thief.sync()
+                await asyncio.sleep(1.5)  # the stream rechecks waiting moves each second
+                assert not tokens.has_chunk()
+            # The victim falls silent: the move waiting in the gateway now holds.
+            first = await asyncio.wait_for(anext(tokens), 10)
+            assert first.text == "EVIL" and first.worker_id == THIEF
+        await tokens.close()
 
 
 # --- drains ------------------------------------------------------------------------------------

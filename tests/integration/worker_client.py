@@ -60,7 +60,7 @@ class Request:
 
     async def submit(self) -> pb.RouteReply:
         self._sub = await self.bus.subscribe(
-            subjects.tokens(GATEWAY_ID, self.rid), pb.TokenChunk, self._on_chunk
+            subjects.request_tokens(GATEWAY_ID, self.rid), pb.TokenChunk, self._on_chunk
         )
         reply = await self.route()
         if reply.WhichOneof("result") != "placement":

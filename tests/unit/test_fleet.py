@@ -111,7 +111,8 @@ def test_roles_missing_roles_and_context_of_the_live_workers():
     fleet.on_heartbeat(hb("p", "prefill", max_model_len=2048), now=0)
     assert missing_role(fleet.live(0)) == "decode"
     fleet.on_heartbeat(hb("d", "decode", max_model_len=1024), now=1)
-    assert missing_role(fleet.live(1)) is None and fleet.max_model_len(1) == 1024
+    # The longest live context: a worker claiming a short one shortens nobody else's.
+    assert missing_role(fleet.live(1)) is None and fleet.max_model_len(1) == 2048
     assert fleet.roles(1) == {"prefill": 1, "decode": 1}
     # 3 missed beats of 1 s: p (last seen at 0) is dead at 3.5, d (at 1) is not
     assert fleet.is_dead("p", 3.5) and not fleet.is_dead("d", 3.5)

@@ -391,3 +391,26 @@ def test_round_robin_takes_the_workers_in_turn_whatever_they_hold():
     full = PolicyConfig(placement="round-robin", queue_per_worker=0)
     assert turns(full) == ["a", "b", "a", "b"]
     assert turns(PolicyConfig()) == ["b", "b", "b", "b"]
+
+
+def with_context(w: WorkerView, max_model_len: int) -> WorkerView:
+    hb = pb.WorkerHeartbeat()
+    hb.CopyFrom(w.heartbeat)
+    hb.max_model_len = max_model_len
+    return WorkerView(hb, last_seen=w.last_seen)
+
+
+def test_a_worker_claiming_a_short_context_gets_no_longer_request_and_the_others_serve_it():
+    liar = with_context(worker("a", "both"), 1)  # idle, so it would win on load alone
+    honest = with_context(worker("b", "both", running=3), 4096)
+    workers = table(liar, honest)
+    request = RouteInput("r1", MODEL, 1000, max_tokens=100)
+    placed = choose(workers, request, NOW)
+    assert isinstance(placed, pb.Placement) and placed.prefill_worker_id == "b"
+    # A request that fits the short context may still go to it.
+    short = choose(workers, RouteInput("r2", MODEL, 0, max_tokens=1), NOW)
+    assert isinstance(short, pb.Placement) and short.prefill_worker_id == "a"
+    # Longer than every worker's context: a clear error naming the longest.
+    too_long = choose(workers, RouteInput("r3", MODEL, 4000, max_tokens=200), NOW)
+    assert isinstance(too_long, pb.RouteError)
+    assert too_long.code == pb.RouteError.CONTEXT_TOO_LONG and "4096" in too_long.message

@@ -33,7 +33,7 @@ class RecordingBus:
         self.sent.append((subject, message))
 
     def chunks(self, rid: str) -> list[pb.TokenChunk]:
-        return [m for s, m in self.sent if s == subjects.tokens(GW, rid)]
+        return [m for s, m in self.sent if s == subjects.tokens(GW, rid, "w1")]
 
 
 @pytest.fixture
