@@ -246,22 +246,13 @@ class LocalStack:
                     "TOKENYARD_KVCACHE_PORT": str(port),
                     "TOKENYARD_KVCACHE_RAM_BYTES": str(self.config.kvcache_ram_mib * 1024**2),
                     "TOKENYARD_KVCACHE_OPS_PORT": self._ops_port("kvcache"),
-                    **self._kvcache_disk_env(),
+                    **kvcache_disk_env(self.config),
                     # It calls no one: it only needs to know its callers.
                     "TOKENYARD_GRPC_TOKEN": "",
                     "TOKENYARD_GRPC_PEERS": self.grpc_peers,
                 },
             )
             self.kvcache_endpoint = f"127.0.0.1:{port}"
-
-    def _kvcache_disk_env(self) -> dict[str, str]:
-        """The disk tier, when asked for: a restart over the same directory keeps it."""
-        if not self.config.kvcache_disk_dir:
-            return {}
-        return {
-            "TOKENYARD_KVCACHE_DISK_DIR": self.config.kvcache_disk_dir,
-            "TOKENYARD_KVCACHE_DISK_BYTES": str(int(self.config.kvcache_disk_gib * 1024**3)),
-        }
 
     def _start_facilities(self, inventory: Path) -> None:
         data = self._tmp / "facilities"
@@ -414,3 +405,14 @@ def _example_inventory() -> Path | None:
         / "inventory.example.yaml"
     )
     return candidate if candidate.exists() else None
+
+
+def kvcache_disk_env(config: StackConfig) -> dict[str, str]:
+    """The KV-cache service's disk tier, when asked for: a restart over the same directory
+    serves what it kept."""
+    if not config.kvcache_disk_dir:
+        return {}
+    return {
+        "TOKENYARD_KVCACHE_DISK_DIR": config.kvcache_disk_dir,
+        "TOKENYARD_KVCACHE_DISK_BYTES": str(int(config.kvcache_disk_gib * 1024**3)),
+    }
