@@ -204,10 +204,14 @@ def main() -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help=OUT_HELP)
+    parser.add_argument("--log-dir", type=Path, help="keep the stacks' logs here")
     args = parser.parse_args()
     model: Model = chosen_model(None, None)
     out = out_path(args.out, "multiturn")
-    doc: dict[str, Any] = {"model": model.name, "args": vars(args) | {"out": str(out)}}
+    doc: dict[str, Any] = {
+        "model": model.name,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    }
     doc["results"] = {}
     with tempfile.TemporaryDirectory(prefix="tokenyard-multiturn-") as tmp:
         for name in args.configs.split(","):
@@ -220,7 +224,8 @@ def main() -> int:
                 *CONFIGS[name],
             ]
             print(f"{name}: starting", flush=True)
-            running = start_tokenyard(flags, Path(tmp) / name / "logs", model)
+            logs = (args.log_dir or Path(tmp)) / name / "logs"
+            running = start_tokenyard(flags, logs, model)
             try:
                 result = asyncio.run(load(running.url, model.name, args))
             finally:
