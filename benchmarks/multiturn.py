@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import random
 import sys
