@@ -43,15 +43,18 @@ GRPC_OPTIONS = [
 # Who calls internal gRPC: each worker pool as its role ("prefill", "decode", "both"), and
 # the person running the stack (`tokenyard ctl`).
 OPERATOR = "operator"
-IDENTITIES: tuple[str, ...] = (*ROLES, OPERATOR)
+# The router asks the shared KV cache what it holds of a prompt (Contains) as it places it.
+ROUTER = "router"
+IDENTITIES: tuple[str, ...] = (*ROLES, ROUTER, OPERATOR)
 
 # Which identities may call each internal service (full name); any other service is closed.
 # KV moves from a prefill worker to a worker that decodes; every worker reads and writes the
-# shared KV cache (decode workers prefill their own requests too); only the operator drains
+# shared KV cache (decode workers prefill their own requests too), which the router asks
+# what it holds; only the operator drains
 # workers, clears the cache or touches racks.
 CALLERS: dict[str, frozenset[str]] = {
     "tokenyard.v1.KVTransfer": DECODE_ROLES,
-    "tokenyard.v1.KVCache": frozenset(ROLES),
+    "tokenyard.v1.KVCache": frozenset({*ROLES, ROUTER}),
     "tokenyard.v1.KVCacheAdmin": frozenset({OPERATOR}),
     "tokenyard.v1.WorkerControl": frozenset({OPERATOR}),
     "tokenyard.v1.FacilitiesControl": frozenset({OPERATOR}),

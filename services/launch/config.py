@@ -38,6 +38,10 @@ class StackConfig:
     kvcache: bool = True
     # The KV-cache service's RAM tier: laptop-sized (its own default is 1 GiB, for a server).
     kvcache_ram_mib: int = 256
+    # Its disk tier: a directory ("" = none) and its size; a restart over the same directory
+    # serves the blocks kept there.
+    kvcache_disk_dir: str = ""
+    kvcache_disk_gib: float = 10.0
     facilities: bool = True
     telemetry: bool = True
     console_port: int | None = None  # the telemetry console's port; None = any free port

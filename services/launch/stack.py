@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tokenyard.bus import auth
 from tokenyard.bus.embedded import free_port
-from tokenyard.grpc_security import OPERATOR, fresh_tokens, peers_text
+from tokenyard.grpc_security import OPERATOR, ROUTER, fresh_tokens, peers_text
 from tokenyard.services.launch.config import GATEWAY_ID, ConfigError, StackConfig, StackError
 from tokenyard.services.launch.group import ServiceGroup
 from tokenyard.services.launch.nats import StackNats
@@ -125,16 +125,17 @@ class LocalStack:
                 self.nats.wait_listening()
             self.nats.url = self.nats.url_for(auth.operator())
             self.nats.make_prefill_stream()
+            self._start_kvcache()  # before the router and the workers: they are told where
             self._spawn(
                 "router",
                 "tokenyard.services.router",
                 {
                     "TOKENYARD_ROUTER_NATS_URL": self.nats.url_for(auth.router()),
                     "TOKENYARD_ROUTER_OPS_PORT": self._ops_port("router"),
+                    **self._router_kvcache_env(),
                     **self.config.router_env,
                 },
             )
-            self._start_kvcache()  # before the workers: they are told where it is
             if self.config.aggregated:
                 for _ in range(self.config.workers):
                     self.add_worker("both")
@@ -243,6 +244,14 @@ class LocalStack:
             "TOKENYARD_GATEWAY_REDIS_URL": f"unix://{redis_socket(self._tmp / 'redis')}",
         }
 
+    def _router_kvcache_env(self) -> dict[str, str]:
+        if not self.kvcache_endpoint:
+            return {}
+        return {
+            "TOKENYARD_ROUTER_KVCACHE_ENDPOINT": self.kvcache_endpoint,
+            "TOKENYARD_GRPC_TOKEN": self.grpc_tokens[ROUTER],
+        }
+
     def _start_kvcache(self) -> None:
         if self.config.kvcache:
             port = free_port()
@@ -253,6 +262,7 @@ class LocalStack:
                     "TOKENYARD_KVCACHE_PORT": str(port),
                     "TOKENYARD_KVCACHE_RAM_BYTES": str(self.config.kvcache_ram_mib * 1024**2),
                     "TOKENYARD_KVCACHE_OPS_PORT": self._ops_port("kvcache"),
+                    **kvcache_disk_env(self.config),
                     # It calls no one: it only needs to know its callers.
                     "TOKENYARD_GRPC_TOKEN": "",
                     "TOKENYARD_GRPC_PEERS": self.grpc_peers,
@@ -422,3 +432,14 @@ def _example_inventory() -> Path | None:
         / "inventory.example.yaml"
     )
     return candidate if candidate.exists() else None
+
+
+def kvcache_disk_env(config: StackConfig) -> dict[str, str]:
+    """The KV-cache service's disk tier, when asked for: a restart over the same directory
+    serves what it kept."""
+    if not config.kvcache_disk_dir:
+        return {}
+    return {
+        "TOKENYARD_KVCACHE_DISK_DIR": config.kvcache_disk_dir,
+        "TOKENYARD_KVCACHE_DISK_BYTES": str(int(config.kvcache_disk_gib * 1024**3)),
+    }

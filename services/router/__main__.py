@@ -17,6 +17,7 @@ from tokenyard.routing.cost import CostConfig
 from tokenyard.routing.policy import PolicyConfig
 from tokenyard.services.router.handler import RouterHandler
 from tokenyard.services.router.settings import RouterSettings
+from tokenyard.services.router.shared_tier import SharedTier
 from tokenyard.span_bus import spans_to_bus
 from tokenyard.tracing import setup_tracing
 from tokenyard.v1 import serving_pb2 as pb
@@ -34,6 +35,7 @@ def policy_config(settings: RouterSettings) -> PolicyConfig:
         queue_per_worker=settings.queue_per_worker,
         overlap_weight=settings.overlap_weight,
         kv_weight=settings.kv_weight,
+        shared_hit_value=settings.shared_hit_value,
         placement=settings.placement,
     )
 
@@ -43,7 +45,11 @@ async def serve(settings: RouterSettings, stop: asyncio.Event) -> None:
         bus = await Bus.connect(settings.nats_url, name="router")
         stack.push_async_callback(bus.close)
         await stack.enter_async_context(spans_to_bus(bus, "router"))
-        handler = RouterHandler(bus, policy_config(settings))
+        shared = None
+        if settings.kvcache_endpoint:
+            shared = SharedTier(settings.kvcache_endpoint, settings.kvcache_timeout_s)
+            stack.push_async_callback(shared.close)
+        handler = RouterHandler(bus, policy_config(settings), shared=shared)
         stack.push_async_callback(handler.close)
         await handler.fleet.racks.start(bus)  # ty.facilities.state.*: drained / derated racks
         await subscribe_heartbeats(bus, handler.on_heartbeat)

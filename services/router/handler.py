@@ -18,6 +18,7 @@ from tokenyard.fleet import FleetView
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
 from tokenyard.routing.policy import PolicyConfig, RouteInput, choose
 from tokenyard.services.router.kv_sync import KVSync
+from tokenyard.services.router.shared_tier import SharedTier
 from tokenyard.services.router.state import BlockIndex
 from tokenyard.tracing import REQUEST_ID, tracer
 from tokenyard.v1 import serving_pb2 as pb
@@ -36,9 +37,11 @@ class RouterHandler:
         config: PolicyConfig,
         *,
         racks: RackStateTracker | None = None,
+        shared: SharedTier | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.bus = bus
+        self.shared = shared  # the KV-cache service, asked what it holds of each prompt
         self.config = config
         self.clock = clock
         self.turns = itertools.count()  # round-robin placement's turn
@@ -155,11 +158,26 @@ class RouterHandler:
                 "tokenyard.prompt_tokens": req.num_prompt_tokens,
             },
         ) as span:
-            reply = self.route(req)
+            shared = await self.shared_blocks(req)
+            span.set_attribute("tokenyard.shared_blocks", shared)
+            reply = self.route(req, shared_blocks=shared)
             span.set_attributes(placement_attributes(reply))
             await self.bus.reply(msg, reply)
 
-    def route(self, req: pb.RouteRequest) -> pb.RouteReply:
+    async def shared_blocks(self, req: pb.RouteRequest) -> int:
+        """Leading blocks of the prompt the shared tier holds (0 without one, or when a
+        worker holds the whole prompt already: the service could add nothing)."""
+        hashes = list(req.block_hashes)
+        if self.shared is None or not hashes or req.hash_version not in ("", HASH_SPEC_VERSION):
+            return 0
+        layout = self.fleet.kv_layout(req.model, self.clock())
+        if layout is None:
+            return 0
+        if max(self.index.overlap(hashes).values(), default=0) >= len(hashes):
+            return 0
+        return await self.shared.leading_blocks(layout, hashes)
+
+    def route(self, req: pb.RouteRequest, shared_blocks: int = 0) -> pb.RouteReply:
         now = self.clock()
         for worker_id in self.fleet.forget_dead(now):
             log.info("worker %s is gone", worker_id)
@@ -176,6 +194,7 @@ class RouterHandler:
             cached,
             max_tokens=req.max_tokens,
             turn=next(self.turns),
+            shared_blocks=shared_blocks,
         )
         facilities = self.fleet.racks.by_worker()
         result = choose(self.fleet.workers, request, now, facilities=facilities, config=self.config)

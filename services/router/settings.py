@@ -27,6 +27,12 @@ class RouterSettings(BaseSettings):
     queue_per_worker: int = 64
     overlap_weight: float = 1.0
     kv_weight: float = 0.5
+    # The shared KV-cache service (host:port; "" = none): asked what it holds of each
+    # prompt, within kvcache_timeout_s, so placement weighs a pull against a local hit.
+    kvcache_endpoint: str = ""
+    kvcache_timeout_s: float = Field(default=0.05, gt=0)
+    # A shared block's worth as a share of a local one, until workers have measured it.
+    shared_hit_value: float = Field(default=0.8, ge=0, le=1)
     log_level: str = "INFO"
     # The ops HTTP server: /health, /ready, /metrics (0 = any free port).
     ops_host: str = "127.0.0.1"

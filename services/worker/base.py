@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from nats.aio.msg import Msg
@@ -140,10 +140,13 @@ class WorkerBase:
         prefill_only: bool = False,
         arrival_unix_ns: int = 0,
         on_prompt_computed: Callable[[], None] | None = None,
+        before_add: Awaitable[object] | None = None,
     ) -> TokenStream:
         """Run a request (or just its prefill) here; returns its stream once it has ended.
 
-        ``on_prompt_computed`` is called once, with the request's first output. A request
+        ``on_prompt_computed`` is called once, with the request's first output;
+        ``before_add`` (a KV-cache fetch under way) is awaited once the request is admitted,
+        before the engine sees it, so the two waits overlap. A request
         that already runs here (a gateway's resume of it came first) is joined, not started
         again: its stream is returned once it has ended."""
         running = self.streams.running.get(request_id)
@@ -161,6 +164,8 @@ class WorkerBase:
             admitted = await self.streams.admit(stream)
         if not admitted:
             return stream  # cancelled or handed back while it waited
+        if before_add is not None:
+            await before_add
         if self.streams.is_cancelled(request_id):  # cancelled before its stream existed (a fetch)
             await stream.aborted()
             return stream

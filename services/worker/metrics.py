@@ -80,6 +80,30 @@ QUEUE_TIME = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 
+# The KV tiers as a worker sees them. Hit rate per tier: kv_hit_tokens{tier} / prompt_tokens
+# (tier "local": this worker's prefix cache; "shared": fetched from the KV-cache service).
+KV_HIT_TOKENS = Counter(
+    "tokenyard:kv_hit_tokens",
+    "Prompt tokens not computed, by the tier that held them",
+    (*LABELS, "tier"),
+)
+KV_FETCH_BYTES = Counter(
+    "tokenyard:kv_fetch_bytes", "Bytes of KV blocks fetched from the KV-cache service", LABELS
+)
+KV_OFFLOAD_BYTES = Counter(
+    "tokenyard:kv_offload_bytes",
+    "Bytes of KV blocks sent to the KV-cache service, by what they were (prompt or reply)",
+    (*LABELS, "source"),
+)
+KV_OFFLOAD_DROPPED_BYTES = Counter(
+    "tokenyard:kv_offload_dropped_bytes",
+    "Bytes of KV blocks not sent to the KV-cache service: over the bandwidth budget",
+    (*LABELS, "source"),
+)
+KV_OFFLOAD_FAILURES = Counter(
+    "tokenyard:kv_offload_failures", "Offloads to the KV-cache service that failed", LABELS
+)
+
 
 class WorkerMetrics:
     """One worker's children of the metrics above, and the engine counters last seen."""
@@ -141,6 +165,18 @@ class WorkerMetrics:
     def on_prompt(self, num_tokens: int, queued_s: float) -> None:
         self.child(PROMPT_TOKENS).inc(num_tokens)
         self.child(QUEUE_TIME).observe(max(0.0, queued_s))
+
+    def on_kv_hits(self, local_tokens: int, shared_tokens: int) -> None:
+        if local_tokens > 0:
+            KV_HIT_TOKENS.labels(**self.labels, tier="local").inc(local_tokens)
+        if shared_tokens > 0:
+            KV_HIT_TOKENS.labels(**self.labels, tier="shared").inc(shared_tokens)
+
+    def on_offload(self, source: str, sent_bytes: int, dropped_bytes: int) -> None:
+        if sent_bytes > 0:
+            KV_OFFLOAD_BYTES.labels(**self.labels, source=source).inc(sent_bytes)
+        if dropped_bytes > 0:
+            KV_OFFLOAD_DROPPED_BYTES.labels(**self.labels, source=source).inc(dropped_bytes)
 
     def timer(self, *, first_token_here: bool, arrival_unix_ns: int = 0) -> RequestTimer:
         return RequestTimer(self, first_token_here, since_arrival_s(arrival_unix_ns))

@@ -14,7 +14,7 @@ from tokenyard.bus import auth, subjects
 from tokenyard.bus.workqueue import Delivery, Outcome, WorkQueue, WorkQueueSpec
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.convert import error_chunk
-from tokenyard.services.worker.kv import KVCachePort
+from tokenyard.services.worker.kvcache import KVCachePort, PrefixHit
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.services.worker.stream import HANDED_BACK
 from tokenyard.tracing import REQUEST_ID, tracer
@@ -44,7 +44,7 @@ class PrefillHandler:
         self.w = worker
         self.settings = worker.settings
         self.bus = worker.bus
-        self.cache = KVCachePort(worker.loop, worker.settings)
+        self.cache = KVCachePort(worker.loop, worker.settings, worker.metrics)
         self.queue = WorkQueue(
             self.bus,
             queue_spec(self.settings),
@@ -55,6 +55,7 @@ class PrefillHandler:
             accepting=worker.accepting,
         )
         worker.presence.readiness_checks.append(self.queue.problem)
+        worker.presence.kvcache_fetch_ms_per_block = lambda: self.cache.fetch_ms_per_block
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         await self.cache.start()
@@ -99,32 +100,63 @@ class PrefillHandler:
             return True  # a late redelivery: nothing left to do
         aggregated = job.decode_worker_id in ("", self.w.worker_id) or job.params.max_tokens == 1
         prompt = list(job.prompt_token_ids)
-        with _tracer.start_as_current_span("kvcache.fetch", attributes={REQUEST_ID: rid}) as span:
-            fetched = await self.cache.fetch(rid, prompt, job.params.cache_salt)
-            span.set_attribute("tokenyard.fetched_tokens", fetched)
-
-        def offload() -> None:
-            # With the first token, while the sequence still holds its prompt's blocks, not
-            # when it ends: a closed-loop client's next request arrives as one ends, and the
-            # copy-out and upload then competed with its prefill, slowing its first token
-            # (docs/benchmarks.md). In the background: the copy-out waits for a step boundary.
-            self.cache.offload_soon(
-                rid, prompt, skip_tokens=fetched, cache_salt=job.params.cache_salt
+        salt = job.params.cache_salt
+        # The fetch of a shared hit runs while the request waits for admission here.
+        fetch = asyncio.get_running_loop().create_task(self._fetch(rid, prompt, salt))
+        try:
+            stream = await self.w.generate(
+                rid,
+                job.gateway_id,
+                prompt,
+                job.params,
+                prefill_only=not aggregated,
+                arrival_unix_ns=job.arrival_unix_ns,
+                on_prompt_computed=lambda: self._offload_prompt(rid, prompt, fetch, salt),
+                before_add=asyncio.shield(fetch),
             )
-
-        stream = await self.w.generate(
-            rid,
-            job.gateway_id,
-            prompt,
-            job.params,
-            prefill_only=not aggregated,
-            arrival_unix_ns=job.arrival_unix_ns,
-            on_prompt_computed=offload,
-        )
+        finally:
+            hit = await fetch  # never cancelled: its reserved blocks are committed or freed
         reason = await stream.done
         if reason == HANDED_BACK:
             return False
+        self._account(prompt, stream.cached_tokens or 0, hit)
         if reason != "prefilled":
+            self._offload_reply(rid, prompt, stream.output_token_ids, salt, reason)
             return True
         await self.w.handoffs.send(job, stream.cached_tokens or 0)
         return True
+
+    async def _fetch(self, rid: str, prompt: list[int], salt: str) -> PrefixHit:
+        with _tracer.start_as_current_span("kvcache.fetch", attributes={REQUEST_ID: rid}) as span:
+            hit = await self.cache.fetch(rid, prompt, salt)
+            span.set_attribute("tokenyard.fetched_tokens", hit.fetched_tokens)
+        return hit
+
+    def _offload_prompt(
+        self, rid: str, prompt: list[int], fetch: asyncio.Task[PrefixHit], salt: str
+    ) -> None:
+        # With the first token, while the sequence still holds its prompt's blocks, not
+        # when it ends: a closed-loop client's next request arrives as one ends, and the
+        # copy-out and upload then competed with its prefill, slowing its first token
+        # (docs/benchmarks.md). In the background: the copy-out waits for a step boundary.
+        skip = fetch.result().cached_tokens if fetch.done() and not fetch.cancelled() else 0
+        self.cache.offload_soon(rid, prompt, skip_tokens=skip, cache_salt=salt)
+
+    def _offload_reply(
+        self, rid: str, prompt: list[int], output: list[int], salt: str, reason: str
+    ) -> None:
+        """A finished request's reply blocks, for a chat's next turn (the prompt's full
+        blocks went with the first token)."""
+        if not self.settings.kv_offload_replies or reason in ("abort", "error") or not output:
+            return
+        bs = self.w.engine.block_size
+        # The last token's KV was never computed: only blocks full before it are cached.
+        tokens = prompt + output[:-1]
+        self.cache.offload_soon(
+            rid, tokens, skip_tokens=len(prompt) // bs * bs, cache_salt=salt, source="reply"
+        )
+
+    def _account(self, prompt: list[int], cached_tokens: int, hit: PrefixHit) -> None:
+        """Prompt tokens served by each tier (the engine's count includes the fetched ones)."""
+        fetched = min(hit.fetched_tokens, cached_tokens)
+        self.w.metrics.on_kv_hits(cached_tokens - fetched, fetched)

@@ -22,6 +22,7 @@ from tokenyard.bus.senders import subscribe_heartbeats
 from tokenyard.engine.contract import Engine
 from tokenyard.fleet import FleetView
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
+from tokenyard.kv.layout import layout_to_proto
 from tokenyard.services.worker.engine_loop import EngineLoop
 from tokenyard.services.worker.kv import KVPort
 from tokenyard.services.worker.metrics import WorkerMetrics
@@ -69,6 +70,8 @@ class Presence:
         self.kv_seq = 0
         self.control_endpoint = ""  # the WorkerControl server, once started
         self.ops_endpoint = ""  # the ops HTTP server (/metrics), set by the service's wiring
+        # The measured cost of a KV-cache fetch, set by the prefill handler that fetches.
+        self.kvcache_fetch_ms_per_block: Callable[[], float] = lambda: 0.0
         # More reasons the worker may not take work (its work queue's consumer), registered
         # by the role handlers.
         self.readiness_checks: list[Callable[[], str | None]] = []
@@ -140,6 +143,8 @@ class Presence:
             draining=not self.accepting.is_set(),
             control_endpoint=self.control_endpoint,
             ops_endpoint=self.ops_endpoint,
+            kv_layout=layout_to_proto(self.engine.layout) if self.engine.layout else None,
+            kvcache_fetch_ms_per_block=self.kvcache_fetch_ms_per_block(),
         )
 
     def log_step_timings(self) -> None:

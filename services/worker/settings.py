@@ -91,6 +91,13 @@ class WorkerSettings(BaseSettings):
     # cached prefix from it and writes newly computed full blocks through to it.
     kvcache_endpoint: str = ""
     kvcache_timeout_s: float = 5.0
+    # Also offload a finished request's reply blocks (the next turn of a chat resends them
+    # as its prompt), not only its prompt's.
+    kv_offload_replies: bool = True
+    # The most bytes per second (on average, bursts of one second) this worker sends to the
+    # KV-cache service; blocks over it are dropped and counted
+    # (tokenyard:kv_offload_dropped_bytes). 0 = no limit.
+    kv_offload_bytes_per_s: float = Field(default=256 * 1024**2, ge=0)
     # Whether the local prefix cache may fill the whole KV pool (all of it resident) rather
     # than reuse its oldest cached block first, with or without a KV-cache service: a prefix
     # fetched back from the service waits for the engine thread twice, so a local hit is

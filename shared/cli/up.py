@@ -186,6 +186,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the KV-cache service's RAM tier in MiB (default 256; resident as blocks arrive)",
     )
     parser.add_argument(
+        "--kv-disk-dir",
+        default="",
+        help="give the KV-cache service a disk tier in this directory; a restart with the"
+        " same directory keeps the cached blocks (default: RAM only)",
+    )
+    parser.add_argument(
+        "--kv-disk-gb",
+        type=float,
+        default=10.0,
+        help="the disk tier's size in GiB (default 10; with --kv-disk-dir)",
+    )
+    parser.add_argument(
         "--no-shared-weights",
         action="store_true",
         help="each CPU worker keeps its own copy of the weights instead of sharing one "
@@ -248,6 +260,8 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         raise SystemExit("--workers takes 1 or more, and no --prefill, --decode or --disaggregated")
     if args.kvcache_mib < 1 or (args.kv_cache_mib is not None and args.kv_cache_mib < 1):
         raise SystemExit("--kvcache-mib and --kv-cache-mib must be at least 1")
+    if args.kv_disk_dir and (args.no_kvcache or args.kv_disk_gb <= 0):
+        raise SystemExit("--kv-disk-dir needs the KV-cache service and a --kv-disk-gb above 0")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise SystemExit("--gpu-memory-utilization must be above 0 and at most 1")
     if args.cpu_memory_utilization is not None:
@@ -303,6 +317,8 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         model=args.model,
         kvcache=not args.no_kvcache,
         kvcache_ram_mib=args.kvcache_mib,
+        kvcache_disk_dir=str(Path(args.kv_disk_dir).resolve()) if args.kv_disk_dir else "",
+        kvcache_disk_gib=args.kv_disk_gb,
         shared_weights=not args.no_shared_weights,
         facilities=not args.no_facilities,
         telemetry=not args.no_telemetry,

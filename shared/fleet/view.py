@@ -19,6 +19,7 @@ from functools import cached_property
 from tokenyard.facilities.tracker import RackStateTracker
 from tokenyard.fleet import liveness
 from tokenyard.fleet.roles import can_decode, can_prefill
+from tokenyard.v1 import kv_pb2
 from tokenyard.v1 import serving_pb2 as pb
 
 # A dead worker is forgotten this long after it died (its KV events may still be arriving).
@@ -190,6 +191,15 @@ class FleetView:
         request only on workers whose own context holds it (routing.policy.fits)."""
         lens = [w.heartbeat.max_model_len for w in self.live(now) if w.heartbeat.max_model_len]
         return max(lens) if lens else 0
+
+    def kv_layout(self, model: str, now: float) -> kv_pb2.KVLayoutDesc | None:
+        """The KV layout a live worker of ``model`` (any, when "") announces; None if none
+        has a pool. Workers of one model share a layout, or the KV-cache service keeps
+        their blocks apart anyway (it namespaces them by layout)."""
+        for w in self.ready(now):
+            if (not model or w.model == model) and w.heartbeat.HasField("kv_layout"):
+                return w.heartbeat.kv_layout
+        return None
 
     def models(self, now: float) -> set[str]:
         return {w.model for w in self.live(now) if w.model}

@@ -7,6 +7,11 @@ with scripted worker tables. Its inputs:
   placements since each worker's last beat, so a burst does not herd onto one worker);
 - ``request.cached_blocks``: per worker, how many leading blocks of this prompt it holds
   (from the global KV event index);
+- ``request.shared_blocks``: how many leading blocks the shared KV-cache service holds.
+  Any worker with a KV pool can fetch them before computing the rest, at a price: a shared
+  block is worth ``pull_value`` of a local one (1 - its measured fetch time over the time
+  to compute its tokens there, from the worker's heartbeat), so a worker's local hit
+  beats an equal shared hit, and a longer shared hit can beat a short local one;
 - ``facilities``: per worker, what the facilities service says about its rack
   (drain = place nothing new there, derate = a penalty and maybe a lower cap on
   concurrent sequences, and near the power cap a weight on the worker's load).
@@ -42,6 +47,7 @@ class RouteInput:
     cached_blocks: Mapping[str, int] = field(default_factory=dict)  # worker -> leading blocks held
     max_tokens: int = 0  # 0 = unknown
     turn: int = 0  # the router's count of requests so far (round-robin placement takes it)
+    shared_blocks: int = 0  # leading blocks the shared KV-cache service holds
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,9 @@ class PolicyConfig:
     # "round-robin": the next worker with room in turn, whatever it holds (a baseline to
     # measure the KV-aware choice against: `tokenyard up --router-placement round-robin`).
     placement: Literal["kv-aware", "round-robin"] = "kv-aware"
+    # A shared-tier block's worth, as a share of a local one, until a worker has measured
+    # both its fetch and its compute cost.
+    shared_hit_value: float = 0.8
 
 
 # A worker on no rack the facilities service knows is placed as on a normal one.
@@ -137,8 +146,7 @@ def _place(
     facilities: Mapping[str, WorkerThrottle],
     config: PolicyConfig,
 ) -> pb.Placement:
-    cached = request.cached_blocks.get(prefill.worker_id, 0) * prefill.block_size
-    cached = min(cached, request.num_prompt_tokens)
+    cached = _hit_tokens(prefill, request, config)[1]
 
     def aggregated(reason: str) -> pb.Placement:
         return pb.Placement(
@@ -243,12 +251,36 @@ def free_score(w: WorkerView, facility: WorkerThrottle, config: PolicyConfig) ->
 
 
 def _overlap_score(w: WorkerView, request: RouteInput, config: PolicyConfig) -> float:
-    """The value of the prompt's cached share on this worker (0.0 when it holds none)."""
+    """The value of the prompt's cached share on this worker (0.0 when it holds none and
+    the shared tier holds none either)."""
     if not request.num_prompt_tokens:
         return 0.0
-    cached_tokens = request.cached_blocks.get(w.worker_id, 0) * w.block_size
-    share = min(cached_tokens, request.num_prompt_tokens) / request.num_prompt_tokens
-    return config.overlap_weight * share
+    worth = _hit_tokens(w, request, config)[0]
+    return config.overlap_weight * worth / request.num_prompt_tokens
+
+
+def _hit_tokens(w: WorkerView, request: RouteInput, config: PolicyConfig) -> tuple[float, int]:
+    """(worth in local tokens, tokens it will not compute) of the prompt's cached prefix
+    there: its own blocks, then what the shared tier holds past them, priced as a pull."""
+    bs = w.block_size
+    local = min(request.cached_blocks.get(w.worker_id, 0) * bs, request.num_prompt_tokens)
+    if not w.heartbeat.HasField("kv_layout"):  # no pool: it cannot fetch
+        return float(local), local
+    shared = min(request.shared_blocks * bs, request.num_prompt_tokens)
+    value = pull_value(w, config)
+    if shared <= local or value <= 0:
+        return float(local), local
+    return local + (shared - local) * value, shared
+
+
+def pull_value(w: WorkerView, config: PolicyConfig) -> float:
+    """A block fetched from the shared tier, as a share of the same block held locally:
+    1 - fetch time / compute time of its tokens, both as the worker measured them."""
+    hb = w.heartbeat
+    fetch_ms, compute_ms = hb.kvcache_fetch_ms_per_block, hb.step_ms_per_token * w.block_size
+    if fetch_ms <= 0 or compute_ms <= 0:
+        return config.shared_hit_value
+    return max(0.0, 1.0 - fetch_ms / compute_ms)
 
 
 def _error(code: pb.RouteError.Code, message: str, retry_after_s: int = 0) -> pb.RouteError:

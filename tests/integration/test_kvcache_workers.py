@@ -38,11 +38,11 @@ MAX_TOKENS = 6
 KV_BYTES = 64 << 20
 
 
-def greedy_reference(loaded, prompt: list[int]) -> list[int]:
+def greedy_reference(loaded, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
     eng = LLMEngine(
         EngineConfig(kv_cache_bytes=KV_BYTES, enable_prefix_caching=False), loaded=loaded
     )
-    eng.add_request("ref", prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    eng.add_request("ref", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     tokens: list[int] = []
     while eng.has_unfinished():
         for out in eng.step():
@@ -51,11 +51,11 @@ def greedy_reference(loaded, prompt: list[int]) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def worker(loaded, nats_url: str, worker_id: str, endpoint: str):
+async def worker(loaded, nats_url: str, worker_id: str, endpoint: str, **more):
     from tokenyard.engine.sampling_params import SamplingParams as Params
 
     settings = WorkerSettings(
-        nats_url=nats_url, worker_id=worker_id, role="both", kvcache_endpoint=endpoint
+        nats_url=nats_url, worker_id=worker_id, role="both", kvcache_endpoint=endpoint, **more
     )
     engine = LLMEngine(EngineConfig(kv_cache_bytes=KV_BYTES), loaded=loaded)
     bus = await Bus.connect(nats_url, name=worker_id)
@@ -75,7 +75,9 @@ async def worker(loaded, nats_url: str, worker_id: str, endpoint: str):
         await bus.close()
 
 
-async def run(bus: Bus, handler: PrefillHandler, rid: str, prompt: list[int]) -> list[int]:
+async def run(
+    bus: Bus, handler: PrefillHandler, rid: str, prompt: list[int], max_tokens: int = MAX_TOKENS
+) -> list[int]:
     chunks: list[pb.TokenChunk] = []
 
     async def on_chunk(chunk: pb.TokenChunk, _msg) -> None:
@@ -86,7 +88,7 @@ async def run(bus: Bus, handler: PrefillHandler, rid: str, prompt: list[int]) ->
         request_id=rid,
         gateway_id=GW,
         prompt_token_ids=prompt,
-        params=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0),
+        params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0),
     )
     assert await handler.run_job(job)
     await bus.sync()
@@ -123,3 +125,60 @@ async def test_an_unreachable_cache_never_fails_the_request(loaded_model, nats_u
     want = greedy_reference(loaded_model, PROMPT_A)
     async with worker(loaded_model, nats_url, "c", "127.0.0.1:1") as (_, c):
         assert await run(bus, c, "req-c", PROMPT_A) == want
+
+
+async def wait_contains(endpoint: str, layout, hashes: list[int]) -> int:
+    """How many leading ``hashes`` the service holds once the background offload settled."""
+    async with KVCacheClient(endpoint) as cache:
+        n = 0
+        for _ in range(100):
+            n = await cache.contains(layout, hashes)
+            if n == len(hashes):
+                break
+            await asyncio.sleep(0.05)
+        return n
+
+
+async def test_a_reply_is_offloaded_and_the_next_turn_fetches_it(loaded_model, nats_url, bus):
+    # Turn 1 on worker a; turn 2 (turn 1's prompt and reply, then a new message) on worker
+    # b, which never saw either: every full block of both comes from the service.
+    reply_len = 40
+    reply = greedy_reference(loaded_model, PROMPT_A, reply_len)
+    turn2 = PROMPT_A + reply + [901, 902, 903]
+    want2 = greedy_reference(loaded_model, turn2)
+    server = await serve(KVCacheSettings(port=0, shutdown_grace_s=0))
+    try:
+        async with worker(loaded_model, nats_url, "a", server.endpoint) as (wa, a):
+            assert await run(bus, a, "turn-1", PROMPT_A, reply_len) == reply
+            # The reply's last token was never computed: the blocks full before it.
+            history = prefix_block_hashes(PROMPT_A + reply[:-1], BLOCK)
+            assert len(history) > len(PROMPT_A) // BLOCK  # the reply filled blocks of its own
+            assert await wait_contains(server.endpoint, wa.engine.layout, history) == len(history)
+        async with worker(loaded_model, nats_url, "b", server.endpoint) as (wb, b):
+            before = wb.engine.stats().prefix_cache_hits
+            assert await run(bus, b, "turn-2", turn2) == want2
+            assert wb.engine.stats().prefix_cache_hits - before == len(history) * BLOCK
+    finally:
+        await server.stop()
+
+
+async def test_offload_over_the_budget_is_dropped_and_counted(loaded_model, nats_url, bus):
+    from tokenyard.services.worker.metrics import KV_OFFLOAD_DROPPED_BYTES
+
+    server = await serve(KVCacheSettings(port=0, shutdown_grace_s=0))
+    try:
+        # One byte a second: not one block fits.
+        async with worker(
+            loaded_model, nats_url, "d", server.endpoint, kv_offload_bytes_per_s=1
+        ) as (wd, d):
+            labels = {**wd.metrics.labels, "source": "prompt"}
+            before = KV_OFFLOAD_DROPPED_BYTES.labels(**labels)._value.get()
+            await run(bus, d, "req-d", PROMPT_A)
+            await asyncio.sleep(0.3)
+            dropped = KV_OFFLOAD_DROPPED_BYTES.labels(**labels)._value.get() - before
+            assert dropped == len(PROMPT_A) // BLOCK * wd.engine.layout.block_nbytes
+            async with KVCacheClient(server.endpoint) as cache:
+                hashes = prefix_block_hashes(PROMPT_A, BLOCK)
+                assert await cache.contains(wd.engine.layout, hashes) == 0
+    finally:
+        await server.stop()

@@ -363,3 +363,18 @@ def test_start_progress_prints_each_service_once_when_its_ready_answers_200():
         assert progress.poll(12.0) == ["  both-1 ready (12 s)"]
     finally:
         server.shutdown()
+
+
+def test_up_gives_the_kv_cache_a_disk_tier_when_asked(tmp_path):
+    from tokenyard.services.launch.stack import kvcache_disk_env
+
+    assert up_config().kvcache_disk_dir == ""
+    config = up_config("--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-gb", "0.5")
+    assert config.kvcache_disk_dir == str((tmp_path / "kv").resolve())
+    env = kvcache_disk_env(config)
+    assert env == {
+        "TOKENYARD_KVCACHE_DISK_DIR": str((tmp_path / "kv").resolve()),
+        "TOKENYARD_KVCACHE_DISK_BYTES": str(512 * 1024**2),
+    }
+    with pytest.raises(SystemExit, match="--kv-disk-dir needs the KV-cache service"):
+        up_config("--kv-disk-dir", str(tmp_path), "--no-kvcache")

@@ -6,7 +6,7 @@ import pytest
 
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store.tiered import Put, TieredStore, block_key, layout_key
-from tokenyard.kv.store.tiers import DiskTier, RamTier
+from tokenyard.kv.store.tiers import DISK_FORMAT, FORMAT_FILE, DiskTier, RamTier
 
 BLOCK = 100  # bytes per test block (the store does not care about layouts)
 FRAMED = BLOCK + 4  # + crc32
@@ -95,3 +95,38 @@ async def test_a_corrupt_held_block_gives_way_to_a_new_write(tmp_path):
     path.write_bytes(bytes(raw))
     assert await store.put("a/1", block(7)) is Put.STORED
     assert store.corrupt == 1 and await store.get("a/1") == block(7)
+
+
+async def test_a_block_under_another_key_is_never_served(tmp_path):
+    # A file copied or renamed under another block's name fails its check: a miss, not
+    # another block's bytes.
+    store = store_with(tmp_path, ram_blocks=0, disk_blocks=10)
+    await store.put("a/1", block(1))
+    await store.put("a/2", block(2))
+    disk = store.tiers[1]
+    disk._path("a/2").write_bytes(disk._path("a/1").read_bytes())
+    reopened = store_with(tmp_path, ram_blocks=10, disk_blocks=10)
+    assert await reopened.get("a/2") is None
+    assert reopened.corrupt == 1
+    assert await reopened.get("a/1") == block(1)
+
+
+async def test_disk_tier_of_another_format_starts_empty(tmp_path):
+    store = store_with(tmp_path, ram_blocks=0, disk_blocks=10)
+    await store.put("a/1", block(1))
+    disk_dir = tmp_path / "disk"
+    (disk_dir / FORMAT_FILE).write_text("ty-kv-disk-v1\n")
+    (disk_dir / "a~9.tmp").write_bytes(b"half a write")
+    reopened = store_with(tmp_path, ram_blocks=10, disk_blocks=10)
+    assert not await reopened.contains("a/1")
+    assert list(disk_dir.glob("*.blk")) == [] and list(disk_dir.glob("*.tmp")) == []
+    assert (disk_dir / FORMAT_FILE).read_text().strip() == DISK_FORMAT
+
+
+async def test_disk_tier_restarted_smaller_drops_its_oldest_blocks(tmp_path):
+    store = store_with(tmp_path, ram_blocks=0, disk_blocks=10)
+    for i in range(4):
+        await store.put(f"a/{i}", block(i))
+    reopened = store_with(tmp_path, ram_blocks=0, disk_blocks=2)
+    assert sorted(reopened.tiers[1].index.sizes) == ["a/2", "a/3"]
+    assert len(list((tmp_path / "disk").glob("*.blk"))) == 2

@@ -414,3 +414,59 @@ def test_a_worker_claiming_a_short_context_gets_no_longer_request_and_the_others
     too_long = choose(workers, RouteInput("r3", MODEL, 4000, max_tokens=200), NOW)
     assert isinstance(too_long, pb.RouteError)
     assert too_long.code == pb.RouteError.CONTEXT_TOO_LONG and "4096" in too_long.message
+
+
+# --- the shared KV-cache tier ---------------------------------------------------------------
+
+
+def pooled(w: WorkerView, fetch_ms_per_block: float = 0.0, ms_per_token: float = 0.0) -> WorkerView:
+    """``w`` with a KV pool (so it can fetch from the shared tier) and measured costs."""
+    from tokenyard.v1 import kv_pb2
+
+    hb = pb.WorkerHeartbeat()
+    hb.CopyFrom(w.heartbeat)
+    hb.kv_layout.CopyFrom(kv_pb2.KVLayoutDesc(model_id=MODEL, block_size=16))
+    hb.kvcache_fetch_ms_per_block = fetch_ms_per_block
+    hb.step_ms_per_token = ms_per_token
+    return WorkerView(hb, last_seen=w.last_seen)
+
+
+def shared_req(cached: dict[str, int], shared_blocks: int, tokens: int = 1600) -> RouteInput:
+    return RouteInput("r1", MODEL, tokens, cached, shared_blocks=shared_blocks)
+
+
+def test_a_shared_hit_shrinks_a_busy_local_holders_lead():
+    # a holds half the prompt and is busier; b holds nothing. Without the shared
+    # tier a's hit wins; with all of it in the shared tier, b (idle) fetches it instead.
+    workers = table(pooled(worker("a", "both", running=4)), pooled(worker("b", "both", running=1)))
+    cfg = PolicyConfig(disaggregation="never")
+    alone = choose(workers, shared_req({"a": 50}, 0), NOW, config=cfg)
+    assert alone.prefill_worker_id == "a"
+    shared = choose(workers, shared_req({"a": 50}, 100), NOW, config=cfg)
+    assert shared.prefill_worker_id == "b"
+    assert shared.expected_cached_tokens == 1600  # fetched, not computed
+
+
+def test_an_equal_local_hit_beats_a_pull():
+    workers = table(pooled(worker("a", "both")), pooled(worker("b", "both")))
+    cfg = PolicyConfig(disaggregation="never")
+    # b is first by id on a tie; a holds the prompt itself, b would have to pull it.
+    result = choose(workers, shared_req({"a": 100}, 100), NOW, config=cfg)
+    assert result.prefill_worker_id == "a"
+
+
+def test_a_pull_is_priced_by_the_workers_measured_costs():
+    # b's fetch costs as much as computing the tokens: its shared hit is worth nothing,
+    # so a's small local hit wins; c fetches at a tenth of its compute cost and wins.
+    cfg = PolicyConfig(disaggregation="never")
+    a = pooled(worker("a", "both"), fetch_ms_per_block=16.0, ms_per_token=1.0)
+    b = pooled(worker("b", "both"), fetch_ms_per_block=16.0, ms_per_token=1.0)
+    c = pooled(worker("c", "both"), fetch_ms_per_block=1.6, ms_per_token=1.0)
+    assert choose(table(a, b), shared_req({"a": 10}, 100), NOW, config=cfg).prefill_worker_id == "a"
+    assert choose(table(a, c), shared_req({"a": 10}, 100), NOW, config=cfg).prefill_worker_id == "c"
+
+
+def test_a_worker_without_a_pool_gets_no_credit_for_the_shared_tier():
+    workers = table(worker("a", "both"), pooled(worker("b", "both", running=2)))
+    result = choose(workers, shared_req({}, 100), NOW, config=PolicyConfig(disaggregation="never"))
+    assert result.prefill_worker_id == "b"

@@ -3,8 +3,9 @@
 Tiers are exclusive: a block lives in one of them. A new block enters RAM; what a tier
 evicts is demoted one tier down; what the last tier evicts is gone. A hit in a lower tier
 promotes the block back to RAM. Keys carry a digest of the layout, so a block written by
-one model or dtype is never served to another; values carry a crc32 that is checked
-whenever bytes come back from Redis or disk.
+one model or dtype is never served to another; values carry a crc32 of their key and bytes that
+is checked whenever bytes come back from Redis or disk, so a corrupt or misplaced block is
+dropped (a miss), never served.
 
 A block is written once (:meth:`TieredStore.put`): a later write of other bytes under
 the same key is refused, so no writer can replace a block that others already read.
@@ -38,15 +39,26 @@ def block_key(layout_digest: str, block_hash: int) -> str:
     return f"{layout_digest}/{block_hash:016x}"
 
 
-def frame(data: bytes) -> bytes:
-    return _CRC.pack(crc32(data)) + data
+def _crc(key: str, data: bytes) -> int:
+    return crc32(data, crc32(key.encode()))
 
 
-def unframe(value: bytes) -> bytes | None:
-    """The block's bytes, or None if they were corrupted at rest."""
+def frame(key: str, data: bytes) -> bytes:
+    """The block's bytes behind a crc32 of its key and bytes.
+
+    NOTE: the key is in the checksum so that bytes found under another key (a file copied
+    or renamed on disk, a Redis value written by another store) fail the check and are
+    never served as this block."""
+    return _CRC.pack(_crc(key, data)) + data
+
+
+def unframe(key: str, value: bytes) -> bytes | None:
+    """The block's bytes, or None if they were corrupted at rest or belong to another key."""
+    if len(value) < _CRC.size:
+        return None
     (crc,) = _CRC.unpack_from(value)
     data = value[_CRC.size :]
-    return data if crc32(data) == crc else None
+    return data if _crc(key, data) == crc else None
 
 
 class Put(enum.Enum):
@@ -79,7 +91,7 @@ class TieredStore:
         async with self._lock:
             held = await self._held(key)
             if held is None:
-                await self._put_at(0, key, frame(data))
+                await self._put_at(0, key, frame(key, data))
                 return Put.STORED
             if held == data:
                 return Put.SAME
@@ -98,7 +110,7 @@ class TieredStore:
 
     async def _checked(self, tier: Tier, key: str, value: bytes) -> bytes | None:
         """A tier's framed value unframed, or None: a copy that fails its crc32 is deleted."""
-        data = unframe(value)
+        data = unframe(key, value)
         if data is None:
             log.warning("KV block %s corrupt in %s; dropped", key, tier.name)
             self.corrupt += 1

@@ -7,11 +7,14 @@ can demote it one tier down. Values are opaque bytes; keys are ``<layout>/<block
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
+
+log = logging.getLogger(__name__)
 
 # (key, value) pushed out of a tier; value None = dropped unread (nothing below it).
 Evicted = list[tuple[str, bytes | None]]
@@ -139,6 +142,12 @@ class RedisTier:
         await self._redis.aclose()
 
 
+# The disk tier's format: one file per block, a crc32 of the key and the bytes first
+# (tiered.frame). Bump it when that changes.
+DISK_FORMAT = "ty-kv-disk-v2"
+FORMAT_FILE = "FORMAT"
+
+
 class DiskTier:
     """One file per block in a directory, LRU by mtime; survives a restart (the index is
     rebuilt from the files, oldest first)."""
@@ -150,9 +159,34 @@ class DiskTier:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.index = _LruIndex(capacity_bytes)
         self.counters = TierCounters()
+        self._check_format()
+        for tmp in self.dir.glob("*.tmp"):  # a write cut short: never renamed into place
+            tmp.unlink(missing_ok=True)
         files = sorted(self.dir.glob("*.blk"), key=lambda p: p.stat().st_mtime)
         for path in files:
             self.index.add(path.stem.replace("~", "/"), path.stat().st_size)
+        for victim in self.index.over_budget():  # restarted with a smaller budget
+            self._path(victim).unlink(missing_ok=True)
+
+    def _check_format(self) -> None:
+        """Blocks written in another format (another framing, an older release) are removed:
+        read as ours, they would only fail their checks one by one."""
+        marker = self.dir / FORMAT_FILE
+        found = marker.read_text().strip() if marker.exists() else ""
+        if found == DISK_FORMAT:
+            return
+        stale = list(self.dir.glob("*.blk"))
+        if stale:
+            log.warning(
+                "KV disk tier %s: %d blocks in format %r, not %r; removed",
+                self.dir,
+                len(stale),
+                found or "unknown",
+                DISK_FORMAT,
+            )
+        for path in stale:
+            path.unlink(missing_ok=True)
+        _write_atomically(marker, DISK_FORMAT.encode() + b"\n")
 
     def _path(self, key: str) -> Path:
         return self.dir / (key.replace("/", "~") + ".blk")
