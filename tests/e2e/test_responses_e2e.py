@@ -153,7 +153,7 @@ def test_agents_sdk_runs_a_tool_using_agent(url, model):
                 base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300
             ),
         ),
-        model_settings=ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=32),
+        model_settings=ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=128),
     )
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
     assert len(seen) == 1 and seen[0]

@@ -37,12 +37,18 @@ def owner_of(caller: Identity) -> str:
     return caller.tenant or ""
 
 
-def not_found(response_id: str, param: str = "response_id") -> ApiError:
+def _missing(response_id: str) -> str:
+    return f"no response with id '{response_id}' (it was not stored, has expired or was deleted)"
+
+
+def not_found(response_id: str) -> ApiError:
+    return ApiError(404, _missing(response_id), param="response_id", code="response_not_found")
+
+
+def unknown_previous(response_id: str) -> ApiError:
+    """A bad `previous_response_id` is a bad field of the request: 400, as OpenAI."""
     return ApiError(
-        404 if param == "response_id" else 400,
-        f"no response with id '{response_id}' (it was not stored, has expired or was deleted)",
-        param=param,
-        code="response_not_found",
+        400, _missing(response_id), param="previous_response_id", code="response_not_found"
     )
 
 
@@ -52,7 +58,7 @@ async def _history(state: GatewayState, body: ResponsesRequest, owner: str) -> l
     store = state.response_store()
     found = await asyncio.to_thread(store.get, body.previous_response_id, owner)
     if found is None:
-        raise not_found(body.previous_response_id, "previous_response_id")
+        raise unknown_previous(body.previous_response_id)
     return found.history()
 
 
@@ -96,18 +102,6 @@ async def create_response(
 
 
 @router.get(
-    "/responses/{response_id}",
-    response_model=Response,
-    responses=error_responses(401, 404),
-)
-async def get_response(response_id: str, state: State, caller: Authenticated) -> dict[str, Any]:
-    found = await asyncio.to_thread(state.response_store().get, response_id, owner_of(caller))
-    if found is None:
-        raise not_found(response_id)
-    return found.response
-
-
-@router.get(
     "/responses/{response_id}/input_items",
     response_model=InputItemList,
     responses=error_responses(401, 404),
@@ -121,6 +115,18 @@ async def list_input_items(response_id: str, state: State, caller: Authenticated
     return InputItemList(
         data=found.context, first_id=ids[0] if ids else None, last_id=ids[-1] if ids else None
     )
+
+
+@router.get(
+    "/responses/{response_id}",
+    response_model=Response,
+    responses=error_responses(401, 404),
+)
+async def get_response(response_id: str, state: State, caller: Authenticated) -> dict[str, Any]:
+    found = await asyncio.to_thread(state.response_store().get, response_id, owner_of(caller))
+    if found is None:
+        raise not_found(response_id)
+    return found.response
 
 
 @router.delete(
