@@ -116,7 +116,15 @@ def test_forced_function_call_and_its_output(client, model):
         },
         "strict": True,
     }
-    ask = {"model": model, "tools": [tool], "tool_choice": "required", "temperature": 0}
+    # One call (not parallel: the grammar would allow call after call up to the token cap).
+    ask = {
+        "model": model,
+        "tools": [tool],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 64,
+        "temperature": 0,
+    }
     called = client.responses.create(**ask, input="What is the weather in Paris?")
     calls = [item for item in called.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather"
