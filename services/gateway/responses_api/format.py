@@ -223,15 +223,17 @@ class ResponsesFormat:
                 OutputMessage(id=_item_id("msg"), status="in_progress", content=[])
             )
             yield from self._part("response.content_part.added", "")
-        message = self._items[self._open]  # type: ignore[index]
-        assert isinstance(message, OutputMessage) and self._open is not None
+        at = self._open
+        assert at is not None
+        message = self._items[at]
+        assert isinstance(message, OutputMessage)
         message.content[0].text += text
         yield self._event(
             TextDeltaEvent(
                 type="response.output_text.delta",
                 sequence_number=0,
                 item_id=message.id,
-                output_index=self._open,
+                output_index=at,
                 content_index=0,
                 delta=text,
             )
