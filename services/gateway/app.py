@@ -20,7 +20,8 @@ from tokenyard.services.gateway.keys import KeyStore
 from tokenyard.services.gateway.openapi import install_openapi
 from tokenyard.services.gateway.ratelimit import make_limiter
 from tokenyard.services.gateway.readiness import OptionalServices
-from tokenyard.services.gateway.routes import chat, completions, health, models
+from tokenyard.services.gateway.responses_api.store import ResponseStore
+from tokenyard.services.gateway.routes import chat, completions, health, models, responses
 from tokenyard.services.gateway.serve import REQUEST_ID_SCOPE_KEY
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.services.gateway.state import GatewayState
@@ -50,6 +51,12 @@ async def build_state(settings: GatewaySettings, stack: AsyncExitStack) -> Gatew
     keys = None
     if settings.keys_db_url:
         keys = await asyncio.to_thread(KeyStore.open, settings.keys_db_url)
+    stored = await asyncio.to_thread(
+        ResponseStore.open, settings.responses_db_url, settings.responses_retention_s
+    )
+    stack.callback(stored.close)
+    purging = asyncio.create_task(purge_expired(stored, settings.responses_purge_interval_s))
+    stack.push_async_callback(_cancel, purging)
     return GatewayState(
         settings=settings,
         backend=backend,
@@ -59,7 +66,26 @@ async def build_state(settings: GatewaySettings, stack: AsyncExitStack) -> Gatew
         keys=keys,
         minute_limits=minute_limits,
         optional_services=OptionalServices(settings.optional_services),
+        responses=stored,
     )
+
+
+async def purge_expired(store: ResponseStore, interval_s: float) -> None:
+    """Delete expired responses every `interval_s` until cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            gone = await asyncio.to_thread(store.purge)
+        except Exception:  # the database may be away for a while: try again next time
+            log.exception("could not delete expired responses")
+            continue
+        if gone:
+            log.info("deleted %d expired responses", gone)
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 class CountRequests:
@@ -133,7 +159,7 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
         lifespan=lifespan,
         description="OpenAI-compatible REST API of a Tokenyard cluster",
     )
-    for module in (chat, completions, models, health):
+    for module in (chat, completions, responses, models, health):
         app.include_router(module.router)
     install_error_handlers(app)
     install_openapi(app)

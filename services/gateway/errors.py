@@ -32,6 +32,10 @@ def from_validation(exc: RequestValidationError) -> ApiError:
     param = ".".join(loc) or None
     where = f"'{param}': " if param else ""
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    if first.get("type") == "extra_forbidden":  # a body that refuses what it cannot honour
+        return ApiError(
+            400, f"{where}not supported by this server{more}", param=param, code="unsupported_field"
+        )
     return ApiError(400, f"{where}{first.get('msg')}{more}", param=param, code="invalid_value")
 
 

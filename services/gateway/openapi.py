@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from tokenyard.services.gateway.responses_api.schemas import ResponseStreamEvent
 from tokenyard.services.gateway.schemas import ChatCompletionChunk, CompletionResponse
 
 _REF = "#/components/schemas/{model}"
@@ -20,7 +21,14 @@ _REF = "#/components/schemas/{model}"
 STREAM_EVENTS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionChunk,
     "/v1/completions": CompletionResponse,
+    "/v1/responses": ResponseStreamEvent,
 }
+# How each streaming route frames its events.
+STREAM_FRAMING = {
+    "/v1/responses": "`event: <type>` and `data: <event JSON>` per event; the last is "
+    "response.completed, response.incomplete or response.failed",
+}
+_DATA_THEN_DONE = "`data: <event JSON>` lines, then `data: [DONE]`"
 
 
 def _add_schema(schemas: dict[str, Any], model: type[BaseModel]) -> dict[str, str]:
@@ -46,7 +54,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             stream = responses.get("200", {}).get("content", {}).get("text/event-stream")
             if stream is not None and path in STREAM_EVENTS:
                 stream["schema"] = _add_schema(schemas, STREAM_EVENTS[path])
-                stream["description"] = "`data: <event JSON>` lines, then `data: [DONE]`"
+                stream["description"] = STREAM_FRAMING.get(path, _DATA_THEN_DONE)
     for unused in ("HTTPValidationError", "ValidationError"):
         schemas.pop(unused, None)
     return doc

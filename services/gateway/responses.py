@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from pydantic import BaseModel
 
 from tokenyard.services.gateway import tool_parsers, tools
 from tokenyard.services.gateway.parsers import Parsers
@@ -377,4 +380,16 @@ class CompletionFormat:
         )
 
 
-ResponseFormat = ChatFormat | CompletionFormat
+class ResponseFormat(Protocol):
+    """What `serve.Generation` needs of an endpoint's answer: SSE events as chunks come,
+    and the whole answer."""
+
+    rid: str
+
+    def start(self) -> Iterator[str]: ...
+
+    def events(self, chunk: pb.TokenChunk, index: int = 0) -> Iterator[str]: ...
+
+    def end(self, accs: list[Accumulator], num_prompt_tokens: int) -> Iterator[str]: ...
+
+    def complete(self, accs: list[Accumulator], num_prompt_tokens: int) -> BaseModel: ...

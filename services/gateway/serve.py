@@ -10,13 +10,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import propagate, trace
+from pydantic import BaseModel
 
 from tokenyard import tracing
 from tokenyard.api_errors import ApiError
@@ -37,7 +38,7 @@ CLIENT_CLOSED = 499
 # Where a generating route leaves its request id for the x-request-id response header.
 REQUEST_ID_SCOPE_KEY = "tokenyard.request_id"
 # OpenTelemetry GenAI operation names of our routes.
-OPERATIONS = {"chat": "chat", "completions": "text_completion"}
+OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat"}
 _UINT64 = 1 << 64
 
 
@@ -75,9 +76,17 @@ class Generation:
     """
 
     def __init__(
-        self, state: GatewayState, route: str, prepared: Prepared, fmt: ResponseFormat
+        self,
+        state: GatewayState,
+        route: str,
+        prepared: Prepared,
+        fmt: ResponseFormat,
+        on_complete: Callable[[BaseModel], Awaitable[None]] | None = None,
     ) -> None:
         self.state, self.route, self.prepared, self.fmt = state, route, prepared, fmt
+        # Called with the whole answer once it is known, before the client gets its end
+        # (the Responses API stores it there: a client may continue it at once).
+        self.on_complete = on_complete
         self.accs = [Accumulator() for _ in range(prepared.best_of)]
         # NOTE: "-", not ".": a request id is one token of a NATS subject
         # (ty.tokens.<gw>.<id>.<worker>), and the bus permissions grant `ty.tokens.<gw>.*.*`.
@@ -122,6 +131,8 @@ class Generation:
             self._add(0, first)
             await until_disconnect(request, self._collect())
             body = self.fmt.complete(self.accs, len(self.prepared.prompt_ids))
+            if self.on_complete is not None:
+                await self.on_complete(body)
             return JSONResponse(body.model_dump())
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
@@ -169,6 +180,8 @@ class Generation:
                 for event in self.fmt.events(chunk, index):
                     yield event
             self.done = True
+            if self.on_complete is not None:
+                await self.on_complete(self.fmt.complete(self.accs, len(self.prepared.prompt_ids)))
             for event in self.fmt.end(self.accs, len(self.prepared.prompt_ids)):
                 yield event
         except ApiError as exc:

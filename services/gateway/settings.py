@@ -95,6 +95,14 @@ class GatewaySettings(BaseSettings):
     # whether a request could be placed now, and "always" forbids a decode worker's local
     # prefill.
     router_disaggregation: Literal["auto", "always", "never"] = "auto"
+    # Stored responses of the Responses API (previous_response_id, GET /v1/responses/{id}):
+    # a SQLAlchemy URL, shared by every gateway of a deployment (PostgreSQL); None = a
+    # SQLite file of this process's own, gone when it stops.
+    responses_db_url: str | None = None
+    # How long a stored response is kept (OpenAI keeps them 30 days); 0 = until deleted.
+    responses_retention_s: float = Field(default=30 * 24 * 3600.0, ge=0)
+    # How often expired responses are deleted (reads never return one past its time).
+    responses_purge_interval_s: float = Field(default=300.0, gt=0)
     # Optional services whose /health the gateway's /ready reports (never waits on): from
     # the environment "name=url,name=url", e.g. "kvcache=http://127.0.0.1:9101/health".
     optional_services: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)

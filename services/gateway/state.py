@@ -14,6 +14,7 @@ from tokenyard.services.gateway.metrics import GatewayMetrics
 from tokenyard.services.gateway.parsers import Parsers, parsers_for
 from tokenyard.services.gateway.ratelimit import RateLimiter
 from tokenyard.services.gateway.readiness import OptionalServices
+from tokenyard.services.gateway.responses_api.store import ResponseStore
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.services.gateway.translate import Tokenizer
 
@@ -29,6 +30,7 @@ class GatewayState:
     keys: KeyStore | None = None  # API keys in SQL (settings.keys_db_url)
     minute_limits: MinuteLimits = field(default_factory=MemoryMinuteLimits)
     optional_services: OptionalServices = field(default_factory=lambda: OptionalServices({}))
+    responses: ResponseStore | None = None  # the Responses API's stored responses
     created: int = field(default_factory=lambda: int(time.time()))
 
     @cached_property
@@ -46,6 +48,11 @@ class GatewayState:
     def served_models(self) -> list[str]:
         others = self.backend.fleet.models(time.monotonic()) - {self.model_id}
         return [self.model_id, *sorted(others)]
+
+    def response_store(self) -> ResponseStore:
+        if self.responses is None:
+            raise ApiError(503, "this gateway has no store for responses: send store: false")
+        return self.responses
 
     def check_model(self, model: str) -> None:
         if model not in self.served_models():

@@ -11,6 +11,7 @@ from sqlalchemy import inspect
 
 import tokenyard.db.api_keys  # noqa: F401  (registers the table)
 import tokenyard.db.facilities  # noqa: F401
+import tokenyard.db.responses  # noqa: F401
 import tokenyard.db.telemetry  # noqa: F401
 from tokenyard.db import Base, make_engine, migrate
 from tokenyard.db.migrate import alembic_config
@@ -40,3 +41,12 @@ def test_0003_adds_the_telemetry_tables_and_downgrades(tmp_path: Path) -> None:
     command.downgrade(alembic_config(url), "0002")
     after = set(inspect(make_engine(url)).get_table_names())
     assert not tables & after and "api_keys" in after
+
+
+def test_0005_adds_the_stored_responses_and_downgrades(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    migrate(url)
+    assert "gw_responses" in inspect(make_engine(url)).get_table_names()
+    command.downgrade(alembic_config(url), "0004")
+    after = set(inspect(make_engine(url)).get_table_names())
+    assert "gw_responses" not in after and "tel_requests" in after

@@ -171,7 +171,9 @@ def documented_model(
 ):
     """The pydantic model the OpenAPI document names for this answer (by its $ref)."""
     from tokenyard.services.gateway import schemas
+    from tokenyard.services.gateway.responses_api import schemas as responses_schemas
 
     operation = doc["paths"][path][method.lower()]
     schema = operation["responses"][str(status)]["content"][content_type]["schema"]
-    return getattr(schemas, schema["$ref"].rsplit("/", 1)[-1])
+    name = schema["$ref"].rsplit("/", 1)[-1]
+    return getattr(schemas, name, None) or getattr(responses_schemas, name)

@@ -7,6 +7,7 @@ from sqlalchemy import pool
 
 import tokenyard.db.api_keys  # noqa: F401  (registers the tables on Base.metadata)
 import tokenyard.db.facilities  # noqa: F401
+import tokenyard.db.responses  # noqa: F401
 import tokenyard.db.telemetry  # noqa: F401
 from tokenyard.db.base import Base
 from tokenyard.db.engine import make_engine
