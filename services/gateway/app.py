@@ -20,7 +20,14 @@ from tokenyard.services.gateway.keys import KeyStore
 from tokenyard.services.gateway.openapi import install_openapi
 from tokenyard.services.gateway.ratelimit import make_limiter
 from tokenyard.services.gateway.readiness import OptionalServices
-from tokenyard.services.gateway.routes import chat, completions, health, models
+from tokenyard.services.gateway.routes import (
+    chat,
+    completions,
+    embeddings,
+    health,
+    models,
+    tokenize,
+)
 from tokenyard.services.gateway.serve import REQUEST_ID_SCOPE_KEY
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.services.gateway.state import GatewayState
@@ -133,7 +140,7 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
         lifespan=lifespan,
         description="OpenAI-compatible REST API of a Tokenyard cluster",
     )
-    for module in (chat, completions, models, health):
+    for module in (chat, completions, embeddings, models, tokenize, health):
         app.include_router(module.router)
     install_error_handlers(app)
     install_openapi(app)

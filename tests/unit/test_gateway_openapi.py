@@ -24,8 +24,11 @@ def test_every_route_is_documented_and_answers():
         assert set(doc["paths"]) == {
             "/v1/chat/completions",
             "/v1/completions",
+            "/v1/embeddings",
             "/v1/models",
             "/v1/models/{model}",
+            "/tokenize",
+            "/detokenize",
             "/health",
             "/ready",
             "/metrics",
@@ -53,6 +56,10 @@ def test_answers_validate_against_documented_schemas():
             ("post", "/v1/chat/completions", CHAT | {"logit_bias": {"x": 1}}, 400),
             ("post", "/v1/completions", {"model": "nope", "prompt": "x"}, 404),
             ("get", "/v1/models", None, 200),
+            ("post", "/v1/embeddings", {"model": MODEL, "input": "x"}, 503),  # no vector came
+            ("post", "/tokenize", {"prompt": "x"}, 200),
+            ("post", "/tokenize", {"model": "nope", "prompt": "x"}, 404),
+            ("post", "/detokenize", {"tokens": [120]}, 200),
             ("get", "/health", None, 200),
             ("get", "/ready", None, 503),
         ]
