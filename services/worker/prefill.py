@@ -96,11 +96,17 @@ class PrefillHandler:
         rid = job.request_id
         if self.w.streams.is_cancelled(rid) or self.w.streams.finished_here(rid):
             return True  # a late redelivery: nothing left to do
+        # A pooling (embedding) request asks for max_tokens 1: it runs whole here too.
         aggregated = job.decode_worker_id in ("", self.w.worker_id) or job.params.max_tokens == 1
         prompt = list(job.prompt_token_ids)
-        with _tracer.start_as_current_span("kvcache.fetch", attributes={REQUEST_ID: rid}) as span:
-            fetched = await self.cache.fetch(rid, prompt, job.params.cache_salt)
-            span.set_attribute("tokenyard.fetched_tokens", fetched)
+        fetched = 0
+        # NOTE: mean pooling computes every prompt token: a fetched prefix would go unused.
+        if job.params.pooling != "mean":
+            with _tracer.start_as_current_span(
+                "kvcache.fetch", attributes={REQUEST_ID: rid}
+            ) as span:
+                fetched = await self.cache.fetch(rid, prompt, job.params.cache_salt)
+                span.set_attribute("tokenyard.fetched_tokens", fetched)
 
         def offload() -> None:
             # With the first token, while the sequence still holds its prompt's blocks, not
