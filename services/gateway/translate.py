@@ -372,7 +372,7 @@ def prepare_completion(
     params.logit_bias.update(logit_bias(request, tokenizer.vocab_size))
     if (field := guided_field_spec(_guided_fields(request))) is not None:
         params.guided.CopyFrom(checked(field[1], field[0]))
-    echo = ()
+    echo: tuple[str, ...] = ()
     if request.echo:
         echo = tuple(
             p if isinstance(p, str) else tokenizer.decode(ids)
