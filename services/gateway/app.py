@@ -21,7 +21,15 @@ from tokenyard.services.gateway.openapi import install_openapi
 from tokenyard.services.gateway.ratelimit import make_limiter
 from tokenyard.services.gateway.readiness import OptionalServices
 from tokenyard.services.gateway.responses_api.store import ResponseStore
-from tokenyard.services.gateway.routes import chat, completions, health, models, responses
+from tokenyard.services.gateway.routes import (
+    chat,
+    completions,
+    embeddings,
+    health,
+    models,
+    responses,
+    tokenize,
+)
 from tokenyard.services.gateway.serve import REQUEST_ID_SCOPE_KEY
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.services.gateway.state import GatewayState
@@ -159,7 +167,7 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
         lifespan=lifespan,
         description="OpenAI-compatible REST API of a Tokenyard cluster",
     )
-    for module in (chat, completions, responses, models, health):
+    for module in (chat, completions, responses, embeddings, models, tokenize, health):
         app.include_router(module.router)
     install_error_handlers(app)
     install_openapi(app)

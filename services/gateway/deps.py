@@ -94,10 +94,16 @@ async def admit_prepared(state: GatewayState, caller: Identity, prepared: Prepar
     minute, charged up front: the prompt (computed once) plus what every sequence may
     generate (`n` choices, or `best_of` when more are generated than returned)."""
     prepared.params.cache_salt = cache_salt(caller, prepared.cache_salt)
+    sequences = len(prepared.prompts) * prepared.best_of
+    cost = prepared.num_prompt_tokens + sequences * prepared.params.max_tokens
+    await charge_tokens(state, caller, cost)
+
+
+async def charge_tokens(state: GatewayState, caller: Identity, cost: int) -> None:
+    """Take `cost` tokens from the caller's tokens-per-minute limit, if its key has one."""
     tpm = caller.key.tokens_per_minute if caller.key else None
     if tpm is None:
         return
-    cost = len(prepared.prompt_ids) + prepared.best_of * prepared.params.max_tokens
     wait = await state.minute_limits.take(f"tpm:{caller.name}", tpm, cost)
     if wait is not None:
         raise too_many(

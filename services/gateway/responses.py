@@ -321,6 +321,9 @@ class ChatFormat:
 
 @dataclass
 class CompletionFormat:
+    """With a batch of prompts, the sequences come grouped by prompt (`best_of` each) and
+    prompt i's choice j is choice i * n + j; usage adds up over the prompts."""
+
     rid: str
     model: str
     created: int
@@ -328,7 +331,8 @@ class CompletionFormat:
     logprobs: bool
     include_usage: bool
     n: int = 1
-    echo: str = ""
+    echo: tuple[str, ...] = ()  # each prompt's text, before its choices' (empty: no echo)
+    num_prompts: int = 1
     _offsets: dict[int, int] = field(default_factory=dict)
 
     def _event(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
@@ -338,10 +342,10 @@ class CompletionFormat:
         return sse(body.model_dump_json(exclude=None if self.include_usage else {"usage"}))
 
     def start(self) -> Iterator[str]:
-        if self.echo:
-            for i in range(self.n):
-                self._offsets[i] = len(self.echo)
-                yield self._event([CompletionChoice(index=i, text=self.echo, finish_reason=None)])
+        for p, text in enumerate(self.echo):
+            for i in range(p * self.n, (p + 1) * self.n):
+                self._offsets[i] = len(text)
+                yield self._event([CompletionChoice(index=i, text=text, finish_reason=None)])
 
     def events(self, chunk: pb.TokenChunk, index: int = 0) -> Iterator[str]:
         if not (chunk.text or chunk.logprobs or chunk.finished):
@@ -358,25 +362,53 @@ class CompletionFormat:
 
     def end(self, accs: list[Accumulator], num_prompt_tokens: int) -> Iterator[str]:
         if self.include_usage:
-            yield self._event([], usage(accs, num_prompt_tokens))
+            yield self._event([], self._usage(accs, num_prompt_tokens))
         yield DONE_EVENT
 
     def complete(self, accs: list[Accumulator], num_prompt_tokens: int) -> CompletionResponse:
         choices = []
-        for i, acc in enumerate(best(accs, self.n)):
-            lps = None
-            if self.logprobs:
-                lps = completion_logprobs(acc.logprobs, self.tokenizer, len(self.echo))
-            text = self.echo + "".join(acc.text)
-            choices.append(
-                CompletionChoice(index=i, text=text, logprobs=lps, finish_reason=acc.finish_reason)
-            )
+        for p, group in enumerate(self._groups(accs)):
+            echo = self.echo[p] if self.echo else ""
+            for i, acc in enumerate(best(group, self.n)):
+                lps = None
+                if self.logprobs:
+                    lps = completion_logprobs(acc.logprobs, self.tokenizer, len(echo))
+                choices.append(
+                    CompletionChoice(
+                        index=p * self.n + i,
+                        text=echo + "".join(acc.text),
+                        logprobs=lps,
+                        finish_reason=acc.finish_reason,
+                    )
+                )
         return CompletionResponse(
             id=self.rid,
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=usage(accs, num_prompt_tokens),
+            usage=self._usage(accs, num_prompt_tokens),
+        )
+
+    def _groups(self, accs: list[Accumulator]) -> list[list[Accumulator]]:
+        """The sequences of each prompt, in prompt order."""
+        size = len(accs) // self.num_prompts
+        return [accs[p * size : (p + 1) * size] for p in range(self.num_prompts)]
+
+    def _usage(self, accs: list[Accumulator], num_prompt_tokens: int) -> Usage:
+        if self.num_prompts == 1:
+            return usage(accs, num_prompt_tokens)
+        # Each prompt counts once (its choices share its KV); the workers report its length.
+        parts = [usage(group, 0) for group in self._groups(accs)]
+        prompt = sum(u.prompt_tokens for u in parts)
+        completion = sum(u.completion_tokens for u in parts)
+        cached = sum(
+            u.prompt_tokens_details.cached_tokens for u in parts if u.prompt_tokens_details
+        )
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
 

@@ -272,7 +272,7 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    # A string, a list of one string, or token ids (one prompt per request: no batches).
+    # A string, token ids, or a batch of either: a list of strings or of token-id lists.
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: TokenCount | None = 16  # OpenAI's default for this endpoint
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -304,6 +304,85 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+# --- embeddings ---------------------------------------------------------------------------
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+class EmbeddingRequest(_Body):
+    model: Name
+    # A string, a list of strings, token ids, or a list of token-id lists: one embedding each.
+    input: (
+        Text
+        | Annotated[list[Text], Field(max_length=MAX_EMBEDDING_INPUTS)]
+        | list[TokenId]
+        | Annotated[list[list[TokenId]], Field(max_length=MAX_EMBEDDING_INPUTS)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
+    user: Name | None = None
+    # Tokenyard's extension: how the model's final hidden states become one vector (the
+    # gateway's setting when unset).
+    pooling: Literal["mean", "last"] | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a str: base64 of little-endian float32s
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+# --- tokenize, detokenize (vLLM's shape) ---------------------------------------------------
+
+
+class TokenizeRequest(_Body):
+    """A text `prompt`, or chat `messages` rendered by the chat template (one of the two)."""
+
+    model: Name | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
+    tools: Annotated[list[JsonObject], Field(max_length=MAX_TOOLS)] | None = None
+    # vLLM's defaults: special tokens for a prompt, none for messages (the template has them).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: Name | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # --- models, health, errors ---------------------------------------------------------------

@@ -73,6 +73,8 @@ class Generation:
     i > 0. The first is routed; the others go at once to the same workers, whose scheduler
     holds them while the first computes the prompt's blocks and then gives them those blocks
     from its prefix cache: the choices start together and the prompt is computed once.
+    A batch of prompts (completions) is that for each prompt: sequence k generates for
+    prompt k // best_of.
     """
 
     def __init__(
@@ -87,10 +89,12 @@ class Generation:
         # Called with the whole answer once it is known, before the client gets its end
         # (the Responses API stores it there: a client may continue it at once).
         self.on_complete = on_complete
-        self.accs = [Accumulator() for _ in range(prepared.best_of)]
+        self.prompts = prepared.prompts
+        num_seqs = len(self.prompts) * prepared.best_of
+        self.accs = [Accumulator() for _ in range(num_seqs)]
         # NOTE: "-", not ".": a request id is one token of a NATS subject
         # (ty.tokens.<gw>.<id>.<worker>), and the bus permissions grant `ty.tokens.<gw>.*.*`.
-        self.rids = [fmt.rid] + [f"{fmt.rid}-{i}" for i in range(1, prepared.best_of)]
+        self.rids = [fmt.rid] + [f"{fmt.rid}-{i}" for i in range(1, num_seqs)]
         self.streams: list[TokenStream] = []
         self.t0 = time.perf_counter()
         self.first_token_at: float | None = None
@@ -121,8 +125,8 @@ class Generation:
         handed_off = False  # once the SSE generator owns the streams, it cleans up
         try:
             # The other choices start now, not after the first token: see the class docstring.
-            for i in range(1, self.prepared.best_of):
-                self.streams.append(await self._submit(model, i, self.streams[0].placement))
+            for i in range(1, len(self.rids)):
+                self.streams.append(await self._submit(model, i, self._placement_for(i)))
             # The first chunk decides the status: a worker's refusal is still a 4xx here.
             first = await until_disconnect(request, anext(self.streams[0]))
             if self.prepared.stream:
@@ -130,7 +134,7 @@ class Generation:
                 return StreamingResponse(self._sse(request, first), media_type="text/event-stream")
             self._add(0, first)
             await until_disconnect(request, self._collect())
-            body = self.fmt.complete(self.accs, len(self.prepared.prompt_ids))
+            body = self.fmt.complete(self.accs, self.prepared.num_prompt_tokens)
             if self.on_complete is not None:
                 await self.on_complete(body)
             return JSONResponse(body.model_dump())
@@ -143,6 +147,11 @@ class Generation:
             if not handed_off:
                 await self._finish()
 
+    def _placement_for(self, index: int) -> pb.Placement | None:
+        """Where sequence `index` goes: with its prompt's first sequence (routed itself)."""
+        first = index - index % self.prepared.best_of
+        return None if first == index else self.streams[first].placement
+
     async def _submit(
         self, model: str, index: int, placement: pb.Placement | None = None
     ) -> TokenStream:
@@ -154,7 +163,11 @@ class Generation:
             params.seed = (params.seed + index) % _UINT64
         with trace.use_span(self.span, end_on_exit=False):
             return await self.state.backend.submit(
-                self.rids[index], model, self.prepared.prompt_ids, params, placement
+                self.rids[index],
+                model,
+                self.prompts[index // self.prepared.best_of],
+                params,
+                placement,
             )
 
     async def _collect(self) -> None:
@@ -181,8 +194,10 @@ class Generation:
                     yield event
             self.done = True
             if self.on_complete is not None:
-                await self.on_complete(self.fmt.complete(self.accs, len(self.prepared.prompt_ids)))
-            for event in self.fmt.end(self.accs, len(self.prepared.prompt_ids)):
+                await self.on_complete(
+                    self.fmt.complete(self.accs, self.prepared.num_prompt_tokens)
+                )
+            for event in self.fmt.end(self.accs, self.prepared.num_prompt_tokens):
                 yield event
         except ApiError as exc:
             # NOTE: the 200 status line is already sent; the error travels as the last event.
@@ -226,7 +241,7 @@ class Generation:
 
     def _end_span(self) -> None:
         accs, span = self.accs, self.span
-        span.set_attribute(tracing.GEN_AI_USAGE_INPUT_TOKENS, len(self.prepared.prompt_ids))
+        span.set_attribute(tracing.GEN_AI_USAGE_INPUT_TOKENS, self.prepared.num_prompt_tokens)
         span.set_attribute(
             tracing.GEN_AI_USAGE_OUTPUT_TOKENS, sum(a.num_output_tokens for a in accs)
         )
@@ -249,7 +264,7 @@ class Generation:
         m.in_flight.dec()
         if self.done:
             m.e2e.labels(self.route).observe(time.perf_counter() - self.t0)
-        m.prompt_tokens.inc(len(self.prepared.prompt_ids))
+        m.prompt_tokens.inc(self.prepared.num_prompt_tokens)
         m.completion_tokens.inc(sum(a.num_output_tokens for a in self.accs))
         m.cached_tokens.inc(max(a.num_cached_tokens for a in self.accs))
 

@@ -79,6 +79,9 @@ class GatewaySettings(BaseSettings):
     # Cap on generated tokens when a request gives no max_tokens (None = the rest of the
     # context, as vLLM; a CPU worker then runs for minutes that nobody asked for).
     default_max_tokens: int | None = Field(default=1024, ge=1)
+    # /v1/embeddings: how the final hidden states become one vector when a request does not
+    # say ("last": the last prompt token's, as vLLM pools a causal LM; "mean": every token's).
+    embedding_pooling: Literal["mean", "last"] = "last"
     # A request still running after this many seconds ends with 504 and is cancelled on the
     # workers (0 = no deadline).
     request_timeout_s: float = Field(default=600.0, ge=0)

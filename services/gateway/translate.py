@@ -7,7 +7,7 @@ what to fix; nothing a client sends can reach the workers in a shape they would 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, cast
 
 from tokenyard.api_errors import ApiError
@@ -34,6 +34,8 @@ _UINT64 = 1 << 64
 # vocabularies (runs of spaces or dashes) are under 100. A prompt with more bytes than
 # max_model_len times this can never fit, and is refused before it is tokenized.
 MAX_BYTES_PER_TOKEN = 128
+# Sequences one completions request may start: its prompts times the choices of each.
+MAX_SEQUENCES = 1024
 
 
 class Tokenizer(Protocol):
@@ -48,7 +50,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def encode_chat(self, messages: list[dict], **variables: object) -> list[int]: ...
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **variables: object
+    ) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,20 @@ class Prepared:
     cache_salt: str | None = None  # as the request asked; deps.cache_salt decides the salt
     n: int = 1  # choices returned
     best_of: int = 1  # sequences generated; the n with the highest logprob are returned
-    echo: str = ""  # completions: the prompt's text, before each choice's
+    echo: tuple[str, ...] = ()  # completions: each prompt's text, before its choices' (or none)
     tool_names: frozenset[str] = frozenset()  # parse calls to these out of the output
     user: str = ""  # the caller's end user, recorded on the request's trace span
+    # Completions with a list of prompts: the prompts after the first (prompt_ids). Prompt i's
+    # choice j is choice i * n + j of the answer, as OpenAI numbers them.
+    more_prompts: tuple[list[int], ...] = ()
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [self.prompt_ids, *self.more_prompts]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
 
 
 # --- prompts ------------------------------------------------------------------------------
@@ -151,18 +166,21 @@ def template_kwargs(request: ChatCompletionRequest) -> dict[str, object]:
     return dict(kwargs)
 
 
-def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def completion_prompts(request: CompletionRequest) -> list[str] | list[list[int]]:
+    """The request's prompts: one string or token-id list each (a list of them is a batch)."""
     prompt = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise invalid(
-                "batched prompts are not supported: send one prompt per request", "prompt"
-            )
-        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], (str, list)):
+        return cast(list[str] | list[list[int]], prompt)
+    # A flat list is one prompt's token ids (or empty).
+    return [cast(list[int], prompt)]
+
+
+def completion_prompt_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer.encode(prompt) if prompt else []
-    # A flat list past the check above is token ids (or empty).
-    return list(cast(list[int], prompt))
+    return list(prompt)
 
 
 def _prompt_texts(request: CompletionRequest) -> list[str]:
@@ -391,10 +409,20 @@ def prepare_completion(
     if request.echo and request.logprobs is not None:
         raise invalid("echo with logprobs is not supported (no prompt logprobs)", "echo")
     best_of = check_choices(request.n, request.best_of, request.stream)
-    check_prompt_size(_prompt_texts(request), max_model_len, "prompt")
-    prompt_ids = completion_prompt_ids(request, tokenizer)
-    check_prompt(prompt_ids, max_model_len, "prompt", tokenizer.vocab_size)
-    max_tokens = resolve_max_tokens(request.max_tokens, len(prompt_ids), max_model_len, default_cap)
+    prompts = completion_prompts(request)
+    for text in _prompt_texts(request):  # each prompt must fit on its own
+        check_prompt_size([text], max_model_len, "prompt")
+    if len(prompts) * best_of > MAX_SEQUENCES:
+        raise invalid(
+            f"{len(prompts)} prompts with {best_of} choices each start more than "
+            f"{MAX_SEQUENCES} sequences; send fewer prompts per request",
+            "prompt",
+        )
+    all_ids = [completion_prompt_ids(p, tokenizer) for p in prompts]
+    for ids in all_ids:
+        check_prompt(ids, max_model_len, "prompt", tokenizer.vocab_size)
+    longest = max(len(ids) for ids in all_ids)
+    max_tokens = resolve_max_tokens(request.max_tokens, longest, max_model_len, default_cap)
     logprobs = request.logprobs
     if best_of > request.n and logprobs is None:
         logprobs = 0  # ranking needs each token's logprob; the answer leaves them out
@@ -402,17 +430,14 @@ def prepare_completion(
     params.logit_bias.update(logit_bias(request, tokenizer.vocab_size))
     if (field := guided_field_spec(_guided_fields(request))) is not None:
         params.guided.CopyFrom(checked(field[1], field[0]))
-    echo = _echo_text(request, prompt_ids, tokenizer) if request.echo else ""
-    return _prepared(request, prompt_ids, params, best_of=best_of, echo=echo)
-
-
-def _echo_text(request: CompletionRequest, prompt_ids: list[int], tokenizer: Tokenizer) -> str:
-    prompt = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    return tokenizer.decode(prompt_ids)
+    echo: tuple[str, ...] = ()
+    if request.echo:
+        echo = tuple(
+            p if isinstance(p, str) else tokenizer.decode(ids)
+            for p, ids in zip(prompts, all_ids, strict=True)
+        )
+    prepared = _prepared(request, all_ids[0], params, best_of=best_of, echo=echo)
+    return replace(prepared, more_prompts=tuple(all_ids[1:]))
 
 
 def _prepared(
@@ -421,7 +446,7 @@ def _prepared(
     params: pb.SamplingParams,
     *,
     best_of: int | None = None,
-    echo: str = "",
+    echo: tuple[str, ...] = (),
     tool_names: frozenset[str] = frozenset(),
 ) -> Prepared:
     include_usage = bool(request.stream_options and request.stream_options.include_usage)

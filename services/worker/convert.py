@@ -37,6 +37,7 @@ def engine_params(p: pb.SamplingParams, params_cls: Any) -> Any:
         min_tokens=p.min_tokens,
         logit_bias=dict(p.logit_bias),
         guided=guided,
+        pooling=p.pooling or None,
     )
 
 
@@ -78,6 +79,7 @@ def token_chunk(
         num_output_tokens=out.num_output_tokens,
         num_cached_tokens=out.num_cached_tokens if cached_tokens is None else cached_tokens,
         worker_id=worker_id,
+        embedding=out.embedding or [],
     )
 
 

@@ -9,6 +9,7 @@ the same tokens, like the real engine's greedy or seeded sampling.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,10 +25,19 @@ from tokenyard.engine.sampling_params import SamplingParams
 
 VOCAB = 1000
 EOS = 0
+HIDDEN_SIZE = 8  # the length of a pooling request's vector
 
 
 def next_token(last: int) -> int:
     return (last * 31 + 7) % (VOCAB - 1) + 1  # never EOS
+
+
+def fake_embedding(prompt: list[int], pooling: str) -> list[float]:
+    """A unit vector that is a fixed function of the prompt (of its last token for "last")."""
+    tokens = prompt[-1:] if pooling == "last" else prompt
+    vector = [float(sum((t * (k + 3)) % 17 - 8 for t in tokens)) for k in range(HIDDEN_SIZE)]
+    norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+    return [x / norm for x in vector]
 
 
 class FakeTokenizer:
@@ -122,6 +132,8 @@ class FakeEngine:
         return [self._advance(rid, seq) for rid, seq in active]
 
     def _advance(self, rid: str, seq: _Seq) -> RequestOutput:
+        if seq.params.pooling:
+            return self._pool(rid, seq)
         tok = next_token(seq.output[-1] if seq.output else seq.prompt[-1])
         seq.output.append(tok)
         reason = None
@@ -142,6 +154,21 @@ class FakeEngine:
             num_prompt_tokens=len(seq.prompt),
             num_output_tokens=len(seq.output),
             num_cached_tokens=0,
+        )
+
+    def _pool(self, rid: str, seq: _Seq) -> RequestOutput:
+        """A pooling request ends in one step, with its vector and no token."""
+        self._free_seq(rid)
+        return RequestOutput(
+            request_id=rid,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="stop",
+            num_prompt_tokens=len(seq.prompt),
+            num_output_tokens=0,
+            num_cached_tokens=0,
+            embedding=fake_embedding(seq.prompt, seq.params.pooling or "mean"),
         )
 
     def _free_seq(self, rid: str) -> None:

@@ -98,11 +98,14 @@ class PrefillHandler:
         rid = job.request_id
         if self.w.streams.is_cancelled(rid) or self.w.streams.finished_here(rid):
             return True  # a late redelivery: nothing left to do
+        # A pooling (embedding) request asks for max_tokens 1: it runs whole here too.
         aggregated = job.decode_worker_id in ("", self.w.worker_id) or job.params.max_tokens == 1
         prompt = list(job.prompt_token_ids)
         salt = job.params.cache_salt
         # The fetch of a shared hit runs while the request waits for admission here.
-        fetch = asyncio.get_running_loop().create_task(self._fetch(rid, prompt, salt))
+        # NOTE: mean pooling computes every prompt token: a fetched prefix would go unused.
+        wanted = job.params.pooling != "mean"
+        fetch = asyncio.get_running_loop().create_task(self._fetch(rid, prompt, salt, wanted))
         try:
             stream = await self.w.generate(
                 rid,
@@ -126,7 +129,9 @@ class PrefillHandler:
         await self.w.handoffs.send(job, stream.cached_tokens or 0)
         return True
 
-    async def _fetch(self, rid: str, prompt: list[int], salt: str) -> PrefixHit:
+    async def _fetch(self, rid: str, prompt: list[int], salt: str, wanted: bool) -> PrefixHit:
+        if not wanted:
+            return PrefixHit(cached_tokens=0, fetched_tokens=0)
         with _tracer.start_as_current_span("kvcache.fetch", attributes={REQUEST_ID: rid}) as span:
             hit = await self.cache.fetch(rid, prompt, salt)
             span.set_attribute("tokenyard.fetched_tokens", hit.fetched_tokens)

@@ -35,6 +35,7 @@ from tokenyard.engine.outputs import (
     TokenLogprob,
 )
 from tokenyard.engine.parallel import TensorParallelRanks
+from tokenyard.engine.pooling import add_rows, embedding
 from tokenyard.engine.sampler import chosen_logprobs, sample
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.engine.scheduler import ScheduledSeq, Scheduler
@@ -166,6 +167,8 @@ class LLMEngine:
     ) -> None:
         if request_id in self.seqs:
             raise RequestIdInUse(request_id)
+        if prefill_only and params.pooling:
+            raise ValueError("a pooling request runs whole on one worker: not prefill_only")
         prompt_ids = self.encode_prompt(prompt)
         self._check_length(len(prompt_ids))
         seq = Sequence(
@@ -245,16 +248,42 @@ class LLMEngine:
         if not batch:
             return []
         # Grammar masks are computed on another thread while the model runs.
-        masks = self.guide.begin([s.seq for s in batch if s.completes])
+        masks = self.guide.begin([s.seq for s in batch if s.completes and not s.seq.params.pooling])
         result = self.runner.run(batch)
         for s in batch:
             s.seq.num_computed_tokens += s.num_tokens
             self.block_manager.register_computed(s.seq)
         self._record_prompt_logprobs(result)
         outputs = self._sample(result, masks) if result.completing else []
+        outputs += self._pool(result)
         if self.speculator is not None:
             # NOTE: drafts skip the grammar and the logit edits, so those requests get none.
             self.speculator.propose([s for s in self.scheduler.running if not _processed(s)])
+        return outputs
+
+    def _pool(self, result: StepLogits) -> list[RequestOutput]:
+        """Pooling requests: fold in this step's rows; end those whose prompt is computed."""
+        outputs = []
+        for s, hidden in result.pooled:
+            seq = s.seq
+            add_rows(seq, hidden, seq.num_computed_tokens - s.num_tokens)
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                continue
+            vector = embedding(seq)
+            self._finish(seq, "stop")
+            outputs.append(
+                RequestOutput(
+                    request_id=seq.request_id,
+                    new_token_ids=[],
+                    new_text="",
+                    finished=True,
+                    finish_reason="stop",
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_output_tokens=0,
+                    num_cached_tokens=seq.num_cached_tokens,
+                    embedding=vector,
+                )
+            )
         return outputs
 
     def _sample(self, result: StepLogits, masks: PendingMasks) -> list[RequestOutput]:
@@ -460,4 +489,5 @@ def _merge(outs: list[RequestOutput]) -> RequestOutput:
 def _processed(seq: Sequence) -> bool:
     """A request whose logits are edited before sampling (a grammar, logit_bias, min_tokens)."""
     p = seq.params
-    return seq.grammar is not None or bool(p.logit_bias) or p.min_tokens > 0
+    # A pooling request is not processed, but it never decodes: no drafts either.
+    return seq.grammar is not None or bool(p.logit_bias) or p.min_tokens > 0 or bool(p.pooling)

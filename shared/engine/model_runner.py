@@ -27,6 +27,10 @@ class StepLogits:
     # per completing sequence, in the same order: [k, vocab] logits of the rows after its k
     # speculative tokens (k = 0 when it had none)
     spec_logits: list[torch.Tensor] = field(default_factory=list)
+    # per pooling sequence in the batch (engine/pooling.py): the final hidden states of the
+    # prompt rows it needs, fp32 on the host ([num_tokens, hidden] for mean, [1, hidden] for
+    # last, where only its last row matters)
+    pooled: list[tuple[ScheduledSeq, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -73,7 +77,8 @@ class ModelRunner:
         batch = sorted(batch, key=lambda s: s.num_tokens + len(s.spec_token_ids) != 1)
         spans = [_span(s) for s in batch]
         ends = [e - 1 for e in itertools.accumulate(len(sp.token_ids) for sp in spans)]
-        completing = [i for i, s in enumerate(batch) if s.completes]
+        # A pooling sequence samples nothing: its hidden rows are its answer.
+        completing = [i for i, s in enumerate(batch) if s.completes and not s.seq.params.pooling]
         # Per completing sequence: the row of its last token, then one row per speculative
         # token after it (rows [end - k, end]).
         ks = [len(batch[i].spec_token_ids) for i in completing]
@@ -92,7 +97,13 @@ class ModelRunner:
         if self.broadcast is not None:
             self.broadcast(plan)
         # NOTE: sampling runs on the host: the logits of the completing rows only come back.
-        logits, *prompt_logits = (t.cpu() for t in self.compute(plan))
+        hidden, outs = self._compute(plan)
+        logits, *prompt_logits = (t.cpu() for t in outs)
+        pooled = [
+            (s, hidden[end + 1 - _pooled_rows(s) : end + 1].float().cpu())
+            for s, end in zip(batch, ends, strict=True)
+            if s.seq.params.pooling
+        ]
         starts = list(itertools.accumulate((k + 1 for k in ks), initial=0))[:-1]
         spec_logits = [logits[f + 1 : f + 1 + k] for f, k in zip(starts, ks, strict=True)]
         prompt_rows = []
@@ -101,16 +112,21 @@ class ModelRunner:
             prompt_rows.append((s, s.seq.num_computed_tokens, s_logits))
         if any(ks):
             logits = logits[starts]
-        return StepLogits(logits, [batch[i] for i in completing], prompt_rows, spec_logits)
+        completing_seqs = [batch[i] for i in completing]
+        return StepLogits(logits, completing_seqs, prompt_rows, spec_logits, pooled)
 
     @torch.inference_mode()
     def compute(self, plan: StepPlan) -> list[torch.Tensor]:
         """Every rank's part of a step: the forward pass, then the plan's logits rows."""
+        return self._compute(plan)[1]
+
+    def _compute(self, plan: StepPlan) -> tuple[torch.Tensor, list[torch.Tensor]]:
         hidden, _ = self.forward(plan.spans)  # [T, hidden]
-        return [
+        logits = [
             self.model.logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
             for rows in plan.logit_rows
         ]
+        return hidden, logits
 
     @torch.inference_mode()
     def forward(self, spans: list[InputSpan]) -> tuple[torch.Tensor, list[int]]:
@@ -123,6 +139,11 @@ class ModelRunner:
                 self.kv_cache.device, input_ids, positions, meta
             )
         return self.model(input_ids, positions, meta, self.kv_cache), ends
+
+
+def _pooled_rows(s: ScheduledSeq) -> int:
+    """The rows of this step a pooling sequence needs: all of them (mean), or its last."""
+    return s.num_tokens if s.seq.params.pooling == "mean" else 1
 
 
 def _span(s: ScheduledSeq) -> InputSpan:

@@ -31,6 +31,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    embedding: list[float] | None = None  # a pooling request's answer (SamplingParams.pooling)
 
 
 @dataclass

@@ -14,6 +14,8 @@ GUIDED_KINDS: tuple[GuidedKind, ...] = (
     "grammar",
     "llguidance",
 )
+Pooling = Literal["mean", "last"]
+POOLINGS: tuple[Pooling, ...] = ("mean", "last")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop token ids are held back until this many are out
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     guided: GuidedSpec | None = None  # a grammar the output must follow
+    # An embedding request (engine/pooling.py): the prompt is computed, nothing is sampled,
+    # and the one output carries the pooled final hidden state.
+    pooling: Pooling | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +87,8 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
 
     @property
     def greedy(self) -> bool:

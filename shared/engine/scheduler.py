@@ -144,8 +144,8 @@ class Scheduler:
 
 
 def _uses_cache(seq: Sequence) -> bool:
-    # Prompt logprobs need every prompt token to run through the model.
-    return seq.params.prompt_logprobs is None
+    # Prompt logprobs and mean pooling need every prompt token to run through the model.
+    return seq.params.prompt_logprobs is None and seq.params.pooling != "mean"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

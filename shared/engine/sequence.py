@@ -15,6 +15,8 @@ from tokenyard.engine.outputs import TokenLogprob
 from tokenyard.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from tokenyard.engine.guided import Grammar
     from tokenyard.engine.stop import StopChecker
     from tokenyard.models.tokenizer import IncrementalDetokenizer
@@ -60,6 +62,9 @@ class Sequence:
         # sequence's tokens have K/V in the draft model's pool (same block table).
         self.spec_token_ids: list[int] = []
         self.num_draft_computed = 0
+        # Pooling requests (engine/pooling.py): the sum of the prompt's final hidden states
+        # so far (mean), or the last one's (last); [hidden] fp32.
+        self.pooled: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -119,7 +119,9 @@ class Tokenizer:
             self._text_backend.encode_special_tokens = True
         return self._text_backend.encode_batch([text], add_special_tokens=False)[0].ids
 
-    def encode_chat(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any
+    ) -> list[int]:
         """The chat template's prompt ids, where only the template makes role markers: a
         message that contains "<|im_start|>system" is that text, not a new turn.
 
@@ -128,7 +130,9 @@ class Tokenizer:
         """
         nonce = secrets.token_hex(8)
         marked = [{**m, "content": f"\ue000{nonce}{i}\ue001"} for i, m in enumerate(messages)]
-        rendered = self.apply_chat_template(marked, add_generation_prompt=True, **variables)
+        rendered = self.apply_chat_template(
+            marked, add_generation_prompt=add_generation_prompt, **variables
+        )
         pieces = re.split(f"\ue000{nonce}(\\d+)\ue001", rendered)
         ids: list[int] = []
         for n, piece in enumerate(pieces):

@@ -17,7 +17,7 @@ from worker_client import Heartbeats, Request, connect, wait_disaggregated, wait
 from tokenyard.services.gateway.backend import NatsBackend
 from tokenyard.services.gateway.settings import GatewaySettings
 from tokenyard.services.launch.stack import LocalStack, StackConfig
-from tokenyard.services.worker.fake_engine import next_token
+from tokenyard.services.worker.fake_engine import fake_embedding, next_token
 from tokenyard.v1 import serving_pb2 as pb
 
 FAST = {
@@ -82,6 +82,22 @@ async def test_disaggregated_request_through_both_workers(stack_factory):
     assert result.token_ids == expected(PROMPT, 12)
     assert result.chunks[0].worker_id == "prefill-1" and result.last.worker_id == "decode-2"
     assert result.last.finish_reason == "length" and result.last.num_output_tokens == 12
+    await bus.close()
+
+
+async def test_a_pooling_request_runs_whole_on_the_prefill_worker(stack_factory):
+    """An embedding: no hand-off (though the router disaggregates), no token, one vector."""
+    stack = stack_factory(1, 1)
+    bus = await connect(stack.nats_url)
+    await wait_workers(bus, 2)
+    await wait_disaggregated(bus, PROMPT)
+    req = Request(bus, PROMPT, pb.SamplingParams(max_tokens=1, pooling="mean"))
+    await req.submit()
+    result = await req.wait(20)
+    assert result.token_ids == [] and len(result.chunks) == 1
+    assert result.last.finished and result.last.finish_reason == "stop"
+    assert result.last.worker_id == "prefill-1"
+    assert list(result.last.embedding) == pytest.approx(fake_embedding(PROMPT, "mean"))
     await bus.close()
 
 

@@ -35,8 +35,11 @@ class CharTokenizer:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
-    def encode_chat(self, messages: list[dict], **variables: object) -> list[int]:
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **variables: object
+    ) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
 
 
 def text_chunks(

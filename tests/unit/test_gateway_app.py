@@ -432,3 +432,47 @@ def test_every_response_has_an_x_request_id(http, backend):
     assert refused.status_code == 404 and len(refused.headers["x-request-id"]) == 32
     echoed = http.get("/v1/models", headers={"x-request-id": "mine-1"})
     assert echoed.headers["x-request-id"] == "mine-1"
+
+
+def test_completions_with_a_batch_of_prompts(oai, backend):
+    backend.script = text_chunks("ok")
+    out = oai.completions.create(model=MODEL, prompt=["ab", "xyz"], n=2, max_tokens=4)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == ["ok"] * 4
+    # prompt i's sequences get prompt i; each prompt's first is routed, its others follow it
+    prompts = [s[2] for s in backend.submitted]
+    assert prompts == [[1, 107, 108]] * 2 + [[1, 130, 131, 132]] * 2
+    assert [p is None for p in backend.placements] == [True, False, True, False]
+    # each prompt counts once (5 tokens as the workers report), every choice's output adds up
+    assert out.usage.prompt_tokens == 10 and out.usage.completion_tokens == 8
+
+
+def test_completions_with_a_batch_of_prompts_streamed(oai, backend):
+    backend.script = text_chunks("okay")
+    stream = oai.completions.create(
+        model=MODEL,
+        prompt=[[11, 12], [13]],
+        n=2,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts: dict[int, str] = {}
+    finished, usage = set(), None
+    for event in stream:
+        usage = event.usage or usage
+        for choice in event.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert texts == {i: "okay" for i in range(4)} and finished == {0, 1, 2, 3}
+    assert usage.prompt_tokens == 10 and usage.completion_tokens == 16
+
+
+def test_completions_batch_with_echo_and_best_of(oai, backend):
+    backend.script = text_chunks("!", logprobs=True)
+    out = oai.completions.create(
+        model=MODEL, prompt=["a", "b"], n=1, best_of=2, echo=True, max_tokens=1
+    )
+    assert [(c.index, c.text) for c in out.choices] == [(0, "a!"), (1, "b!")]
+    assert len(backend.submitted) == 4

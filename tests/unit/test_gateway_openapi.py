@@ -30,8 +30,11 @@ def test_every_route_is_documented_and_answers():
             "/v1/responses",
             "/v1/responses/{response_id}",
             "/v1/responses/{response_id}/input_items",
+            "/v1/embeddings",
             "/v1/models",
             "/v1/models/{model}",
+            "/tokenize",
+            "/detokenize",
             "/health",
             "/ready",
             "/metrics",
@@ -61,6 +64,10 @@ def test_answers_validate_against_documented_schemas():
             ("post", "/v1/responses", RESPONSE, 200),
             ("post", "/v1/responses", RESPONSE | {"background": True}, 400),
             ("get", "/v1/models", None, 200),
+            ("post", "/v1/embeddings", {"model": MODEL, "input": "x"}, 503),  # no vector came
+            ("post", "/tokenize", {"prompt": "x"}, 200),
+            ("post", "/tokenize", {"model": "nope", "prompt": "x"}, 404),
+            ("post", "/detokenize", {"tokens": [120]}, 200),
             ("get", "/health", None, 200),
             ("get", "/ready", None, 503),
         ]

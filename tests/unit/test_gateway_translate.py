@@ -168,7 +168,10 @@ def test_chat_rejections(request_, param, needle):
     [
         (completion(prompt=""), "prompt", "empty"),
         (completion(prompt=[]), "prompt", "empty"),
-        (completion(prompt=["a", "b"]), "prompt", "batched"),
+        (completion(prompt=["a", ""]), "prompt", "empty"),
+        (completion(prompt=[[11, 12], [10**9]]), "prompt", "token ids"),
+        (completion(prompt=["a"] * 9, n=128), "prompt", "more than 1024 sequences"),
+        (completion(prompt=["a", "x" * 400]), "prompt", "the prompt has 401 tokens"),
         (completion(prompt=[10**9]), "prompt", "token ids"),
         (completion(echo=True, logprobs=1), "echo", "not supported"),
         (completion(suffix="}"), "suffix", "fill-in-the-middle"),
@@ -281,5 +284,16 @@ def test_logit_bias_min_tokens_n_and_echo():
     assert dict(prepared.params.logit_bias) == {42: -100.0, 7: 5.5}
     assert prepared.params.min_tokens == 3 and prepared.n == prepared.best_of == 3
     done = prepare_completion(completion(echo=True, best_of=4, n=2), TOK, 256)
-    assert done.echo == "abc" and done.n == 2 and done.best_of == 4
+    assert done.echo == ("abc",) and done.n == 2 and done.best_of == 4
     assert done.params.logprobs == 0  # best_of ranks by logprob even when none are asked
+
+
+def test_a_batch_of_prompts_gives_each_its_ids_and_echo():
+    done = prepare_completion(completion(prompt=["ab", "xyz"], echo=True, max_tokens=4), TOK, 256)
+    assert done.prompts == [TOK.encode("ab"), TOK.encode("xyz")]
+    assert done.echo == ("ab", "xyz") and done.num_prompt_tokens == 3 + 4
+    ids = prepare_completion(completion(prompt=[[11, 12], [13]]), TOK, 256)
+    assert ids.prompts == [[11, 12], [13]] and ids.echo == ()
+    # max_tokens left unset fills the room the longest prompt leaves
+    room = prepare_completion(completion(prompt=["a", "x" * 100], max_tokens=None), TOK, 256, None)
+    assert room.params.max_tokens == 256 - 101

@@ -44,5 +44,6 @@ async def create_completion(
         include_usage=prepared.include_usage,
         n=prepared.n,
         echo=prepared.echo,
+        num_prompts=len(prepared.prompts),
     )
     return await Generation(state, "completions", prepared, fmt).serve(request, body.model)
