@@ -385,9 +385,7 @@ class NatsBackend:
         sub = await bus.subscribe(subjects.tokens(gateway_id, rid), pb.TokenChunk, on_chunk)
         try:
             if placement is None:
-                placement = await self._route(
-                    bus, rid, model, prompt_ids, params.max_tokens, params.cache_salt
-                )
+                placement = await self._route(bus, rid, model, prompt_ids, params)
             job = pb.PrefillJob(
                 request_id=rid,
                 model=model,
@@ -464,18 +462,18 @@ class NatsBackend:
         rid: str,
         model: str,
         prompt_ids: list[int],
-        max_tokens: int,
-        cache_salt: str = "",
+        params: pb.SamplingParams,
     ) -> pb.Placement:
         request = pb.RouteRequest(
             request_id=rid,
             model=model,
             num_prompt_tokens=len(prompt_ids),
-            max_tokens=max_tokens,
+            max_tokens=params.max_tokens,
             block_hashes=prefix_block_hashes(
-                prompt_ids, self.settings.block_size, salted_root(cache_salt)
+                prompt_ids, self.settings.block_size, salted_root(params.cache_salt)
             ),
             hash_version=HASH_SPEC_VERSION,
+            priority=params.priority,
         )
         retry = self.settings.retry_after_s
         try:

@@ -62,6 +62,7 @@ class Prepared:
     echo: str = ""  # completions: the prompt's text, before each choice's
     tool_names: frozenset[str] = frozenset()  # parse calls to these out of the output
     user: str = ""  # the caller's end user, recorded on the request's trace span
+    priority: int | None = None  # as the request asked; deps.admit_prepared decides it
 
 
 # --- prompts ------------------------------------------------------------------------------
@@ -378,4 +379,5 @@ def _prepared(
         echo=echo,
         tool_names=tool_names,
         user=request.user or "",
+        priority=request.priority,
     )

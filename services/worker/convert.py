@@ -37,6 +37,8 @@ def engine_params(p: pb.SamplingParams, params_cls: Any) -> Any:
         min_tokens=p.min_tokens,
         logit_bias=dict(p.logit_bias),
         guided=guided,
+        priority=p.priority,
+        tenant=p.tenant,
     )
 
 

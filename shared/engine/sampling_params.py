@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tokenyard.engine.fair_queue import check_priority
+
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 GUIDED_KINDS: tuple[GuidedKind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -40,6 +42,11 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop token ids are held back until this many are out
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     guided: GuidedSpec | None = None  # a grammar the output must follow
+    # Scheduling, not sampling; they travel with the params as cache_salt does
+    # (engine/fair_queue.py): lower `priority` = more urgent (vLLM's convention), and the
+    # tenant whose fair share of tokens this request is charged to.
+    priority: int = 0
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +80,7 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        check_priority(self.priority)
 
     @property
     def greedy(self) -> bool:
