@@ -159,6 +159,7 @@ class RouterHandler:
             cached,
             max_tokens=req.max_tokens,
             turn=next(self.turns),
+            priority=req.priority,
         )
         facilities = self.fleet.racks.by_worker()
         result = choose(self.fleet.workers, request, now, facilities=facilities, config=self.config)
