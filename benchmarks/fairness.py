@@ -83,7 +83,9 @@ async def quiet_and_urgent(
 
 
 async def run_case(gateway_url: str, args: argparse.Namespace, *, noisy: bool) -> dict[str, Any]:
-    model = httpx.get(f"{gateway_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    auth = {"Authorization": f"Bearer {KEYS['quiet']}"}
+    models = httpx.get(f"{gateway_url}/v1/models", headers=auth, timeout=10)
+    model = models.json()["data"][0]["id"]
     timeout = httpx.Timeout(600.0)
     async with httpx.AsyncClient(base_url=gateway_url, timeout=timeout) as client:
         client.headers["x-model"] = model  # what every request names
@@ -126,8 +128,20 @@ def start_stack(policy: str, args: argparse.Namespace, logs: Path) -> LocalStack
         },
     )
     stack = LocalStack(config).start()
-    stack.wait_ready(timeout=600)
+    wait_ready(stack, timeout=600)
     return stack
+
+
+def wait_ready(stack: LocalStack, timeout: float) -> None:
+    """LocalStack.wait_ready, but its /v1/models asks for a key here: the caller fetches it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        body = stack.ready()
+        if body is not None and stack.all_workers_registered(body):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the stack was not ready after {timeout:.0f} s")
 
 
 def main() -> int:

@@ -138,8 +138,10 @@ class Scheduler:
     def _preempt_for_urgent(self) -> Sequence | None:
         """Preempt running sequences of a less urgent class while the most urgent waiting
         one finds no slot or no blocks; that waiting one when any was preempted for it."""
-        if self.waiting.policy == "fcfs" or not self.waiting:
+        if self.waiting.policy == "fcfs" or not self.waiting or not self.running:
             return None
+        if min(s.params.priority for s in self.waiting) >= self.running[-1].params.priority:
+            return None  # nothing waits that outranks a running sequence (the common case)
         head = self.waiting.ordered()[0]
         urgent = None
         while self.running and not self._has_room(head):

@@ -35,8 +35,19 @@ def one_slot_stack(launch_stack):
         worker_env={"TOKENYARD_WORKER_MAX_NUM_SEQS": "1"},
     )
     with launch_stack(config) as stack:
-        stack.wait_ready(timeout=300)
+        # LocalStack.wait_ready's /v1/models would need a key here: the same wait, then that.
+        assert wait_until(lambda: _registered(stack), 300), stack.describe_failures()
+        models = httpx.get(
+            f"{stack.gateway_url}/v1/models", headers={"Authorization": f"Bearer {KEY_A}"}
+        )
+        stack.model_id = models.json()["data"][0]["id"]
         yield stack
+
+
+def _registered(stack: LocalStack) -> bool:
+    stack.check_alive()
+    body = stack.ready()
+    return body is not None and stack.all_workers_registered(body)
 
 
 def body(stack: LocalStack, tag: str, max_tokens: int, priority: int) -> dict:
