@@ -31,7 +31,12 @@ def one_slot_stack(launch_stack):
         kvcache=False,
         facilities=False,
         telemetry=False,
-        gateway_env={"TOKENYARD_GATEWAY_API_KEYS": f"{KEY_A},{KEY_B}"},
+        gateway_env={
+            "TOKENYARD_GATEWAY_API_KEYS": f"{KEY_A},{KEY_B}",
+            # A queued request streams nothing until it runs: on a loaded CPU host that may
+            # take longer than the default idle timeout.
+            "TOKENYARD_GATEWAY_IDLE_TIMEOUT_S": "900",
+        },
         worker_env={"TOKENYARD_WORKER_MAX_NUM_SEQS": "1"},
     )
     with launch_stack(config) as stack:
@@ -64,16 +69,21 @@ def test_an_urgent_request_overtakes_queued_low_priority_ones(one_slot_stack):
     stack = one_slot_stack
     done: dict[str, float] = {}
     errors: list[str] = []
+    blocker_started = threading.Event()
 
     def send(tag: str, key: str, max_tokens: int, priority: int) -> None:
-        resp = httpx.post(
+        with httpx.stream(
+            "POST",
             f"{stack.gateway_url}/v1/completions",
-            json=body(stack, tag, max_tokens, priority),
+            json={**body(stack, tag, max_tokens, priority), "stream": True},
             headers={"Authorization": f"Bearer {key}"},
-            timeout=300,
-        )
-        if resp.status_code != 200:
-            errors.append(f"{tag}: {resp.status_code} {resp.text[:200]}")
+            timeout=600,
+        ) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    blocker_started.set()  # the first sender's first token: it holds the slot
+            if resp.status_code != 200:
+                errors.append(f"{tag}: {resp.status_code}")
         done[tag] = time.monotonic()
 
     def start(tag: str, key: str, max_tokens: int, priority: int) -> threading.Thread:
@@ -81,13 +91,13 @@ def test_an_urgent_request_overtakes_queued_low_priority_ones(one_slot_stack):
         thread.start()
         return thread
 
-    threads = [start("blocker", KEY_A, 64, 0)]
-    time.sleep(1.0)  # the blocker holds the only slot
-    threads += [start("low1", KEY_A, 16, 5), start("low2", KEY_A, 16, 5)]
-    time.sleep(1.0)
-    threads.append(start("urgent", KEY_B, 16, -5))
+    threads = [start("blocker", KEY_A, 48, 0)]
+    assert blocker_started.wait(300)
+    threads += [start("low1", KEY_A, 4, 5), start("low2", KEY_A, 4, 5)]
+    time.sleep(0.2)  # queued behind the blocker before the urgent one comes
+    threads.append(start("urgent", KEY_B, 4, -5))
     for thread in threads:
-        thread.join(timeout=300)
+        thread.join(timeout=900)
     assert not errors, errors
     assert done["urgent"] < done["low1"] and done["urgent"] < done["low2"], done
 
