@@ -41,7 +41,7 @@ def one_slot_stack(launch_stack):
     )
     with launch_stack(config) as stack:
         # LocalStack.wait_ready's /v1/models would need a key here: the same wait, then that.
-        assert wait_until(lambda: _registered(stack), 300), stack.describe_failures()
+        assert wait_until(lambda: _registered(stack), 600), stack.describe_failures()
         models = httpx.get(
             f"{stack.gateway_url}/v1/models", headers={"Authorization": f"Bearer {KEY_A}"}
         )
