@@ -448,9 +448,7 @@ class NatsBackend:
         try:
             subs.append(await bus.subscribe(subjects.moved(gateway_id, rid), pb.JobMoved, on_moved))
             if placement is None:
-                placement = await self._route(
-                    bus, rid, model, prompt_ids, params.max_tokens, params.cache_salt
-                )
+                placement = await self._route(bus, rid, model, prompt_ids, params)
             senders = RequestSenders(rid, placement, self.fleet)
             for sender, chunk in early:
                 for admitted in senders.admit(sender, chunk):
@@ -533,18 +531,18 @@ class NatsBackend:
         rid: str,
         model: str,
         prompt_ids: list[int],
-        max_tokens: int,
-        cache_salt: str = "",
+        params: pb.SamplingParams,
     ) -> pb.Placement:
         request = pb.RouteRequest(
             request_id=rid,
             model=model,
             num_prompt_tokens=len(prompt_ids),
-            max_tokens=max_tokens,
+            max_tokens=params.max_tokens,
             block_hashes=prefix_block_hashes(
-                prompt_ids, self.settings.block_size, salted_root(cache_salt)
+                prompt_ids, self.settings.block_size, salted_root(params.cache_salt)
             ),
             hash_version=HASH_SPEC_VERSION,
+            priority=params.priority,
         )
         retry = self.settings.retry_after_s
         try:

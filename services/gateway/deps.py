@@ -33,12 +33,27 @@ class Identity:
 
     `tenant` is the cache namespace the caller is always inside: "key:<tenant>" for a key
     from SQL, "static:<sha256 of the key>" for a static key (each its own), None on an open
-    gateway. The prefixes keep the two kinds apart whatever a tenant is named.
+    gateway. The prefixes keep the two kinds apart whatever a tenant is named. The workers'
+    fair queue shares tokens between these tenants too (`share_as`).
     """
 
     name: str
     key: KeyInfo | None = None
     tenant: str | None = None
+
+    @property
+    def share_as(self) -> str:
+        """The tenant the workers' fair queue charges: the key's tenant name, a static
+        key's hash (shortened: a metrics label), one shared tenant on an open gateway."""
+        if self.key is not None:
+            return self.key.tenant
+        return (self.tenant or "")[: len("static:") + 12]
+
+    def default_priority(self, tiers: dict[str, int]) -> int:
+        """The key's tier (gateway setting priority_tiers): by its prefix, then its tenant."""
+        if self.key is None:
+            return 0
+        return tiers.get(self.key.prefix, tiers.get(self.key.tenant, 0))
 
 
 def authenticate(state: State, credentials: Credentials, request: Request) -> Identity:
@@ -90,10 +105,17 @@ def cache_salt(caller: Identity, requested: str | None) -> str:
 
 
 async def admit_prepared(state: GatewayState, caller: Identity, prepared: Prepared) -> None:
-    """What depends on who asks, once the prompt is known: the cache salt, and tokens per
-    minute, charged up front: the prompt (computed once) plus what every sequence may
-    generate (`n` choices, or `best_of` when more are generated than returned)."""
+    """What depends on who asks, once the prompt is known: the cache salt, the priority and
+    fair-share tenant, and tokens per minute, charged up front: the prompts (each computed
+    once) plus what every sequence may generate (`n` choices, or `best_of` when more are
+    generated than returned)."""
     prepared.params.cache_salt = cache_salt(caller, prepared.cache_salt)
+    prepared.params.tenant = caller.share_as
+    prepared.params.priority = (
+        caller.default_priority(state.settings.priority_tiers)
+        if prepared.priority is None
+        else prepared.priority
+    )
     sequences = len(prepared.prompts) * prepared.best_of
     cost = prepared.num_prompt_tokens + sequences * prepared.params.max_tokens
     await charge_tokens(state, caller, cost)

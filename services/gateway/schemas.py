@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from tokenyard.api_errors import ErrorDetail, ErrorResponse  # noqa: F401  (part of this API's schemas)
+from tokenyard.engine.fair_queue import PRIORITY_MAX, PRIORITY_MIN
 
 # What the protobuf carries (serving.proto: uint32 max_tokens and stop_token_ids, int32 top_k):
 # a larger value would be a 500 at serialization instead of a 400 here.
@@ -119,6 +120,9 @@ class SamplingFields(_Body):
     guided_regex: Text | None = None
     guided_choice: Annotated[list[Text], Field(max_length=MAX_CHOICES)] | None = None
     guided_grammar: Text | None = None  # Lark, as llguidance reads it
+    # vLLM's scheduling extension: lower = more urgent. Unset: the API key's default tier
+    # (the gateway's priority_tiers), else 0.
+    priority: Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] | None = None
 
 
 # --- chat ---------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from tokenyard.engine.fair_queue import PRIORITY_MAX, PRIORITY_MIN
 from tokenyard.services.gateway.reasoning import syntax_named
 from tokenyard.services.gateway.tool_parsers import parser_named
 
@@ -106,6 +107,10 @@ class GatewaySettings(BaseSettings):
     responses_retention_s: float = Field(default=30 * 24 * 3600.0, ge=0)
     # How often expired responses are deleted (reads never return one past its time).
     responses_purge_interval_s: float = Field(default=300.0, gt=0)
+    # Default `priority` per API key, for requests that name none (lower = more urgent; a
+    # request's own field wins): from the environment "name=priority,...", where a name is a
+    # key's prefix or its tenant (the prefix wins). Keys named nowhere get 0.
+    priority_tiers: Annotated[dict[str, int], NoDecode] = Field(default_factory=dict)
     # Optional services whose /health the gateway's /ready reports (never waits on): from
     # the environment "name=url,name=url", e.g. "kvcache=http://127.0.0.1:9101/health".
     optional_services: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
@@ -133,6 +138,27 @@ class GatewaySettings(BaseSettings):
         if any(len(pair) != 2 or not all(pair) for pair in pairs):
             raise ValueError(f"expected name=url,name=url; got {value!r}")
         return {name.strip(): url.strip() for name, url in pairs}
+
+    @field_validator("priority_tiers", mode="before")
+    @classmethod
+    def _split_tiers(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        pairs = [item.strip().rsplit("=", 1) for item in value.split(",") if item.strip()]
+        if any(len(pair) != 2 or not all(pair) for pair in pairs):
+            raise ValueError(f"expected name=priority,name=priority; got {value!r}")
+        return {name.strip(): priority.strip() for name, priority in pairs}
+
+    @field_validator("priority_tiers", mode="after")
+    @classmethod
+    def _tiers_in_range(cls, value: dict[str, int]) -> dict[str, int]:
+        for name, priority in value.items():
+            if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+                raise ValueError(
+                    f"priority of {name!r} must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
+                    f"got {priority}"
+                )
+        return value
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -69,6 +69,7 @@ class Prepared:
     echo: tuple[str, ...] = ()  # completions: each prompt's text, before its choices' (or none)
     tool_names: frozenset[str] = frozenset()  # parse calls to these out of the output
     user: str = ""  # the caller's end user, recorded on the request's trace span
+    priority: int | None = None  # as the request asked; deps.admit_prepared decides it
     # Completions with a list of prompts: the prompts after the first (prompt_ids). Prompt i's
     # choice j is choice i * n + j of the answer, as OpenAI numbers them.
     more_prompts: tuple[list[int], ...] = ()
@@ -461,4 +462,5 @@ def _prepared(
         echo=echo,
         tool_names=tool_names,
         user=request.user or "",
+        priority=request.priority,
     )

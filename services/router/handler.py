@@ -195,6 +195,7 @@ class RouterHandler:
             max_tokens=req.max_tokens,
             turn=next(self.turns),
             shared_blocks=shared_blocks,
+            priority=req.priority,
         )
         facilities = self.fleet.racks.by_worker()
         result = choose(self.fleet.workers, request, now, facilities=facilities, config=self.config)

@@ -80,7 +80,7 @@ class WorkerBase:
             thread=engine_thread,
         )
         self.kv = KVPort(self.loop, settings)
-        gate = AdmissionGate(self.cap.seq_cap)
+        gate = AdmissionGate(self.cap.seq_cap, settings.scheduling_policy)
         self.streams = Streams(bus, self.worker_id, self.loop, gate, self.metrics, self.decode_text)
         self.presence = Presence(
             settings,
@@ -161,7 +161,7 @@ class WorkerBase:
         with _tracer.start_as_current_span(
             "queue", start_time=arrival_unix_ns or None, attributes=attributes
         ):
-            admitted = await self.streams.admit(stream)
+            admitted = await self.streams.admit(stream, params, len(prompt) + params.max_tokens)
         if not admitted:
             return stream  # cancelled or handed back while it waited
         if before_add is not None:

@@ -38,6 +38,8 @@ def engine_params(p: pb.SamplingParams, params_cls: Any) -> Any:
         logit_bias=dict(p.logit_bias),
         guided=guided,
         pooling=p.pooling or None,
+        priority=p.priority,
+        tenant=p.tenant,
     )
 
 

@@ -85,6 +85,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
     config = EngineConfig(
         model=settings.model,
         max_num_seqs=settings.max_num_seqs,
+        scheduling_policy=settings.scheduling_policy,
         device=settings.device,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         cpu_memory_utilization=settings.cpu_memory_utilization,

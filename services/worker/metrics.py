@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from tokenyard.engine.outputs import EngineStats
+from tokenyard.engine.outputs import EngineStats, TenantQueueStats
 
 LABELS = ("worker", "role", "model")
 # vLLM's request-latency buckets, cut at two minutes.
@@ -45,6 +45,23 @@ SPEC_DRAFT_TOKENS = Counter(
 )
 SPEC_ACCEPTED_TOKENS = Counter(
     "tokenyard:spec_decode_num_accepted_tokens", "Drafted tokens the target kept", LABELS
+)
+# Per tenant (engine/fair_queue.py): the engine's waiting queue and each tenant's share.
+# Mean queue wait = rate(..._queue_wait_seconds) / rate(..._admitted).
+TENANT_LABELS = (*LABELS, "tenant")
+TENANT_WAITING = Gauge(
+    "tokenyard:tenant_requests_waiting", "Sequences waiting in the engine, by tenant", TENANT_LABELS
+)
+TENANT_ADMITTED = Counter(
+    "tokenyard:tenant_admitted", "Sequences admitted from the waiting queue", TENANT_LABELS
+)
+TENANT_WAIT = Counter(
+    "tokenyard:tenant_queue_wait_seconds",
+    "Summed time admitted sequences spent in the engine's waiting queue",
+    TENANT_LABELS,
+)
+TENANT_TOKENS = Counter(
+    "tokenyard:tenant_tokens", "Tokens computed for the tenant (its fair share)", TENANT_LABELS
 )
 PROMPT_TOKENS = Counter("tokenyard:prompt_tokens", "Prompt tokens prefilled here", LABELS)
 GENERATION_TOKENS = Counter(
@@ -113,6 +130,7 @@ class WorkerMetrics:
         # prefix queries, prefix hits, preemptions, drafts, draft tokens, accepted tokens
         self._engine_totals = (0, 0, 0, 0, 0, 0)
         self._expert_totals: list[list[int]] = []  # [moe layer][expert]
+        self._tenant_totals: dict[str, TenantQueueStats] = {}
         self._children: dict[Any, Any] = {}  # by metric (hashed by identity)
 
     def child(self, metric: Any) -> Any:
@@ -151,6 +169,21 @@ class WorkerMetrics:
                 self.child(metric).inc(now - before)
         self._engine_totals = totals
         self._on_expert_tokens(stats.expert_tokens)
+        self._on_tenants(stats.tenants)
+
+    def _on_tenants(self, tenants: dict[str, TenantQueueStats]) -> None:
+        for tenant, now in tenants.items():
+            before = self._tenant_totals.get(tenant, TenantQueueStats())
+            labels = {**self.labels, "tenant": tenant}
+            TENANT_WAITING.labels(**labels).set(now.num_waiting)
+            for metric, grown in (
+                (TENANT_ADMITTED, now.num_admitted - before.num_admitted),
+                (TENANT_WAIT, now.wait_s_total - before.wait_s_total),
+                (TENANT_TOKENS, now.num_tokens - before.num_tokens),
+            ):
+                if grown > 0:
+                    metric.labels(**labels).inc(grown)
+        self._tenant_totals = tenants
 
     def _on_expert_tokens(self, counts: list[list[int]]) -> None:
         for layer, row in enumerate(counts):

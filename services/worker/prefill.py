@@ -34,7 +34,7 @@ def queue_spec(settings: WorkerSettings) -> WorkQueueSpec:
         subject_for=subjects.prefill_worker_jobs,
         ack_wait_s=settings.job_ack_wait_s,
         max_deliver=settings.job_max_deliver,
-        max_in_flight=settings.max_num_seqs,
+        max_in_flight=settings.max_num_seqs + settings.max_queued_jobs,
         replicas=settings.jetstream_replicas,
     )
 

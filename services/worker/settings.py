@@ -48,6 +48,12 @@ class WorkerSettings(BaseSettings):
     # decode-capable workers use it (tokenyard.engine.spec), prefill-only ones ignore it.
     speculative: str | None = None
     max_num_seqs: int = 32
+    # Jobs taken from the work queue beyond max_num_seqs: they wait in the engine, whose
+    # queue admits by priority and shares tokens fairly between tenants (a job left in
+    # JetStream is only ever taken in arrival order). 0 = take only what can run.
+    max_queued_jobs: int = Field(default=32, ge=0)
+    # The engine's waiting order (engine/fair_queue.py): fair | priority | fcfs.
+    scheduling_policy: Literal["fair", "priority", "fcfs"] = "fair"
     max_num_batched_tokens: int | None = None
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None

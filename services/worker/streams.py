@@ -122,9 +122,15 @@ class Streams:
 
     # --- admission: the facilities cap and redelivered jobs -----------------------------
 
-    async def admit(self, stream: TokenStream) -> bool:
-        """Wait for room under the cap; the place is held until the stream ends."""
-        await self.gate.acquire()
+    async def admit(
+        self, stream: TokenStream, params: pb.SamplingParams | None = None, tokens: int = 0
+    ) -> bool:
+        """Wait for room under the cap (in turn by `params`' priority and tenant; `tokens`:
+        what the request may be served); the place is held until the stream ends."""
+        if params is None:
+            await self.gate.acquire()
+        else:
+            await self.gate.acquire(params.priority, params.tenant, tokens)
         if stream.done.done():
             self.gate.release()
             return False

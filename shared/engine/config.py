@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenyard import platforms
+from tokenyard.engine.fair_queue import Policy, check_policy
 from tokenyard.engine.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -65,6 +66,9 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # the per-step token budget (chunked prefill)
+    # The waiting queue's order (engine/fair_queue.py): "fair" (priority, then a fair share
+    # of tokens between tenants), "priority" (priority, then arrival) or "fcfs" (arrival).
+    scheduling_policy: Policy = "fair"
     max_model_len: int | None = None  # None = the model's context length, capped at 8192
     # The KV pool's size; it overrides any budget. None: what the engine's share of its
     # device leaves once weights and buffers are in (as vLLM sizes it; engine.budget): on a
@@ -132,6 +136,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        check_policy(self.scheduling_policy)
         if self.speculative_config is not None:
             # With `deterministic`, only greedy requests speculate (Speculator.greedy_only).
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

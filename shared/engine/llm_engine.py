@@ -101,6 +101,7 @@ class LLMEngine:
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.scheduling_policy,
         )
         self.runner = ModelRunner(
             model,
@@ -217,6 +218,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             expert_tokens=[b.tokens_per_expert.tolist() for b in moe_blocks(self.runner.model)],
             num_pending_prompt_tokens=self.scheduler.pending_prompt_tokens(),
+            tenants=self.scheduler.tenant_stats(),
         )
         if self.speculator is not None:
             spec = self.speculator.stats

@@ -35,6 +35,16 @@ class RequestOutput:
 
 
 @dataclass
+class TenantQueueStats:
+    """One tenant's share of the engine's waiting queue (engine/fair_queue.py)."""
+
+    num_waiting: int = 0  # sequences waiting now
+    num_admitted: int = 0  # sequences admitted so far (first admissions only)
+    wait_s_total: float = 0.0  # their summed time in the waiting queue
+    num_tokens: int = 0  # tokens computed for it so far (its fair-share clock)
+
+
+@dataclass
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -53,6 +63,7 @@ class EngineStats:
     expert_tokens: list[list[int]] = field(default_factory=list)
     # Prompt tokens still to compute (queued and part-prefilled sequences): queued work.
     num_pending_prompt_tokens: int = 0
+    tenants: dict[str, TenantQueueStats] = field(default_factory=dict)  # by tenant
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tokenyard.engine.fair_queue import check_priority
+
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "llguidance"]
 GUIDED_KINDS: tuple[GuidedKind, ...] = (
     "json_schema",
@@ -54,6 +56,11 @@ class SamplingParams:
     # An embedding request (engine/pooling.py): the prompt is computed, nothing is sampled,
     # and the one output carries the pooled final hidden state.
     pooling: Pooling | None = None
+    # Scheduling, not sampling; they travel with the params as cache_salt does
+    # (engine/fair_queue.py): lower `priority` = more urgent (vLLM's convention), and the
+    # tenant whose fair share of tokens this request is charged to.
+    priority: int = 0
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +96,7 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.pooling is not None and self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        check_priority(self.priority)
 
     @property
     def greedy(self) -> bool:

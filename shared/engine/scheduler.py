@@ -1,21 +1,28 @@
 """Continuous batching under a per-step token budget.
 
 Each step: running sequences first (one token each when decoding, the next chunk when a long
-prompt is still prefilling), then waiting ones in arrival order while budget, sequence slots
-and blocks last. When a running sequence needs a block and none is free, the most recently
-admitted running sequence is preempted: its blocks are freed and it goes back to the front
-of the queue to be recomputed (its prompt and its output so far) later. Nothing starves:
-the queue is first come, first served and a preempted sequence keeps its place. The one
+prompt is still prefilling), then waiting ones in the waiting queue's order while budget,
+sequence slots and blocks last. That order (engine/fair_queue.py) is by `priority` (lower
+first), then a fair share of tokens between tenants, then arrival; the "fcfs" policy keeps
+plain arrival order. When a running sequence needs a block and none is free, the least
+urgent running sequence (the most recently admitted of its class) is preempted: its blocks
+are freed and it goes back to the queue to be recomputed (its prompt and its output so far)
+later, keeping its arrival. A waiting sequence more urgent than a running one that finds no
+slot or no blocks preempts the least urgent running one at the start of a step. Within a
+class nothing starves: a tenant's virtual time only grows as it is served. The one
 exception: a waiting sequence whose prompt's leading blocks a running sequence is computing
 right now waits for them (a step or a few), and then shares them through the prefix cache.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenyard.engine.block_manager import BlockManager
+from tokenyard.engine.fair_queue import FairQueue, Policy, QueueKey
+from tokenyard.engine.outputs import TenantQueueStats
 from tokenyard.engine.sequence import Sequence, Status
 
 
@@ -35,18 +42,37 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: Policy = "fair",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: FairQueue[Sequence] = FairQueue(_queue_key, _queue_cost, policy)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.clock = clock
+        self.tenants: dict[str, TenantQueueStats] = {}  # cumulative, by tenant
+        self._queued_at: dict[int, float] = {}  # id(seq) -> when it was first queued
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        self._queued_at[id(seq)] = self.clock()
+        self.waiting.push(seq)
+
+    def tenant_stats(self) -> dict[str, TenantQueueStats]:
+        """Per tenant: sequences waiting now, and the cumulative counters."""
+        waiting = self.waiting.waiting_by_tenant()
+        for tenant in waiting.keys() - self.tenants.keys():
+            self.tenants[tenant] = TenantQueueStats()
+        for tenant, stats in self.tenants.items():
+            stats.num_waiting = waiting.get(tenant, 0)
+        return {t: TenantQueueStats(**vars(s)) for t, s in self.tenants.items()}
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence that already holds its blocks (an imported KV hand-off)."""
@@ -66,6 +92,11 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
+        if self.waiting.policy != "fcfs":
+            # Most urgent first (stable: admission order within a class), so the least
+            # urgent is last: the one preempted first, never one already in this batch.
+            self.running.sort(key=lambda s: s.params.priority)
+        urgent = self._preempt_for_urgent()
         preempted = False
         # running
         for seq in list(self.running):
@@ -86,22 +117,61 @@ class Scheduler:
             self.block_manager.append_slots(seq, n + len(spec))
             batch.append(ScheduledSeq(seq, n, spec))
             budget -= n + len(spec)
-        # waiting: none admitted in a step that had to preempt, or it would thrash
-        for seq in list(self.waiting):
-            if budget == 0 or preempted or len(self.running) >= self.max_num_seqs:
+        # waiting: none admitted in a step that had to preempt, or it would thrash; the
+        # urgent sequence that preempted less urgent ones for itself is the exception
+        for seq in self.waiting.ordered():
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if preempted or (urgent is not None and seq is not urgent):
                 break
             if self._prefix_in_flight(seq):
                 continue  # admitted once that prefix is computed, then shared
             if not self.block_manager.can_allocate(seq):
                 break
-            self.waiting.remove(seq)
-            self.block_manager.allocate(seq, use_cache=_uses_cache(seq))
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._admit(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
+        self._charge(batch)
         return batch
+
+    def _preempt_for_urgent(self) -> Sequence | None:
+        """Preempt running sequences of a less urgent class while the most urgent waiting
+        one finds no slot or no blocks; that waiting one when any was preempted for it."""
+        if self.waiting.policy == "fcfs" or not self.waiting or not self.running:
+            return None
+        if min(s.params.priority for s in self.waiting) >= self.running[-1].params.priority:
+            return None  # nothing waits that outranks a running sequence (the common case)
+        head = self.waiting.ordered()[0]
+        urgent = None
+        while self.running and not self._has_room(head):
+            if self.running[-1].params.priority <= head.params.priority:
+                break
+            self._preempt(self.running[-1])
+            urgent = head
+        return urgent
+
+    def _has_room(self, seq: Sequence) -> bool:
+        return len(self.running) < self.max_num_seqs and self.block_manager.can_allocate(seq)
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        self.block_manager.allocate(seq, use_cache=_uses_cache(seq))
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        queued_at = self._queued_at.pop(id(seq), None)
+        if queued_at is not None:  # its first admission (not a recompute after preemption)
+            stats = self.tenants.setdefault(seq.params.tenant, TenantQueueStats())
+            stats.num_admitted += 1
+            stats.wait_s_total += self.clock() - queued_at
+
+    def _charge(self, batch: list[ScheduledSeq]) -> None:
+        """Each tenant's fair-share clock advances by the tokens computed for it."""
+        for s in batch:
+            tokens = s.num_tokens + len(s.spec_token_ids)
+            self.waiting.charge(s.seq.params.tenant, tokens)
+            stats = self.tenants.setdefault(s.seq.params.tenant, TenantQueueStats())
+            stats.num_tokens += tokens
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
         """True when a running sequence is still computing full blocks of this sequence's
@@ -128,7 +198,7 @@ class Scheduler:
         seq.spec_token_ids = []
         self.block_manager.free_sequence(seq)
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.push(seq, front=True)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str, *, keep_blocks: bool = False) -> None:
@@ -137,10 +207,19 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._queued_at.pop(id(seq), None)
         if seq.block_table and not keep_blocks:
             self.block_manager.free_sequence(seq)
         seq.status = Status.HELD if keep_blocks else Status.FINISHED
         seq.finish_reason = reason
+
+
+def _queue_key(seq: Sequence) -> QueueKey:
+    return QueueKey(seq.params.priority, seq.params.tenant, seq.arrival)
+
+
+def _queue_cost(seq: Sequence) -> int:
+    return seq.num_uncomputed_tokens
 
 
 def _uses_cache(seq: Sequence) -> bool:

@@ -48,6 +48,7 @@ class RouteInput:
     max_tokens: int = 0  # 0 = unknown
     turn: int = 0  # the router's count of requests so far (round-robin placement takes it)
     shared_blocks: int = 0  # leading blocks the shared KV-cache service holds
+    priority: int = 0  # lower = more urgent (engine/fair_queue.py); > 0 is shed first
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,10 @@ class PolicyConfig:
     )
     # How many sequences may wait per worker beyond its cap before the fleet is "overloaded".
     queue_per_worker: int = 64
+    # A request less urgent than normal (priority > 0) is placed only while a worker's queue
+    # is under this share of queue_per_worker: an overloaded fleet sheds background work
+    # first and keeps the rest of its queues for normal and urgent requests.
+    low_priority_queue_share: float = 0.5
     overlap_weight: float = 1.0  # value of a fully cached prompt, in units of a full worker
     kv_weight: float = 0.5  # penalty of a full KV pool, same units
     overloaded_retry_after_s: int = 1
@@ -126,7 +131,7 @@ def choose(
         retry = max(facilities[w.worker_id].retry_after_s for w in prefill_live)
         return _error(pb.RouteError.ALL_DRAINED, "every prefill worker's rack is drained", retry)
     prefill = (
-        _next_in_turn(open_, request.turn, facilities, config)
+        _next_in_turn(open_, request.turn, facilities, config, request.priority)
         if config.placement == "round-robin"
         else _best(open_, request, facilities, config)
     )
@@ -212,7 +217,7 @@ def _best(
     """The candidate with the highest score among those with room, or None."""
     scored: list[tuple[float, str, WorkerView]] = []
     for w in candidates:
-        base = free_score(w, facilities.get(w.worker_id, NORMAL), config)
+        base = free_score(w, facilities.get(w.worker_id, NORMAL), config, request.priority)
         if base is not None:
             scored.append((_overlap_score(w, request, config) + base, w.worker_id, w))
     if not scored:
@@ -226,28 +231,38 @@ def _next_in_turn(
     turn: int,
     facilities: Mapping[str, WorkerThrottle],
     config: PolicyConfig,
+    priority: int = 0,
 ) -> WorkerView | None:
     """Round-robin: the `turn`-th of the candidates with room, by worker id, or None."""
     room = sorted(
         (
             w
             for w in candidates
-            if free_score(w, facilities.get(w.worker_id, NORMAL), config) is not None
+            if free_score(w, facilities.get(w.worker_id, NORMAL), config, priority) is not None
         ),
         key=lambda w: w.worker_id,
     )
     return room[turn % len(room)] if room else None
 
 
-def free_score(w: WorkerView, facility: WorkerThrottle, config: PolicyConfig) -> float | None:
-    """The part of a worker's score that does not depend on the request (its whole score for
-    a prompt it holds nothing of): minus its busy share, KV use and facilities penalty.
-    None when it has no room. Higher is better."""
+def free_score(
+    w: WorkerView, facility: WorkerThrottle, config: PolicyConfig, priority: int = 0
+) -> float | None:
+    """The part of a worker's score that does not depend on the request's prompt (its whole
+    score for a prompt it holds nothing of): minus its busy share, KV use and facilities
+    penalty. None when it has no room for a request of this priority. Higher is better."""
     cap = _cap(w, facility)
-    if w.load >= cap + config.queue_per_worker:
+    if w.load >= cap + queue_room(config, priority):
         return None
     busy = w.load / cap * facility.load_weight
     return -busy - config.kv_weight * w.kv_used - facility.cost_penalty
+
+
+def queue_room(config: PolicyConfig, priority: int) -> int:
+    """How many requests of this priority may wait per worker beyond its cap."""
+    if priority > 0:
+        return int(config.queue_per_worker * config.low_priority_queue_share)
+    return config.queue_per_worker
 
 
 def _overlap_score(w: WorkerView, request: RouteInput, config: PolicyConfig) -> float:

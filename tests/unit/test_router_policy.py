@@ -174,6 +174,22 @@ def test_overlap_does_not_beat_a_full_worker():
     assert isinstance(out, pb.Placement) and out.prefill_worker_id == "p2"
 
 
+def test_an_overloaded_fleet_sheds_low_priority_requests_first():
+    config = PolicyConfig(queue_per_worker=4, low_priority_queue_share=0.5)
+    # 8 running (its cap) and 3 waiting: room for 1 more normal request, none of low priority.
+    workers = table(worker("p1", "prefill", running=8, waiting=3), worker("d1", "decode"))
+    background = RouteInput("r1", MODEL, 1000, {}, priority=5)
+    shed = choose(workers, background, NOW, config=config)
+    assert isinstance(shed, pb.RouteError) and shed.code == pb.RouteError.OVERLOADED
+    for priority in (0, -5):
+        placed = choose(
+            workers, RouteInput("r2", MODEL, 1000, {}, priority=priority), NOW, config=config
+        )
+        assert isinstance(placed, pb.Placement), priority
+    round_robin = PolicyConfig(queue_per_worker=4, placement="round-robin")
+    assert isinstance(choose(workers, background, NOW, config=round_robin), pb.RouteError)
+
+
 def test_every_worker_full_is_overloaded():
     config = PolicyConfig(queue_per_worker=2)
     workers = table(worker("p1", "prefill", running=8, waiting=2), worker("d1", "decode"))
