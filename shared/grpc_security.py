@@ -59,6 +59,21 @@ CALLERS: dict[str, frozenset[str]] = {
     "tokenyard.v1.WorkerControl": frozenset({OPERATOR}),
     "tokenyard.v1.FacilitiesControl": frozenset({OPERATOR}),
 }
+# Identities held to some methods of a service CALLERS opens to them: the router only asks.
+ONLY_METHODS: dict[tuple[str, str], frozenset[str]] = {
+    (ROUTER, "tokenyard.v1.KVCache"): frozenset({"Contains"}),
+}
+
+
+def allowed(identity: str | None, method: str) -> bool:
+    """Whether `identity` may call `method` (``/tokenyard.v1.KVCache/Put`` or a service's
+    full name, which asks about the service as a whole)."""
+    service, _, name = method.lstrip("/").partition("/")
+    if identity not in CALLERS.get(service, frozenset()):
+        return False
+    only = ONLY_METHODS.get((identity, service))
+    return only is None or name in only
+
 
 _PEER = re.compile(r"^([a-z][a-z0-9_-]{0,31}):([0-9a-f]{64})$")
 
@@ -137,7 +152,7 @@ class GrpcSecurity(BaseSettings):
         """Whether the holder of `token` may call `service` (a full name in CALLERS) as this
         process's servers judge it: open servers (no peers) let anyone."""
         peers = self.peer_digests()
-        return not peers or identify(peers, token) in CALLERS.get(service, frozenset())
+        return not peers or allowed(identify(peers, token), service)
 
 
 def identify(peers: Mapping[str, str], token: str) -> str | None:
@@ -177,10 +192,8 @@ def caller() -> str:
     return _caller.get()
 
 
-def _service(method: str | bytes) -> str:
-    """``/tokenyard.v1.KVCache/Put`` -> ``tokenyard.v1.KVCache``."""
-    text = method.decode() if isinstance(method, bytes) else method
-    return text.lstrip("/").split("/", 1)[0]
+def _method_name(method: str | bytes) -> str:
+    return method.decode() if isinstance(method, bytes) else method
 
 
 class RequireIdentity(grpc.aio.ServerInterceptor):
@@ -199,9 +212,8 @@ class RequireIdentity(grpc.aio.ServerInterceptor):
         identity = identify(self._peers, presented_token(details.invocation_metadata))
         if identity is None:
             return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
-        service = _service(details.method)
-        if identity not in CALLERS.get(service, frozenset()):
-            why = f"{identity!r} may not call {service}"
+        if not allowed(identity, _method_name(details.method)):
+            why = f"{identity!r} may not call {_method_name(details.method)}"
             return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, why)
         return _as_caller(handler, identity)
 

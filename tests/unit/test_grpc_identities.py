@@ -14,6 +14,7 @@ from tokenyard.grpc_security import (
     OPERATOR,
     GrpcConfigError,
     GrpcSecurity,
+    allowed,
     fresh_tokens,
     identify,
     parse_peers,
@@ -68,7 +69,13 @@ def test_each_service_names_exactly_who_may_call_it():
     ]
     assert {s.full_name for s in services} == set(CALLERS)
     assert CALLERS["tokenyard.v1.KVTransfer"] == {"decode", "both"}  # who pulls KV
-    assert CALLERS["tokenyard.v1.KVCache"] == {"prefill", "decode", "both"}
+    # The router asks what the shared cache holds of a prompt, and nothing else.
+    assert CALLERS["tokenyard.v1.KVCache"] == {"prefill", "decode", "both", "router"}
+    assert allowed("router", "/tokenyard.v1.KVCache/Contains")
+    for method in ("Put", "Get", "Stats"):
+        assert not allowed("router", f"/tokenyard.v1.KVCache/{method}")
+        assert allowed("prefill", f"/tokenyard.v1.KVCache/{method}")
+    assert not allowed("router", "/tokenyard.v1.KVTransfer/Pull")
     for control in ("KVCacheAdmin", "WorkerControl", "FacilitiesControl"):
         assert CALLERS[f"tokenyard.v1.{control}"] == {OPERATOR}
 
