@@ -106,6 +106,9 @@ def child(model: str, fields: dict[str, Any], args: argparse.Namespace) -> dict[
         "split": engine.memory.describe(),
         "weights_mib": round(engine.memory.weights_bytes / 1024**2, 1),
     }
+    if args.no_steps:
+        result["after_steps"] = result["after_build"]
+        return result
     prefill(engine, 1, 16, 4, "warm")
     decode_steps(engine, 4)
     finish(engine, 1, "warm")
@@ -124,6 +127,7 @@ def run_child(args: argparse.Namespace, model: str, variant: str) -> dict[str, A
     argv = [sys.executable, __file__, "--child", variant, "--model", model]
     argv += ["--batch", args.batch, "--context", str(args.context), "--steps", str(args.steps)]
     argv += ["--prompt-tokens", str(args.prompt_tokens), "--repeats", str(args.repeats)]
+    argv += ["--no-steps"] if args.no_steps else []
     done = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy())
     if done.returncode != 0:
         raise RuntimeError(f"variant {variant!r} failed:\n{done.stderr[-3000:]}")
@@ -140,8 +144,8 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "pss_mib": med(lambda r: r["after_steps"]["pss_mib"]),
         "pss_after_build_mib": med(lambda r: r["after_build"]["pss_mib"]),
         "peak_rss_mib": med(lambda r: r["after_steps"]["peak_rss_mib"]),
-        "prefill_ms": med(lambda r: r["prefill_ms"]),
-        "step_ms": {b: med(lambda r, b=b: r["step_ms"][b]) for b in runs[0]["step_ms"]},
+        "prefill_ms": med(lambda r: r.get("prefill_ms", 0.0)),
+        "step_ms": {b: med(lambda r, b=b: r["step_ms"][b]) for b in runs[0].get("step_ms", {})},
         "split": runs[-1]["split"],
     }
 
@@ -163,6 +167,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12, help="decode steps timed per batch")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3, help="prefills timed per process")
+    parser.add_argument("--no-steps", action="store_true", help="memory only: no timings")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=OUT_HELP)
     args = parser.parse_args()
@@ -184,7 +189,7 @@ def main() -> int:
             last = runs[name][-1]
             print(
                 f"round {i + 1} {name}: PSS {last['after_steps']['pss_mib']} MiB, "
-                f"prefill {last['prefill_ms']} ms, steps {last['step_ms']} ms",
+                f"prefill {last.get('prefill_ms')} ms, steps {last.get('step_ms')} ms",
                 flush=True,
             )
     doc = {

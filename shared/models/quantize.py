@@ -20,7 +20,9 @@ more than a handful of rows. A quantized layer therefore keeps its dense weight 
 (`keep_dense`, the default) where that pays, and uses it for steps of more rows than its
 threshold: decode of a few sequences gets the bandwidth, prefill and big batches get the
 FLOPs. That costs memory: the report counts both copies, and the tied lm_head reuses the
-embeddings. Which kernels a layer runs, with or without a dense copy, is chosen once when
+embeddings. At the sizes people serve the copies outweigh the rest of the engine, so the
+engine asks `keeps_dense` first: by default a model keeps them only where they come to at
+most DENSE_COPIES_MAX_BYTES (EngineConfig.dense_copies). Which kernels a layer runs, with or without a dense copy, is chosen once when
 the layer is built (`tokenyard.models.kernel_choice`).
 """
 
