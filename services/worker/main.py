@@ -71,6 +71,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         "num_threads": settings.num_threads,
         "deterministic": settings.deterministic or None,
         "prepack_weights": settings.prepack_weights,
+        "dense_copies": settings.dense_copies,
         "speculative_config": settings.speculative if settings.decodes else None,
     }
     # A shared-memory pool is host memory: for a CPU engine of one rank only (a

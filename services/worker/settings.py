@@ -89,6 +89,9 @@ class WorkerSettings(BaseSettings):
     # A shared-memory directory where the CPU engines of one host share their built weights
     # as one read-only file (tokenyard.engine.shared_weights); empty = private memory.
     shared_weights_dir: str = ""
+    # Quantized layers' dense copies for big steps: "auto" (where a model's come to at most
+    # 512 MiB), "all" or "none" (EngineConfig.dense_copies).
+    dense_copies: Literal["auto", "all", "none"] = "auto"
     # Private CPU weights: keep the dense copies in oneDNN's packed layout where that pays
     # (QuantizedLinear.prepack: faster steps, results equal to the bit; docs/benchmarks.md).
     # False: plain tensors.

@@ -23,6 +23,9 @@ def auto_dtype(device: str) -> str:
     return "float32"
 
 
+# EngineConfig.dense_copies' choices (tokenyard.models.quantize.keeps_dense).
+DENSE_COPIES = ("auto", "all", "none")
+
 # The names vLLM and SGLang take for an e4m3 pool, beside torch's own.
 _FP8_KV_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn")
 
@@ -112,6 +115,12 @@ class EngineConfig:
     # layout where that pays (QuantizedLinear.prepack: bf16 where oneDNN has a bf16 linear,
     # fp32 on CPUs without AVX-512).
     prepack_weights: bool = True
+    # Quantized layers' dense copies for big steps (tokenyard.models.quantize.keeps_dense):
+    # "auto" keeps them where all of a model's come to at most DENSE_COPIES_MAX_BYTES (a
+    # small model, where they cost little memory and its steps are short of FLOPs), "all"
+    # keeps them at any size (faster big steps, more memory), "none" never (each layer's
+    # quantized kernel runs every step). Deterministic mode keeps none whatever this says.
+    dense_copies: str = "auto"
     # Speculative decoding, in vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4}
     # or {"method": "draft", "model": None, "quantization": "int4"} (tokenyard.engine.spec).
     # A dict or its JSON text is parsed into a SpeculativeConfig here.
@@ -126,6 +135,10 @@ class EngineConfig:
         if self.quantization not in (None, "int8", "int4", "fp8"):
             raise ValueError(
                 f"quantization must be None, 'int8', 'int4' or 'fp8', got {self.quantization!r}"
+            )
+        if self.dense_copies not in DENSE_COPIES:
+            raise ValueError(
+                f"dense_copies must be one of {DENSE_COPIES}, got {self.dense_copies!r}"
             )
         if self.deterministic and self.quantization not in ("int8", "int4"):
             raise ValueError(

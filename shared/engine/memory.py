@@ -29,7 +29,13 @@ from tokenyard.kv.layout import KVLayout
 from tokenyard.models.llama import LlamaForCausalLM
 from tokenyard.models.loader import LoadedModel
 from tokenyard.models.moe import SparseMoeBlock, moe_blocks
-from tokenyard.models.quantize import Fp8Linear, QuantizedLinear, prepack, quantize
+from tokenyard.models.quantize import (
+    Fp8Linear,
+    QuantizedLinear,
+    keeps_dense,
+    prepack,
+    quantize,
+)
 from tokenyard.models.tp import VocabParallelEmbedding, apply_tp, check_tp
 
 log = logging.getLogger(__name__)
@@ -139,7 +145,10 @@ def build_model_and_pool(
     if model.rope is not None and device.type != "cpu":  # plain attributes: not moved by .to()
         model.rope.cos, model.rope.sin = model.rope.cos.to(device), model.rope.sin.to(device)
     if config.quantization:
-        quantize(model, config.quantization, keep_dense=not config.deterministic)
+        dense = keeps_dense(model, config.quantization, config.dense_copies)
+        quantize(model, config.quantization, keep_dense=dense and not config.deterministic)
+    if device.type == "cpu":
+        compact_embeddings(model)
     for block in moe_blocks(model):
         block.batch_invariant = config.deterministic
     if config.shared_weights_dir and device.type == "cpu":
@@ -181,6 +190,31 @@ def build_model_and_pool(
         utilization=_utilization_label(config),
     )
     return model, kv_cache, layout, report
+
+
+# Narrower dtypes an fp32 embedding table may be kept in where it holds every value exactly.
+_COMPACT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def compact_embeddings(model: LlamaForCausalLM) -> bool:
+    """Keep an fp32 embedding table in bf16 or fp16 where that holds every value exactly (a
+    16-bit checkpoint upcast for fp32 compute): a token's row is read and widened, the same
+    values at half the bytes (the 1B shape's table is 384 MiB in fp32). Not where another
+    layer multiplies by the table as it is (an output projection tied to it and kept dense).
+    Whether it did."""
+    embed, head = model.embed_tokens, model.lm_head
+    weight = embed.weight
+    if type(embed) is not torch.nn.Embedding or weight.dtype != torch.float32:
+        return False
+    dense_head = head.dense if isinstance(head, QuantizedLinear) else getattr(head, "weight", None)
+    if dense_head is weight:
+        return False
+    for dtype in _COMPACT_DTYPES:
+        narrow = weight.detach().to(dtype)
+        if torch.equal(narrow.float(), weight):
+            embed.weight = torch.nn.Parameter(narrow, requires_grad=False)
+            return True
+    return False
 
 
 def _device_memory(device: torch.device) -> DeviceMemory:

@@ -186,7 +186,8 @@ class LlamaForCausalLM(LeanModule):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        # The table may be narrower than the compute dtype (engine.memory.compact_embeddings).
+        x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)
         assert self.rope is not None, "load_weights() first"
         plan = self._fused_plan(x, kv_cache, meta.prompt_step)
         if plan is not None:

@@ -20,7 +20,9 @@ more than a handful of rows. A quantized layer therefore keeps its dense weight 
 (`keep_dense`, the default) where that pays, and uses it for steps of more rows than its
 threshold: decode of a few sequences gets the bandwidth, prefill and big batches get the
 FLOPs. That costs memory: the report counts both copies, and the tied lm_head reuses the
-embeddings. Which kernels a layer runs, with or without a dense copy, is chosen once when
+embeddings. At the sizes people serve the copies outweigh the rest of the engine, so the
+engine asks `keeps_dense` first: by default a model keeps them only where they come to at
+most DENSE_COPIES_MAX_BYTES (EngineConfig.dense_copies). Which kernels a layer runs, with or without a dense copy, is chosen once when
 the layer is built (`tokenyard.models.kernel_choice`).
 """
 
@@ -445,6 +447,40 @@ def mkldnn_packs_bf16() -> bool:
 def prepack(model: nn.Module) -> int:
     """QuantizedLinear.prepack() on every quantized layer; how many it packed."""
     return sum(m.prepack() for m in model.modules() if isinstance(m, QuantizedLinear))
+
+
+# EngineConfig.dense_copies "auto": a model keeps its quantized layers' dense copies where
+# they come to at most this many bytes. SmolLM2-135M's (about 260 MiB in bf16) stay; at the
+# 0.5B and 1B shapes (about 770 and 2,050 MiB) they made the engine's memory 0.80x and 0.94x
+# vLLM's, against 0.45x without them (docs/benchmarks.md).
+DENSE_COPIES_MAX_BYTES = 512 * 1024**2
+
+
+def keeps_dense(model: nn.Module, mode: str, policy: str) -> bool:
+    """Whether quantize(model, mode) should keep dense copies under EngineConfig.dense_copies'
+    `policy`: "all", "none", or "auto" (at most DENSE_COPIES_MAX_BYTES of them)."""
+    if policy == "auto":
+        return dense_copy_bytes(model, mode) <= DENSE_COPIES_MAX_BYTES
+    return policy == "all"
+
+
+def dense_copy_bytes(model: nn.Module, mode: str) -> int:
+    """What the dense copies that quantize(model, mode) keeps come to, in the model's dtype:
+    each projection whose chosen kernel keeps one, the output projection's included (tied, a
+    plain copy is the embedding itself, counted all the same)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization {mode!r}: expected one of {MODES}")
+    if mode == "fp8":
+        return 0
+    total = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        bits = 8 if mode == "int8" or name.endswith("lm_head") or not int4_fits(module) else 4
+        spec = LinearSpec(module.weight.dtype, bits, int4_fits(module), True)
+        if choose_linear_kernel(spec).dense is not None:
+            total += module.weight.numel() * module.weight.element_size()
+    return total
 
 
 def quantize(model: nn.Module, mode: str, keep_dense: bool = True) -> nn.Module:
