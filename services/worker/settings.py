@@ -91,7 +91,7 @@ class WorkerSettings(BaseSettings):
     shared_weights_dir: str = ""
     # Quantized layers' dense copies for big steps: "auto" (where a model's come to at most
     # 512 MiB), "all" or "none" (EngineConfig.dense_copies).
-    dense_copies: Literal["auto", "all", "none"] = "auto"
+    dense_copies: Literal["auto", "all", "none"] = "all"
     # Private CPU weights: keep the dense copies in oneDNN's packed layout where that pays
     # (QuantizedLinear.prepack: faster steps, results equal to the bit; docs/benchmarks.md).
     # False: plain tensors.

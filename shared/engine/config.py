@@ -116,11 +116,13 @@ class EngineConfig:
     # fp32 on CPUs without AVX-512).
     prepack_weights: bool = True
     # Quantized layers' dense copies for big steps (tokenyard.models.quantize.keeps_dense):
-    # "auto" keeps them where all of a model's come to at most DENSE_COPIES_MAX_BYTES (a
-    # small model, where they cost little memory and its steps are short of FLOPs), "all"
-    # keeps them at any size (faster big steps, more memory), "none" never (each layer's
-    # quantized kernel runs every step). Deterministic mode keeps none whatever this says.
-    dense_copies: str = "auto"
+    # "all" keeps them at any size (faster big steps, more memory), "auto" keeps them where
+    # all of a model's come to at most DENSE_COPIES_MAX_BYTES (a small model, where they
+    # cost little memory), "none" never (each layer's quantized kernel runs every step).
+    # NOTE: "all" by default until "auto"'s cost in speed at the 0.5B-1B shapes is measured
+    # on a CPU that keeps copies (AVX-512 BF16); fp32 compute keeps none either way.
+    # Deterministic mode keeps none whatever this says.
+    dense_copies: str = "all"
     # Speculative decoding, in vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4}
     # or {"method": "draft", "model": None, "quantization": "int4"} (tokenyard.engine.spec).
     # A dict or its JSON text is parsed into a SpeculativeConfig here.
