@@ -257,7 +257,7 @@ def _json_call(body: str, names: set[str], keys: tuple[str, ...]) -> ToolCall | 
 def _call_from(data: Any, names: set[str], keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(data, dict) or data.get("name") not in names:
         return None
-    args = next((data[k] for k in keys if k in data), {})
+    args: Any = next((data[k] for k in keys if k in data), {})
     if isinstance(args, str):
         try:
             args = json.loads(args)

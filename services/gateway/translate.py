@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from tokenyard.api_errors import ApiError
 from tokenyard.engine.grammar import GuidedError, after_reasoning
@@ -127,7 +127,10 @@ def chat_prompt_ids(
         raise invalid("'messages' must contain at least one message", "messages")
     messages = chat_messages(request, tokenizer, parsers)
     native = request.tools and tools.template_knows_tools(getattr(tokenizer, "chat_template", None))
-    extra = {**template_kwargs(request), **({"tools": request.tools} if native else {})}
+    extra: dict[str, Any] = {
+        **template_kwargs(request),
+        **({"tools": request.tools} if native else {}),
+    }
     try:
         # NOTE: not encode(apply_chat_template(...)): that would parse role markers a user
         # typed into their message as real ones.

@@ -60,13 +60,9 @@ LAYOUTS = {
     # ... and killed with requests still queued on it, not yet prefilled.
     "one-worker-queued": Layout(1, 0, ["both-1"], aggregated=True),
 }
-# NOTE: a known failure until a run shows otherwise: on the one-worker layout the requests
-# queued on the worker when it died were refused with 503 worker_lost (with 2, 6 and 9 of 12
-# streaming at the kill, all the others) instead of being prefilled by the restarted worker.
-# Both causes found are fixed (docs/hardening.md); this case has not run since.
-KNOWN_FAILURES = {
-    "one-worker-queued": "not yet rerun since the queued requests' restart was adopted",
-}
+# Layouts known to fail, each with its reason (xfail, not strict); none now. The one-worker
+# queued case was one until its two causes were fixed (docs/hardening.md).
+KNOWN_FAILURES: dict[str, str] = {}
 
 
 @dataclass

@@ -194,7 +194,7 @@ class ResponsesFormat:
         yield self._lifecycle("response.in_progress", opening)
 
     def events(self, chunk: pb.TokenChunk, index: int = 0) -> Iterator[str]:
-        text, calls = chunk.text, []
+        text, calls = chunk.text, list[tools.CallDelta]()
         if self._parser is not None:
             text, calls = self._parser.feed(chunk.text)
             if chunk.finished:
