@@ -30,7 +30,7 @@ from tokenyard.engine.grammar import bounded
 from tokenyard.engine.sampling_params import GuidedSpec
 from tokenyard.services.gateway import tools
 from tokenyard.services.gateway.reasoning import partial_len
-from tokenyard.services.gateway.tools import CallDelta, ToolCall, new_call_id
+from tokenyard.services.gateway.tools import CallDelta, ToolCall
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 
@@ -213,7 +213,9 @@ class _MistralScanner(_Scanner):
             args = json.loads(self.text[args_at:end])
         except ValueError:
             args = None
-        call = _call_from({"name": name.group(), "arguments": args}, self.names, ("arguments",))
+        call = tools.call_from(
+            {"name": name.group(), "arguments": args}, self.names, ("arguments",)
+        )
         if call is None:
             return self._give_back(end)
         self.mode, self.pos = "content", end
@@ -251,21 +253,7 @@ def _json_call(body: str, names: set[str], keys: tuple[str, ...]) -> ToolCall | 
         data = json.loads(body)
     except ValueError:
         return None
-    return _call_from(data, names, keys)
-
-
-def _call_from(data: Any, names: set[str], keys: tuple[str, ...]) -> ToolCall | None:
-    if not isinstance(data, dict) or data.get("name") not in names:
-        return None
-    args: Any = next((data[k] for k in keys if k in data), {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(data["name"], json.dumps(args, ensure_ascii=False), new_call_id())
+    return tools.call_from(data, names, keys)
 
 
 def _json_call_list(body: str, names: set[str]) -> list[ToolCall]:
@@ -276,7 +264,7 @@ def _json_call_list(body: str, names: set[str]) -> list[ToolCall]:
         return []
     if not isinstance(data, list) or not data:
         return []
-    calls = [_call_from(item, names, ("arguments", "parameters")) for item in data]
+    calls = [tools.call_from(item, names, ("arguments", "parameters")) for item in data]
     return [c for c in calls if c is not None] if all(calls) else []
 
 

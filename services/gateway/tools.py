@@ -160,9 +160,17 @@ def _normalized_call(body: str, names: set[str]) -> ToolCall | None:
         data = json.loads(body)
     except ValueError:
         return None
+    return call_from(data, names)
+
+
+def call_from(
+    data: Any, names: set[str], keys: tuple[str, ...] = ("arguments", "parameters")
+) -> ToolCall | None:
+    """A parsed call object naming one of `names`, its arguments under the first of `keys`
+    it has (an object, or a string holding one), as a ToolCall; None for anything else."""
     if not isinstance(data, dict) or data.get("name") not in names:
         return None
-    args = data.get("arguments", data.get("parameters", {}))
+    args: Any = next((data[k] for k in keys if k in data), {})
     if isinstance(args, str):
         try:
             args = json.loads(args)
