@@ -163,3 +163,29 @@ def test_expired_responses_are_gone_and_purged(tmp_path):
     assert store.get("resp_1", "t") is None
     assert store.purge() == 1 and store.purge() == 0
     store.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_calls_are_read_in_the_served_models_format(tmp_path, stream):
+    """A gateway serving a Llama 3 model reads its JSON calls, whole and streamed, as the
+    chat path does (--tool-call-parser), not the Hermes tags."""
+    backend = FakeBackend(script='{"name": "get_weather", "parameters": {"city": "Paris"}}')
+    state = fake_state(backend, api_keys=KEYS, max_model_len=4096, tool_call_parser="llama3_json")
+    state.responses = ResponseStore.open(f"sqlite:///{tmp_path / 'r.db'}", retention_s=3600)
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "strict": True,
+    }
+    with TestClient(create_app(state.settings, state), raise_server_exceptions=False) as http:
+        oai = sdk(http)
+        if stream:
+            with oai.responses.stream(model=MODEL, input="weather?", tools=[tool]) as events:
+                out = events.get_final_response()
+        else:
+            out = oai.responses.create(model=MODEL, input="weather?", tools=[tool])
+    state.responses.close()
+    assert [item.type for item in out.output] == ["function_call"]
+    assert out.output[0].name == "get_weather"
+    assert out.output[0].arguments == '{"city": "Paris"}'

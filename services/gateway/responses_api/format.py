@@ -40,6 +40,7 @@ from tokenyard.services.gateway.responses_api.schemas import (
     TextDeltaEvent,
     TextDoneEvent,
 )
+from tokenyard.services.gateway.tool_parsers import DEFAULT, PARSERS, ToolParser, ToolStream
 from tokenyard.v1 import serving_pb2 as pb
 
 OutputItem = OutputMessage | FunctionCallItem
@@ -75,12 +76,18 @@ def response_usage(accs: list[Accumulator], num_prompt_tokens: int) -> ResponseU
     )
 
 
-def whole_output(text: str, tool_names: frozenset[str], status: ItemStatus) -> list[OutputItem]:
-    """The output items of a whole answer: its text (if any) as a message, then its calls."""
+def whole_output(
+    text: str,
+    tool_names: frozenset[str],
+    status: ItemStatus,
+    tool_parser: ToolParser = PARSERS[DEFAULT],
+) -> list[OutputItem]:
+    """The output items of a whole answer: its text (if any) as a message, then its calls
+    (read in the served model's format, `tool_parser`)."""
     content: str | None = text
     calls: list[tools.ToolCall] = []
     if tool_names:
-        content, calls = tools.parse(text, set(tool_names))
+        content, calls = tool_parser.parse(text, set(tool_names))
     items: list[OutputItem] = []
     if content or not calls:
         items.append(
@@ -109,18 +116,19 @@ class ResponsesFormat:
     request: ResponsesRequest
     created: int
     tool_names: frozenset[str] = frozenset()
+    tool_parser: ToolParser = PARSERS[DEFAULT]  # the served model's tool-call format
     _seq: int = 0
     _items: list[OutputItem] = field(default_factory=list)  # streamed so far
     _open: int | None = None  # output index of the item being streamed
     _calls: dict[int, int] = field(default_factory=dict)  # parser's call index -> output index
     _held: str = ""  # whitespace not yet sent: it opens no message by itself
-    _parser: tools.ToolStreamParser | None = None
+    _parser: ToolStream | None = None
     _final: Response | None = None
     _closing: list[str] = field(default_factory=list)  # the stream's last item events
 
     def __post_init__(self) -> None:
         if self.tool_names:
-            self._parser = tools.ToolStreamParser(set(self.tool_names))
+            self._parser = self.tool_parser.stream(set(self.tool_names))
 
     # --- the Response object --------------------------------------------------------------
 
@@ -172,7 +180,9 @@ class ResponsesFormat:
                 self._closing = list(self._close_streamed(item_status))
                 output = self._items
             else:
-                output = whole_output("".join(accs[0].text), self.tool_names, item_status)
+                output = whole_output(
+                    "".join(accs[0].text), self.tool_names, item_status, self.tool_parser
+                )
             self._final = self.response(status, output, response_usage(accs, num_prompt_tokens))
         return self._final
 

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from tokenyard.api_errors import ApiError
 from tokenyard.services.gateway.errors import invalid
+from tokenyard.services.gateway.parsers import Parsers
 from tokenyard.services.gateway.responses_api.schemas import (
     FormatJsonObject,
     FormatJsonSchema,
@@ -155,12 +156,14 @@ def prepare_response(
     tokenizer: Tokenizer,
     max_model_len: int,
     default_cap: int | None = None,
+    parsers: Parsers = Parsers(),
 ) -> tuple[Prepared, list[dict[str, Any]]]:
-    """(the prepared chat request, the conversation it answers: history + new input)."""
+    """(the prepared chat request, the conversation it answers: history + new input).
+    `parsers`: the served model's, as on the chat path (its tool-call format)."""
     items = [*history, *input_items(request)]
     chat = chat_request(request, items)
     try:
-        return prepare_chat(chat, tokenizer, max_model_len, default_cap), items
+        return prepare_chat(chat, tokenizer, max_model_len, default_cap, parsers), items
     except ApiError as exc:
         raise renamed(exc) from None
 

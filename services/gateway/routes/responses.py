@@ -80,6 +80,7 @@ async def create_response(
         state.tokenizer,
         state.max_model_len(),
         state.settings.default_max_tokens,
+        state.parsers,
     )
     await admit_prepared(state, caller, prepared)
     fmt = ResponsesFormat(
@@ -87,6 +88,7 @@ async def create_response(
         request=body,
         created=int(time.time()),
         tool_names=prepared.tool_names,
+        tool_parser=state.parsers.tool,
     )
     store = state.response_store() if body.store else None
 
