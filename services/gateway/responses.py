@@ -199,6 +199,7 @@ class ChatFormat:
     n: int = 1
     tool_names: frozenset[str] = frozenset()
     parsers: Parsers = field(default_factory=Parsers)
+    include_reasoning: bool = True  # False: the thinking is split off and dropped
     _tool_streams: dict[int, tool_parsers.ToolStream] = field(default_factory=dict)
     _thinking: dict[int, ReasoningStream] = field(default_factory=dict)
     _called: set[int] = field(default_factory=set)
@@ -256,7 +257,7 @@ class ChatFormat:
         if chunk.finished:
             more_thought, more_text = stream.flush()
             thought, text = thought + more_thought, text + more_text
-        return thought, text
+        return (thought if self.include_reasoning else ""), text
 
     def _call_delta(self, index: int, calls: list[tools.CallDelta]) -> DeltaMessage:
         self._called.add(index)
@@ -296,6 +297,7 @@ class ChatFormat:
         reasoning = None
         if self.parsers.reasoning is not None:
             reasoning, content = split(self.parsers.reasoning, content or "")
+            reasoning = reasoning if self.include_reasoning else None
         calls: list[tools.ToolCall] = []
         if self.tool_names:
             content, calls = self.parsers.tool.parse(content or "", set(self.tool_names))

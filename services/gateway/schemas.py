@@ -171,6 +171,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: JsonObject | None = None
     # OpenAI's; refused when set: the served model's reasoning has no effort setting.
     reasoning_effort: str | None = None
+    # vLLM's: false leaves the reasoning (with a reasoning parser) out of the answer.
+    include_reasoning: bool = True
 
 
 class TopLogprob(BaseModel):

@@ -186,3 +186,16 @@ def test_reasoning_effort_is_refused_naming_the_field(oai):
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(model=MODEL, messages=ASK, reasoning_effort="low")
     assert info.value.body["param"] == "reasoning_effort"
+
+
+def test_include_reasoning_false_leaves_the_thinking_out(oai, backend):
+    backend.script = text_chunks(f"<think>{THOUGHT}</think>\n\nIt is sunny.", per_chunk=3)
+    extra = {"include_reasoning": False}
+    out = oai.chat.completions.create(model=MODEL, messages=ASK, extra_body=extra)
+    message = out.choices[0].message
+    assert getattr(message, "reasoning_content", None) is None
+    assert message.content == "It is sunny."
+    stream = oai.chat.completions.create(model=MODEL, messages=ASK, stream=True, extra_body=extra)
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert not any(getattr(d, "reasoning_content", None) for d in deltas)
+    assert "".join(d.content or "" for d in deltas) == "It is sunny."

@@ -49,5 +49,6 @@ async def create_chat_completion(
         n=prepared.n,
         tool_names=prepared.tool_names,
         parsers=state.parsers,
+        include_reasoning=body.include_reasoning,
     )
     return await Generation(state, "chat", prepared, fmt).serve(request, body.model)
