@@ -189,3 +189,21 @@ def test_calls_are_read_in_the_served_models_format(tmp_path, stream):
     assert [item.type for item in out.output] == ["function_call"]
     assert out.output[0].name == "get_weather"
     assert out.output[0].arguments == '{"city": "Paris"}'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reasoning_models_thinking_is_left_out_of_the_output(tmp_path, stream):
+    backend = FakeBackend(script="<think>Paris is in France.</think>\n\nIt is sunny.")
+    state = fake_state(backend, max_model_len=4096, reasoning_parser="qwen3")
+    state.responses = ResponseStore.open(f"sqlite:///{tmp_path / 'r.db'}", retention_s=3600)
+    with TestClient(create_app(state.settings, state), raise_server_exceptions=False) as http:
+        oai = sdk(http)
+        if stream:
+            with oai.responses.stream(model=MODEL, input="weather?") as events:
+                deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+                out = events.get_final_response()
+            assert "".join(deltas) == "It is sunny."
+        else:
+            out = oai.responses.create(model=MODEL, input="weather?")
+    state.responses.close()
+    assert out.output_text == "It is sunny."

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from tokenyard.services.gateway import tools
+from tokenyard.services.gateway.reasoning import ReasoningStream, ReasoningSyntax, split
 from tokenyard.services.gateway.responses import Accumulator, usage
 from tokenyard.services.gateway.responses_api.schemas import (
     ArgumentsDeltaEvent,
@@ -81,10 +82,15 @@ def whole_output(
     tool_names: frozenset[str],
     status: ItemStatus,
     tool_parser: ToolParser = PARSERS[DEFAULT],
+    reasoning: ReasoningSyntax | None = None,
 ) -> list[OutputItem]:
     """The output items of a whole answer: its text (if any) as a message, then its calls
-    (read in the served model's format, `tool_parser`)."""
+    (read in the served model's format, `tool_parser`). With a `reasoning` syntax the
+    thinking is split off first and left out (no reasoning items yet)."""
     content: str | None = text
+    if reasoning is not None:
+        _, content = split(reasoning, text)
+        text = content or ""
     calls: list[tools.ToolCall] = []
     if tool_names:
         content, calls = tool_parser.parse(text, set(tool_names))
@@ -117,18 +123,22 @@ class ResponsesFormat:
     created: int
     tool_names: frozenset[str] = frozenset()
     tool_parser: ToolParser = PARSERS[DEFAULT]  # the served model's tool-call format
+    reasoning: ReasoningSyntax | None = None  # the served model's thinking, left out
     _seq: int = 0
     _items: list[OutputItem] = field(default_factory=list)  # streamed so far
     _open: int | None = None  # output index of the item being streamed
     _calls: dict[int, int] = field(default_factory=dict)  # parser's call index -> output index
     _held: str = ""  # whitespace not yet sent: it opens no message by itself
     _parser: ToolStream | None = None
+    _thinking: ReasoningStream | None = None
     _final: Response | None = None
     _closing: list[str] = field(default_factory=list)  # the stream's last item events
 
     def __post_init__(self) -> None:
         if self.tool_names:
             self._parser = self.tool_parser.stream(set(self.tool_names))
+        if self.reasoning is not None:
+            self._thinking = ReasoningStream(self.reasoning)
 
     # --- the Response object --------------------------------------------------------------
 
@@ -181,7 +191,11 @@ class ResponsesFormat:
                 output = self._items
             else:
                 output = whole_output(
-                    "".join(accs[0].text), self.tool_names, item_status, self.tool_parser
+                    "".join(accs[0].text),
+                    self.tool_names,
+                    item_status,
+                    self.tool_parser,
+                    self.reasoning,
                 )
             self._final = self.response(status, output, response_usage(accs, num_prompt_tokens))
         return self._final
@@ -205,8 +219,12 @@ class ResponsesFormat:
 
     def events(self, chunk: pb.TokenChunk, index: int = 0) -> Iterator[str]:
         text, calls = chunk.text, list[tools.CallDelta]()
+        if self._thinking is not None:  # the answer part only
+            _, text = self._thinking.feed(text)
+            if chunk.finished:
+                text += self._thinking.flush()[1]
         if self._parser is not None:
-            text, calls = self._parser.feed(chunk.text)
+            text, calls = self._parser.feed(text)
             if chunk.finished:
                 text += self._parser.flush()
         yield from self._text(text)

@@ -89,6 +89,7 @@ async def create_response(
         created=int(time.time()),
         tool_names=prepared.tool_names,
         tool_parser=state.parsers.tool,
+        reasoning=state.parsers.reasoning,
     )
     store = state.response_store() if body.store else None
 
