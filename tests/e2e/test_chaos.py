@@ -2,7 +2,7 @@
 supervisor, on each layout: the split one with two decode workers (each worker, the
 router, the KV-cache service, nats-server), the split one with one decode worker (each
 worker), and the default one-worker layout (its worker, once with every stream decoding and
-once with requests still queued on it: a known failure, marked so).
+once with requests still queued on it).
 
 The gateway is not a victim: the client's connection is to it, and a killed gateway cuts
 its streams (a client reconnects; the promise there is a restart, which the supervisor
