@@ -196,4 +196,4 @@ class KVCachePort:
             return
         self.sent.add(hashes[:n])
         self.metrics.on_offload(source, n * layout.block_nbytes, 0)
-        log.debug("KV-cache offload of %s (%s): %d blocks stored", request_id, source, n)
+        log.info("KV-cache offload of %s: %d blocks stored (%s)", request_id, n, source)
