@@ -212,8 +212,12 @@ class RequireIdentity(grpc.aio.ServerInterceptor):
         identity = identify(self._peers, presented_token(details.invocation_metadata))
         if identity is None:
             return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
-        if not allowed(identity, _method_name(details.method)):
-            why = f"{identity!r} may not call {_method_name(details.method)}"
+        method = _method_name(details.method)
+        if not allowed(identity, method):
+            service = method.lstrip("/").split("/", 1)[0]
+            # The service when it is closed to the identity, else the method it may not call.
+            what = service if identity not in CALLERS.get(service, frozenset()) else method
+            why = f"{identity!r} may not call {what}"
             return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, why)
         return _as_caller(handler, identity)
 
