@@ -13,9 +13,11 @@ so the suite exercises the prefill -> decode hand-off, not only the aggregated s
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from tokenyard.bus.embedded import free_port
@@ -35,6 +37,25 @@ def stack(launch_stack) -> Iterator[LocalStack]:
     with launch_stack(config) as s:
         s.wait_ready(timeout=300)
         yield s
+
+
+# An OpenAI client on the session stack (or on a running one: TOKENYARD_E2E_GATEWAY_URL),
+# shared by the files that test the API through the official SDK.
+@pytest.fixture(scope="module")
+def url(request) -> str:
+    if os.environ.get("TOKENYARD_E2E_GATEWAY_URL"):  # a stack that is already running
+        return os.environ["TOKENYARD_E2E_GATEWAY_URL"]
+    return request.getfixturevalue("stack").gateway_url
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="session")

@@ -17,21 +17,6 @@ pytestmark = pytest.mark.slow
 TEXTS = ["The cat sat on the mat.", "A feline rested on the rug.", "Quarterly revenue rose 4%."]
 
 
-@pytest.fixture(scope="module")
-def url(stack) -> str:
-    return stack.gateway_url
-
-
-@pytest.fixture(scope="module")
-def client(url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def norm(v: list[float]) -> float:
     return math.sqrt(sum(x * x for x in v))
 

@@ -5,12 +5,10 @@ SDK and `langchain-openai`. Every JSON answer is validated with jsonschema."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import jsonschema
-import openai
 import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
@@ -42,23 +40,6 @@ WEATHER = {
 }
 ASK_CITY = [{"role": "user", "content": "Describe the city of Paris."}]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def url(request) -> str:
-    if os.environ.get("TOKENYARD_E2E_GATEWAY_URL"):
-        return os.environ["TOKENYARD_E2E_GATEWAY_URL"]
-    return request.getfixturevalue("stack").gateway_url
-
-
-@pytest.fixture(scope="module")
-def client(url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def test_sdk_parse_with_a_pydantic_model(client, model):

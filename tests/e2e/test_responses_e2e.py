@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 
 import jsonschema
 import openai
@@ -31,23 +30,6 @@ pytestmark = pytest.mark.slow
 class City(BaseModel):
     name: str = Field(max_length=30)
     country: str = Field(max_length=30)
-
-
-@pytest.fixture(scope="module")
-def url(request) -> str:
-    if os.environ.get("TOKENYARD_E2E_GATEWAY_URL"):
-        return os.environ["TOKENYARD_E2E_GATEWAY_URL"]
-    return request.getfixturevalue("stack").gateway_url
-
-
-@pytest.fixture(scope="module")
-def client(url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def test_create_and_stream_agree_and_a_conversation_continues(client, model):
