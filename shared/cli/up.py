@@ -500,10 +500,11 @@ def _wait_ready(stack: LocalStack, stop: threading.Event, timeout: float) -> boo
     progress = StartProgress(stack.readiness_urls())
     while not stop.is_set():
         stack.supervise()
-        for line in progress.poll(waited):
-            print(line, flush=True)
         body = stack.ready()
-        if body is not None and stack.all_workers_registered(body):
+        ready = body is not None and stack.all_workers_registered(body)
+        for line in progress.poll(waited):  # after the check: the last line is the gateway's
+            print(line, flush=True)
+        if ready:
             return True
         if waited > timeout:
             raise StackError(f"not ready after {timeout:.0f} s\n{stack.describe_failures()}")
