@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -22,7 +23,31 @@ def nats_server_binary() -> str:
     return found
 
 
+# Ports handed to services that bind them later come from below the kernel's ephemeral range:
+# a port the kernel gave out for a bind to 0 or an outgoing connection is drawn from that
+# range, so on a busy host one of those could take the port between our check and the
+# service's bind (seen: a stack's telemetry failing with EADDRINUSE beside parallel tests).
+_LOW_PORTS = (20000, 32767)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for a service that binds it later."""
+    low, high = _LOW_PORTS[0], min(_LOW_PORTS[1], _ephemeral_low() - 1)
+    for _ in range(50 if high > low else 0):
+        port = random.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

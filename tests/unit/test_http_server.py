@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+
 import httpx
 from prometheus_client import CollectorRegistry, Counter
 
+from tokenyard.bus.embedded import free_port
 from tokenyard.http_server import ReadyFlag, ops_server
 
 
@@ -53,3 +57,15 @@ async def test_an_async_readiness_check_is_awaited():
     assert first.status_code == 503
     assert first.json() == {"ready": False, "reason": "its JetStream consumer is missing"}
     assert second.status_code == 200 and second.json() == {"ready": True, "reason": None}
+
+
+def test_free_port_comes_from_below_the_ephemeral_range_and_binds() -> None:
+    """A port from free_port() is one no bind to 0 or outgoing connection can take before
+    the service binds it: below the kernel's ephemeral range, and free."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1
+    for port in ports:
+        assert port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
