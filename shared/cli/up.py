@@ -366,7 +366,9 @@ def role_sizes(text: str, flag: str) -> dict[str, int]:
     for item in text.split(","):
         role, _, number = item.strip().rpartition(":")
         if role and role not in ROLES:
-            raise SystemExit(f"{flag}: unknown role {role!r} in {text!r} (roles: {', '.join(ROLES)})")
+            raise SystemExit(
+                f"{flag}: unknown role {role!r} in {text!r} (roles: {', '.join(ROLES)})"
+            )
         if not number.isdigit() or int(number) < 1:
             raise SystemExit(f"{flag} must be at least 1, as N or ROLE:N,...; got {text!r}")
         sizes[role] = int(number)

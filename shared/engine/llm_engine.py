@@ -48,8 +48,8 @@ from tokenyard.kv.layout import KVLayout
 from tokenyard.lifecycle import trim_heap
 from tokenyard.models.loader import LoadedModel, load_model
 from tokenyard.models.moe import moe_blocks
-from tokenyard.models.tokenizer import IncrementalDetokenizer
 from tokenyard.models.pp import check_pp
+from tokenyard.models.tokenizer import IncrementalDetokenizer
 from tokenyard.models.tp import check_tp
 
 log = logging.getLogger(__name__)

@@ -97,9 +97,9 @@ def micro_batches(spans: list[InputSpan], n: int) -> list[list[InputSpan]]:
     spans first; a long prefill span may leave fewer groups). Every rank computes the same
     groups from the same plan."""
     total = sum(len(sp.token_ids) for sp in spans)
-    starts = itertools.accumulate((len(sp.token_ids) for sp in spans), initial=0)
+    starts = list(itertools.accumulate((len(sp.token_ids) for sp in spans), initial=0))
     groups: list[list[InputSpan]] = [[] for _ in range(n)]
-    for span, start in zip(spans, starts):  # starts has one more: zip stops at the spans
+    for span, start in zip(spans, starts[:-1], strict=True):
         groups[min(n - 1, start * n // max(total, 1))].append(span)
     return [g for g in groups if g]
 

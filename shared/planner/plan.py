@@ -90,6 +90,17 @@ class Plan:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def up_args(self) -> list[str]:
+        """`tokenyard up`'s flags for one replica of each pool of this plan (the stack on one
+        host; the replica counts are the fleet's)."""
+        args = [
+            "--tensor-parallel-size", str(self.tp),
+            "--pipeline-parallel-size", str(self.pp),
+        ]  # fmt: skip
+        if self.ep > 1:
+            args += ["--expert-parallel-size", str(self.ep)]
+        return args
+
 
 class PlanError(ValueError):
     """The model cannot be served on this hardware at all (say, weights beyond every layout)."""

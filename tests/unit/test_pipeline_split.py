@@ -26,7 +26,8 @@ def test_stages_hold_contiguous_layers_the_first_ones_one_more():
 def test_ranks_are_stage_major_and_send_to_the_same_tp_rank_of_the_next_stage():
     # tp=2 x pp=3: stage 0 = ranks 0, 1; stage 1 = 2, 3; stage 2 = 4, 5
     places = [RankPlace(r, tp=2, pp=3) for r in range(6)]
-    assert [(p.stage, p.tp_rank) for p in places] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [p.stage for p in places] == [0, 0, 1, 1, 2, 2]
+    assert [p.tp_rank for p in places] == [0, 1, 0, 1, 0, 1]
     assert [p.next_rank for p in places] == [2, 3, 4, 5, 0, 1]  # the last stage: to stage 0
     assert [p.prev_rank for p in places] == [4, 5, 0, 1, 2, 3]
     assert places[0].first and places[5].last and not places[2].first and not places[2].last
