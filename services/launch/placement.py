@@ -16,13 +16,17 @@ def gpu_placement(
     index: int, num_workers: int, num_gpus: int, utilization: float, tp: int = 1
 ) -> tuple[str, float]:
     """(device, gpu_memory_utilization) of worker ``index`` (0-based) of ``num_workers``:
-    round-robin over groups of ``tp`` GPUs (a tensor-parallel worker's ranks take its first
-    GPU and the ``tp - 1`` after it), each group's share split between its workers."""
+    round-robin over groups of ``tp`` GPUs (a worker's ``tp`` ranks, tensor x pipeline
+    parallel, take its first GPU and the ``tp - 1`` after it), each group's share split
+    between its workers."""
     if num_gpus < 1:
         raise ConfigError("device cuda asked for, but no CUDA GPU is visible")
     groups = num_gpus // tp
     if groups < 1:
-        raise ConfigError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {num_gpus} visible")
+        raise ConfigError(
+            f"--tensor-parallel-size x --pipeline-parallel-size {tp} needs {tp} GPUs; "
+            f"{num_gpus} visible"
+        )
     group = index % groups
     sharing = len(range(group, num_workers, groups))
     return f"cuda:{group * tp}", utilization / max(1, sharing)
@@ -37,11 +41,24 @@ class Placement:
             return self.config.workers
         return self.config.prefill + self.config.decode
 
+    def planned_ranks(self) -> int:
+        """Every planned worker's ranks (tp x pp each, by role)."""
+        if self.config.aggregated:
+            return self.config.workers * self.config.parallel("both").world_size
+        return (
+            self.config.prefill * self.config.parallel("prefill").world_size
+            + self.config.decode * self.config.parallel("decode").world_size
+        )
+
+    def gpus_per_worker(self) -> int:
+        """The GPUs a worker's group takes: the most ranks any of the stack's roles has (a
+        worker of fewer ranks leaves the rest of its group idle)."""
+        return max(self.config.parallel(role).world_size for role in self.config.roles())
+
     def threads_per_worker(self) -> int:
         """Share the cores: torch's default (every core per process) makes N workers on a
         small machine spin against each other and run several times slower."""
-        ranks = self.planned_workers() * self.config.tensor_parallel_size
-        return max(1, (os.cpu_count() or 1) // max(1, ranks))
+        return max(1, (os.cpu_count() or 1) // max(1, self.planned_ranks()))
 
     def device_env(self, workers_started: int) -> dict[str, str]:
         """The device settings of the newest of ``workers_started`` workers."""
@@ -54,7 +71,7 @@ class Placement:
             max(self.planned_workers(), workers_started),
             torch.cuda.device_count(),
             self.config.gpu_memory_utilization,
-            self.config.tensor_parallel_size,
+            self.gpus_per_worker(),
         )
         return {
             "TOKENYARD_WORKER_DEVICE": device,

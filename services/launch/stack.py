@@ -178,7 +178,7 @@ class LocalStack:
                 else {}
             ),
             **self.placement.device_env(self._worker_count),
-            "TOKENYARD_WORKER_TENSOR_PARALLEL_SIZE": str(self.config.tensor_parallel_size),
+            **self.config.parallel(role).env(),
             **(
                 {"TOKENYARD_WORKER_SHARED_WEIGHTS_DIR": str(self.shared_weights_dir)}
                 if self.shared_weights_dir

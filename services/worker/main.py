@@ -76,7 +76,11 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
     }
     # A shared-memory pool is host memory: for a CPU engine of one rank only (a
     # tensor-parallel engine offers no pool to hand-offs; its decode peers recompute).
-    one_cpu_rank = settings.device == "cpu" and settings.tensor_parallel_size == 1
+    one_cpu_rank = (
+        settings.device == "cpu"
+        and settings.tensor_parallel_size == 1
+        and settings.pipeline_parallel_size == 1
+    )
     if one_cpu_rank and settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
         optional["kv_pool_factory"] = shared_pool
     optional["prefix_cache_grows_pool"] = settings.prefix_cache_grows_pool
@@ -91,6 +95,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         gpu_memory_utilization=settings.gpu_memory_utilization,
         cpu_memory_utilization=settings.cpu_memory_utilization,
         tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
         **{k: v for k, v in optional.items() if v is not None},
     )
     return LLMEngine(config), SamplingParams

@@ -67,6 +67,9 @@ class WorkerSettings(BaseSettings):
     # Ranks the model is split over (EngineConfig.tensor_parallel_size); the worker starts
     # the other ranks itself. Its pool then stays out of KV hand-offs (peers recompute).
     tensor_parallel_size: int = 1
+    # Pipeline stages (EngineConfig.pipeline_parallel_size), each of tensor_parallel_size
+    # ranks; the worker starts them too, and its pool stays out of hand-offs the same way.
+    pipeline_parallel_size: int = 1
     heartbeat_interval_s: float = 1.0
     # One engine call (a step, a stats read) running longer than this means the engine is
     # stuck: /ready turns 503 and heartbeats say so, though the process still beats.

@@ -180,6 +180,7 @@ def show(plan: Plan) -> None:
     mem = plan.memory_per_gpu_gb
     rows = [
         ("parallelism (tp x pp, ep)", f"{plan.tp} x {plan.pp}, ep {plan.ep}"),
+        ("tokenyard up", " ".join(plan.up_args())),
         ("memory per GPU: weights / KV / buffers",
          f"{mem['weights']:.1f} / {mem['kv']:.1f} / {mem['buffers']:.1f} GB"),
         ("KV capacity per replica", f"{plan.kv_capacity_tokens:,} tokens, "

@@ -33,6 +33,7 @@ from tokenyard.engine.spec.config import SpeculativeConfig
 if TYPE_CHECKING:
     from tokenyard.autoscale.policy import Decision
     from tokenyard.services.launch.autoscaler import StackAutoscaler
+    from tokenyard.services.launch.config import WorkerParallel
     from tokenyard.services.launch.stack import LocalStack, StackConfig
 
 # Below this many cores a CPU host runs one aggregated worker unless a split is asked for: two
@@ -119,13 +120,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tensor-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
+        default="1",
+        metavar="N|ROLE:N,...",
         help="split each worker's model over N ranks (processes; on cuda N GPUs per worker, "
         "best over NVLink). The model's query and KV heads must divide by N; a worker with "
         "N > 1 hands no KV to others (its decode peers recompute), so pair it with "
-        "--aggregated",
+        "--aggregated. Per role: prefill:1,decode:2 (roles prefill, decode, both; a bare N "
+        "in the list sets the others)",
+    )
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        default="1",
+        metavar="N|ROLE:N,...",
+        help="split each worker's layers into N stages, each of --tensor-parallel-size "
+        "ranks (tp x N processes; on cuda as many GPUs per worker); N at most the model's "
+        "layers. Per role as for --tensor-parallel-size",
     )
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -292,10 +301,15 @@ def config_from(args: argparse.Namespace) -> StackConfig:
     quantization = args.quantization or ("int4" if args.device == "cpu" else "none")
     if args.deterministic and quantization not in ("int4", "int8"):
         raise SystemExit("--deterministic needs --quantization int4 or int8")
-    if args.tensor_parallel_size < 1:
-        raise SystemExit("--tensor-parallel-size must be at least 1")
-    if args.tensor_parallel_size > 1 and args.speculative:
-        raise SystemExit("--speculative runs on one rank only: drop it or --tensor-parallel-size")
+    tp, pp = (
+        role_sizes(args.tensor_parallel_size, "--tensor-parallel-size"),
+        role_sizes(args.pipeline_parallel_size, "--pipeline-parallel-size"),
+    )
+    if args.speculative and max(tp.values()) * max(pp.values()) > 1:
+        raise SystemExit(
+            "--speculative runs on one rank only: drop it or --tensor-parallel-size and "
+            "--pipeline-parallel-size"
+        )
     gateway_env = _parsers_env(args)
     dtype = auto_dtype(args.device) if args.dtype == "auto" else args.dtype
     try:
@@ -336,8 +350,37 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_memory_utilization=args.cpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=tp[""],
+        pipeline_parallel_size=pp[""],
+        role_parallel=_role_parallel(tp, pp),
     )
+
+
+ROLES = ("prefill", "decode", "both")
+
+
+def role_sizes(text: str, flag: str) -> dict[str, int]:
+    """`N` or `ROLE:N,...` (a bare N in the list sets every role not named) -> {"": the
+    default, role: its size for each role named}; SystemExit with the fix on bad input."""
+    sizes = {"": 1}
+    for item in text.split(","):
+        role, _, number = item.strip().rpartition(":")
+        if role and role not in ROLES:
+            raise SystemExit(
+                f"{flag}: unknown role {role!r} in {text!r} (roles: {', '.join(ROLES)})"
+            )
+        if not number.isdigit() or int(number) < 1:
+            raise SystemExit(f"{flag} must be at least 1, as N or ROLE:N,...; got {text!r}")
+        sizes[role] = int(number)
+    return sizes
+
+
+def _role_parallel(tp: dict[str, int], pp: dict[str, int]) -> dict[str, WorkerParallel]:
+    """The roles named in either flag, each with both of its sizes."""
+    from tokenyard.services.launch.config import WorkerParallel
+
+    named = sorted((tp.keys() | pp.keys()) - {""})
+    return {r: WorkerParallel(tp.get(r, tp[""]), pp.get(r, pp[""])) for r in named}
 
 
 def _parsers_env(args: argparse.Namespace) -> dict[str, str]:

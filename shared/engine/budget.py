@@ -137,12 +137,12 @@ def utilization_of(config: EngineConfig) -> float | None:
 
 def share_of(config: EngineConfig, total: int) -> int | None:
     """This engine's bytes of the device, or None without a budget. A CPU engine's
-    tensor-parallel ranks are processes on one host: each rank takes its part of the share
-    (on GPUs each rank has a device of its own)."""
+    tensor- and pipeline-parallel ranks are processes on one host: each rank takes its part
+    of the share (on GPUs each rank has a device of its own)."""
     utilization = utilization_of(config)
     if utilization is None:
         return None
-    ranks = 1 if config.device.startswith("cuda") else config.tensor_parallel_size
+    ranks = 1 if config.device.startswith("cuda") else config.world_size
     return int(total * utilization / ranks)
 
 

@@ -85,6 +85,10 @@ class EngineConfig:
     # Ranks one model is split over (tokenyard.models.tp): rank 0 is this process, the others
     # are processes the engine starts; on CUDA rank r takes the r-th device after `device`.
     tensor_parallel_size: int = 1
+    # Stages the model's layers are split over (tokenyard.engine.pipeline): each stage of
+    # tensor_parallel_size ranks holds a contiguous run of layers and their KV pool; rank
+    # numbering is stage-major (rank = stage * tp + tp rank), rank 0 samples.
+    pipeline_parallel_size: int = 1
     enable_prefix_caching: bool = True
     # Whether the prefix cache keeps freed blocks while never-written ones remain, so a lazily
     # resident KV pool becomes resident in full; False: it reuses its oldest cached block
@@ -156,7 +160,13 @@ class EngineConfig:
             # With `deterministic`, only greedy requests speculate (Speculator.greedy_only).
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_tensor_parallel()
+        self._check_pipeline_parallel()
         self._check_device()
+
+    @property
+    def world_size(self) -> int:
+        """The engine's ranks (processes, and GPUs on CUDA): tp x pp."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def _check_device(self) -> None:
         kind, _, index = self.device.partition(":")
@@ -170,11 +180,12 @@ class EngineConfig:
             gpu = platforms.gpu()
             if not gpu.available:
                 raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
-            last = int(index or 0) + self.tensor_parallel_size - 1
+            last = int(index or 0) + self.world_size - 1
             if last >= gpu.count:
                 raise ValueError(
                     f"device {self.device!r} with tensor_parallel_size "
-                    f"{self.tensor_parallel_size} needs CUDA device {last}: only "
+                    f"{self.tensor_parallel_size} x pipeline_parallel_size "
+                    f"{self.pipeline_parallel_size} needs CUDA device {last}: only "
                     f"{gpu.count} CUDA devices"
                 )
 
@@ -194,4 +205,22 @@ class EngineConfig:
             raise ValueError(
                 "a kv_pool_factory (shared-memory KV pool) holds one rank's pool: not with "
                 f"tensor_parallel_size {tp}"
+            )
+
+    def _check_pipeline_parallel(self) -> None:
+        """What pipeline stages do not combine with, refused up front."""
+        pp = self.pipeline_parallel_size
+        if pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be at least 1, got {pp}")
+        if pp == 1:
+            return
+        if self.speculative_config is not None:
+            raise ValueError(
+                "speculative decoding runs on one rank only so far: drop speculative_config "
+                f"or use pipeline_parallel_size=1 (got {pp})"
+            )
+        if self.kv_pool_factory is not None:
+            raise ValueError(
+                "a kv_pool_factory (shared-memory KV pool) holds one rank's pool: not with "
+                f"pipeline_parallel_size {pp}"
             )

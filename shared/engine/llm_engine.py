@@ -25,7 +25,7 @@ from tokenyard.engine.guided import CLOSE_MAX_TOKENS, Guide, PendingMasks
 from tokenyard.engine.handoff import SequenceHandoff
 from tokenyard.engine.logits_processors import apply_processors
 from tokenyard.engine.memory import build_model_and_pool
-from tokenyard.engine.model_runner import ModelRunner, StepLogits
+from tokenyard.engine.model_runner import StepLogits
 from tokenyard.engine.outputs import (
     EngineStats,
     ExportedSequence,
@@ -35,6 +35,7 @@ from tokenyard.engine.outputs import (
     TokenLogprob,
 )
 from tokenyard.engine.parallel import TensorParallelRanks
+from tokenyard.engine.pipeline import make_runner
 from tokenyard.engine.pooling import add_rows, embedding
 from tokenyard.engine.sampler import chosen_logprobs, sample
 from tokenyard.engine.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ from tokenyard.kv.layout import KVLayout
 from tokenyard.lifecycle import trim_heap
 from tokenyard.models.loader import LoadedModel, load_model
 from tokenyard.models.moe import moe_blocks
+from tokenyard.models.pp import check_pp
 from tokenyard.models.tokenizer import IncrementalDetokenizer
 from tokenyard.models.tp import check_tp
 
@@ -103,12 +105,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             policy=config.scheduling_policy,
         )
-        self.runner = ModelRunner(
-            model,
-            kv_cache,
-            config.block_size,
-            per_token_attention=config.deterministic,
-            broadcast=self.ranks.broadcast if self.ranks else None,
+        self.runner = make_runner(
+            config, model, kv_cache, broadcast=self.ranks.broadcast if self.ranks else None
         )
         self.guide = Guide(self.tokenizer, self.model_config.vocab_size)
         self.speculator = build_speculator(
@@ -462,10 +460,11 @@ class LLMEngine:
 
 
 def _start_ranks(config: EngineConfig, loaded: LoadedModel) -> TensorParallelRanks | None:
-    """The other tensor-parallel ranks, started and joined; None on one rank."""
-    if config.tensor_parallel_size == 1:
+    """The other tensor- and pipeline-parallel ranks, started and joined; None on one rank."""
+    if config.world_size == 1:
         return None
     check_tp(loaded.config, config.tensor_parallel_size)  # before starting any process
+    check_pp(loaded.config, config.pipeline_parallel_size)
     return TensorParallelRanks(config, loaded.path)
 
 

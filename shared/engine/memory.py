@@ -24,11 +24,13 @@ from tokenyard.engine.budget import (
     utilization_of,
 )
 from tokenyard.engine.config import EngineConfig
+from tokenyard.engine.pipeline import RankPlace, stage_tp_group
 from tokenyard.engine.shared_weights import share_weights
 from tokenyard.kv.layout import KVLayout
 from tokenyard.models.llama import LlamaForCausalLM
 from tokenyard.models.loader import LoadedModel
 from tokenyard.models.moe import SparseMoeBlock, moe_blocks
+from tokenyard.models.pp import apply_pp, check_pp, stage_layers
 from tokenyard.models.quantize import (
     Fp8Linear,
     QuantizedLinear,
@@ -63,6 +65,9 @@ class MemoryReport:
     # Tensor parallelism: every figure above is one rank's (its weight shards, its KV pool
     # of num_kv_heads / tp_size heads); each of the tp_size ranks holds as much.
     tp_size: int = 1
+    # Pipeline parallelism: the figures are stage 0's rank's (its layers' weights and KV);
+    # the engine has tp_size x pp_size ranks.
+    pp_size: int = 1
     # Speculative decoding's draft model (tokenyard.engine.spec.draft), on top of the above:
     # the weights it adds (a self-draft's int4 copies only: it shares the target's other
     # tensors) and its own KV pool (none for a self-draft, which writes the target's).
@@ -89,7 +94,8 @@ class MemoryReport:
         """The split in one line: weights, KV pool (blocks and tokens), activations, what
         is left free; then the budget that sized the pool, where one did."""
         mib = MIB
-        ranks = f" per rank, x{self.tp_size} ranks" if self.tp_size > 1 else ""
+        world = self.tp_size * self.pp_size
+        ranks = f" per rank, x{world} ranks" if world > 1 else ""
         experts = (
             f" (experts {self.expert_weights_bytes / mib:.1f} MiB: {self.num_experts} per layer, "
             f"{self.experts_per_token} active per token)"
@@ -120,12 +126,15 @@ class MemoryReport:
 def build_model_and_pool(
     loaded: LoadedModel, config: EngineConfig, rank: int = 0
 ) -> tuple[LlamaForCausalLM, torch.Tensor, KVLayout, MemoryReport]:
-    """The model (rank `rank`'s share of it under tensor parallelism) and its KV pool."""
+    """The model (rank `rank`'s share of it under tensor and pipeline parallelism: its
+    stage's layers, its heads of them) and its KV pool."""
     mc = loaded.config
     if mc.architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported model architecture {mc.architecture!r}")
     tp = config.tensor_parallel_size
     check_tp(mc, tp)
+    check_pp(mc, config.pipeline_parallel_size)
+    place = RankPlace.of(config, rank)
     dtype = _DTYPES[config.dtype]
     max_positions = min(
         config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
@@ -138,9 +147,10 @@ def build_model_and_pool(
     with torch.device("meta"):  # no time spent initialising weights we overwrite anyway
         model = LlamaForCausalLM(mc, max_positions)
     # Sharded on the host, so a GPU only ever holds its rank's share of the weights.
-    model.to_empty(device=device if tp == 1 else torch.device("cpu"))
+    model.to_empty(device=device if config.world_size == 1 else torch.device("cpu"))
     model.load_weights(loaded.weights)
-    apply_tp(model, rank, tp)
+    apply_tp(model, place.tp_rank, tp, stage_tp_group(place))
+    apply_pp(model, place.stage, place.pp)
     model.to(device=device, dtype=dtype)
     if model.rope is not None and device.type != "cpu":  # plain attributes: not moved by .to()
         model.rope.cos, model.rope.sin = model.rope.cos.to(device), model.rope.sin.to(device)
@@ -155,7 +165,7 @@ def build_model_and_pool(
         share_weights(model, config.shared_weights_dir)
     elif config.prepack_weights and device.type == "cpu":
         prepack(model)
-    layout = kv_layout(loaded, config)
+    layout = kv_layout(loaded, config, place.stage)
     weights_bytes = _weights_bytes(model)
     buffers_bytes = _buffers_bytes(model, config, dtype)
     memory = _device_memory(device)
@@ -184,6 +194,7 @@ def build_model_and_pool(
         num_experts=mc.num_local_experts,
         experts_per_token=mc.num_experts_per_tok,
         tp_size=tp,
+        pp_size=config.pipeline_parallel_size,
         block_size=config.block_size,
         free_bytes=memory.free - num_blocks * layout.block_nbytes - buffers_bytes,
         budget_bytes=None if config.kv_cache_bytes is not None else share_of(config, memory.total),
@@ -203,9 +214,9 @@ def compact_embeddings(model: LlamaForCausalLM) -> bool:
     layer multiplies by the table as it is (an output projection tied to it and kept dense).
     Whether it did."""
     embed, head = model.embed_tokens, model.lm_head
+    if type(embed) is not torch.nn.Embedding or embed.weight.dtype != torch.float32:
+        return False  # a vocab shard, a later pipeline stage's placeholder, a narrow table
     weight = embed.weight
-    if type(embed) is not torch.nn.Embedding or weight.dtype != torch.float32:
-        return False
     dense_head = head.dense if isinstance(head, QuantizedLinear) else getattr(head, "weight", None)
     if dense_head is weight:
         return False
@@ -247,7 +258,7 @@ def _pool_blocks(
         block_nbytes=layout.block_nbytes,
     )
     num_blocks = kv_bytes // layout.block_nbytes
-    if config.tensor_parallel_size > 1:
+    if config.world_size > 1:
         num_blocks = _agree(num_blocks, device)
     if num_blocks < MIN_KV_BLOCKS:
         raise MemoryBudgetError(
@@ -381,15 +392,17 @@ def _buffers_bytes(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.d
     return rope + activations
 
 
-def kv_layout(loaded: LoadedModel, config: EngineConfig) -> KVLayout:
+def kv_layout(loaded: LoadedModel, config: EngineConfig, stage: int = 0) -> KVLayout:
     """The KV pool's layout for this model at the config's KV dtype and block size: one rank's
-    pool, which holds num_kv_heads / tensor_parallel_size of the model's KV heads."""
+    pool, which holds num_kv_heads / tensor_parallel_size of the model's KV heads, for the
+    layers of its pipeline stage."""
     mc = loaded.config
+    layers = stage_layers(mc.num_hidden_layers, stage, config.pipeline_parallel_size)
     return KVLayout(
         model_id=loaded.model_id,
         dtype=config.kv_cache_dtype,
         block_size=config.block_size,
-        num_layers=mc.num_hidden_layers,
+        num_layers=len(layers),
         num_kv_heads=mc.num_key_value_heads // config.tensor_parallel_size,
         head_dim=mc.head_dim,
         tp_size=config.tensor_parallel_size,

@@ -15,6 +15,9 @@ are processes it spawns, each holding its share of the model and its own KV pool
 The ranks see the same plan, so they run the same collectives in the same order and never
 need to agree on anything else. Collectives run on gloo on a CPU and NCCL on GPUs (rank r
 on the device after rank 0's); plans always travel over gloo, on the host.
+
+With pipeline stages (tokenyard.engine.pipeline) the same ranks are tp x pp of them, every
+rank still gets every plan, and each rank's runner computes its stage's part of it.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def rank_device(device: str, rank: int) -> str:
 def init_ranks(config: EngineConfig, rank: int, store: dist.Store) -> Any:
     """Join the process group; returns the group that carries the plans (gloo, on the host,
     with no practical timeout)."""
-    world = config.tensor_parallel_size
+    world = config.world_size
     cuda = config.device.startswith("cuda")
     if cuda:  # NCCL and the collectives' tensors use the current device
         torch.cuda.set_device(torch.device(rank_device(config.device, 0)))
@@ -65,7 +68,7 @@ class TensorParallelRanks:
     """Rank 0's handle on the other ranks: start them, send each step's plan, stop them."""
 
     def __init__(self, config: EngineConfig, model_path: str) -> None:
-        world = config.tensor_parallel_size
+        world = config.world_size
         # Rank 0 holds the rendezvous store; port 0 lets the OS choose a free port.
         self._store = dist.TCPStore(
             "127.0.0.1", 0, world, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False
@@ -81,7 +84,13 @@ class TensorParallelRanks:
         self._wait_until_started(world)
         self.plan_group = init_ranks(config, 0, self._store)
         self._closed = False
-        log.info("tensor parallel: %d ranks joined (%s)", world, dist.get_backend())
+        log.info(
+            "tensor parallel: %d ranks joined (tp %d x pp %d, %s)",
+            world,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            dist.get_backend(),
+        )
 
     def _wait_until_started(self, world: int) -> None:
         """Fail at once, with its exit code, if a rank dies before it reaches the store
@@ -129,7 +138,7 @@ def _started(rank: int) -> str:
 def _rank_main(index: int, config: EngineConfig, model_path: str, port: int) -> None:
     """A rank other than 0: load the model, keep its share, run every plan it is sent."""
     from tokenyard.engine.memory import build_model_and_pool
-    from tokenyard.engine.model_runner import ModelRunner
+    from tokenyard.engine.pipeline import make_runner
     from tokenyard.models.loader import load_model
 
     rank = index + 1
@@ -137,13 +146,13 @@ def _rank_main(index: int, config: EngineConfig, model_path: str, port: int) -> 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     store = dist.TCPStore(
-        "127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=JOIN_TIMEOUT
+        "127.0.0.1", port, config.world_size, is_master=False, timeout=JOIN_TIMEOUT
     )
     store.set(_started(rank), "1")
     plan_group = init_ranks(config, rank, store)
     try:
         model, kv_cache, _, _ = build_model_and_pool(load_model(model_path), config, rank=rank)
-        runner = ModelRunner(model, kv_cache, config.block_size, config.deterministic)
+        runner = make_runner(config, model, kv_cache, rank)
         while True:
             received: list[StepPlan | None] = [None]
             dist.broadcast_object_list(received, src=0, group=plan_group)

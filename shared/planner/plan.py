@@ -90,29 +90,49 @@ class Plan:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def up_args(self) -> list[str]:
+        """`tokenyard up`'s flags for one replica of each pool of this plan (the stack on one
+        host; the replica counts are the fleet's)."""
+        args = [
+            "--tensor-parallel-size", str(self.tp),
+            "--pipeline-parallel-size", str(self.pp),
+        ]  # fmt: skip
+        if self.ep > 1:
+            args += ["--expert-parallel-size", str(self.ep)]
+        return args
+
 
 class PlanError(ValueError):
     """The model cannot be served on this hardware at all (say, weights beyond every layout)."""
+
+
+def layouts(hw: Hardware, s: PlanSettings) -> list[tuple[int, int]]:
+    """Every (tp, pp) the planner may choose on `hw`, in the order it tries them: tensor
+    parallelism in powers of two up to the scale-up domain, then pipeline stages of the
+    whole domain."""
+    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= hw.domain]
+    return [(tp, 1) for tp in tps] + [(tps[-1], pp) for pp in range(2, s.max_pp + 1)]
+
+
+def expert_parallel_size(model: ModelSpec, tp: int) -> int:
+    """The plan's ep: a MoE model's experts spread over the tensor-parallel ranks."""
+    return tp if model.is_moe else 1
 
 
 def choose_parallelism(
     model: ModelSpec, hw: Hardware, workload: Workload, dtypes: tuple[str, str], s: PlanSettings
 ) -> Deployment:
     need = s.min_batch * (workload.prompt_len + workload.output_len)
-    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= hw.domain]
-    for tp in tps:
-        dep = Deployment(model, hw, tp, 1, *dtypes)
-        if dep.kv_capacity_tokens() >= need:
-            return dep
-    for pp in range(2, s.max_pp + 1):
-        dep = Deployment(model, hw, tps[-1], pp, *dtypes)
+    for tp, pp in layouts(hw, s):
+        dep = Deployment(model, hw, tp, pp, *dtypes)
         if dep.kv_capacity_tokens() >= need:
             return dep
     weights_gb = Deployment(model, hw, 1, 1, *dtypes).weight_bytes / 1e9
+    tp, _ = layouts(hw, s)[-1]
     raise PlanError(
         f"{model.name} ({weights_gb:.0f} GB of {dtypes[0]} weights) with KV for "
         f"{s.min_batch} conversations does not fit {s.max_pp} pipeline stages of "
-        f"{tps[-1]} x {hw.name}"
+        f"{tp} x {hw.name}"
     )
 
 
@@ -187,7 +207,7 @@ def make_plan(
         kv_dtype=kv_dtype,
         tp=dep.tp,
         pp=dep.pp,
-        ep=dep.tp if model.is_moe else 1,
+        ep=expert_parallel_size(model, dep.tp),
         gpus_per_replica=dep.gpus,
         memory_per_gpu_gb={
             "weights": memory["weights"],

@@ -206,6 +206,37 @@ def test_up_tensor_parallel_size_reaches_the_stack():
         up_config("--tensor-parallel-size", "2", "--speculative", '{"method": "ngram"}')
 
 
+def test_up_parallel_sizes_per_role_reach_each_roles_workers():
+    from tokenyard.services.launch.config import WorkerParallel
+    from tokenyard.services.launch.placement import Placement
+
+    config = up_config(
+        "--prefill", "1", "--decode", "2",
+        "--tensor-parallel-size", "prefill:1,decode:2",
+        "--pipeline-parallel-size", "2",
+    )  # fmt: skip
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (1, 2)
+    assert config.parallel("prefill") == WorkerParallel(1, 2)
+    assert config.parallel("decode") == WorkerParallel(2, 2)
+    assert config.parallel("decode").env() == {
+        "TOKENYARD_WORKER_TENSOR_PARALLEL_SIZE": "2",
+        "TOKENYARD_WORKER_PIPELINE_PARALLEL_SIZE": "2",
+    }
+    placement = Placement(config)
+    assert placement.planned_ranks() == 1 * 2 + 2 * 4
+    assert placement.gpus_per_worker() == 4
+    # A bare N in the list sets the roles not named.
+    mixed = up_config("--pipeline-parallel-size", "2,decode:1")
+    assert mixed.parallel("prefill").pipeline_parallel_size == 2
+    assert mixed.parallel("decode").pipeline_parallel_size == 1
+    with pytest.raises(SystemExit, match="unknown role 'router'"):
+        up_config("--pipeline-parallel-size", "router:2")
+    with pytest.raises(SystemExit, match="--pipeline-parallel-size must be at least 1"):
+        up_config("--pipeline-parallel-size", "decode:x")
+    with pytest.raises(SystemExit, match="runs on one rank only"):
+        up_config("--pipeline-parallel-size", "2", "--speculative", '{"method": "ngram"}')
+
+
 def test_the_default_layout_follows_the_host(monkeypatch):
     from tokenyard.cli import up
 

@@ -71,7 +71,7 @@ def test_gpu_placement_gives_a_tensor_parallel_worker_consecutive_gpus():
     # tp=2 on 4 GPUs: workers take GPUs 0-1 and 2-3 (their rank 0 is named), then share.
     placed = [gpu_placement(i, 3, 4, 0.9, tp=2) for i in range(3)]
     assert placed == [("cuda:0", 0.45), ("cuda:2", 0.9), ("cuda:0", 0.45)]
-    with pytest.raises(StackError, match="--tensor-parallel-size 4 needs 4 GPUs; 2 visible"):
+    with pytest.raises(StackError, match="--pipeline-parallel-size 4 needs 4 GPUs; 2 visible"):
         gpu_placement(0, 1, 2, 0.9, tp=4)
 
 

@@ -10,7 +10,14 @@ import pytest
 
 from tokenyard.cli import main
 from tokenyard.planner import calibrate, catalog
-from tokenyard.planner.plan import PlanError, PlanSettings, Workload, coolant_flow_lpm, make_plan
+from tokenyard.planner.plan import (
+    PlanError,
+    PlanSettings,
+    Workload,
+    coolant_flow_lpm,
+    layouts,
+    make_plan,
+)
 from tokenyard.planner.roofline import Deployment
 
 H100, H200 = catalog.HARDWARE["h100"], catalog.HARDWARE["h200"]
@@ -37,6 +44,25 @@ def test_405b_needs_two_h100_nodes_but_one_h200_node():
     on_h100, on_h200 = plan("llama-3.1-405b", "h100"), plan("llama-3.1-405b", "h200")
     assert on_h100.gpus_per_replica >= 16 and on_h100.pp >= 2
     assert (on_h200.tp, on_h200.pp) == (8, 1)
+
+
+def test_the_layouts_the_planner_tries_fill_the_domain_then_add_stages():
+    assert layouts(H100, PlanSettings(max_pp=3)) == [(1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (8, 3)]
+
+
+def test_tokenyard_up_reads_the_sizes_a_plan_prints():
+    """The plan's `tokenyard up` flags parse back to its tp and pp, per the up command."""
+    import argparse
+
+    from tokenyard.cli import up
+
+    p = plan("llama-3.1-405b", "h100")
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    config = up.config_from(parser.parse_args(p.up_args()))
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (p.tp, p.pp)
+    assert p.pp >= 2 and "--expert-parallel-size" not in p.up_args()
+    assert "--expert-parallel-size" in plan("deepseek-v3", "h200").up_args()
 
 
 def test_deepseek_v3_in_fp8_fits_eight_h200_not_eight_h100():
