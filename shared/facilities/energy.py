@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -106,14 +107,22 @@ def nvml_counter(device_index: int) -> NvmlCounter | None:
         return None
 
 
+def nvml_index(device: str) -> int:
+    """NVML counts the host's GPUs; CUDA only those in CUDA_VISIBLE_DEVICES, renumbered."""
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if index < len(visible) and visible[index].isdigit():
+        return int(visible[index])
+    return index
+
+
 def open_counter(kind: MeterKind, device: str) -> EnergyCounter | None:
     """The counter for this worker's device: NVML on CUDA, RAPL on a CPU. "auto" settles
     for none where that one cannot be read; a counter asked for by name must be there."""
     if kind == "none":
         return None
     use = kind if kind != "auto" else ("nvml" if device.startswith("cuda") else "rapl")
-    index = int(device.split(":", 1)[1]) if ":" in device else 0
-    counter = nvml_counter(index) if use == "nvml" else rapl_counter()
+    counter = nvml_counter(nvml_index(device)) if use == "nvml" else rapl_counter()
     if counter is None and kind != "auto":
         raise RuntimeError(f"the {kind} energy counter cannot be read on this host")
     return counter

@@ -84,6 +84,13 @@ def test_a_counter_asked_for_by_name_must_be_readable(monkeypatch, tmp_path):
         open_counter("rapl", "cpu")
 
 
+def test_nvml_numbers_the_hosts_gpus_not_the_visible_ones(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert energy.nvml_index("cuda:1") == 3 and energy.nvml_index("cuda") == 2
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert energy.nvml_index("cuda:1") == 1
+
+
 class Collect:
     def __init__(self) -> None:
         self.outs: list = []
