@@ -128,8 +128,9 @@ class ReplicaAdvisor:
         pending = dict(self.desired.pending_until)
         for start in decision.start:
             pending[start.role] = now + self.start_grace_s
+        reasons = decision.reasons or self.desired.reasons  # why the counts last changed
         self.desired = Desired(
-            dict(decision.desired), live, decision.reasons, decision.blocked, time.time(), pending
+            dict(decision.desired), live, reasons, decision.blocked, time.time(), pending
         )
         return decision
 

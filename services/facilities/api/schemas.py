@@ -88,7 +88,7 @@ class AutoscaleDesired(BaseModel):
     live: dict[str, int]  # by role: workers heard from at that decision
     min_workers: dict[str, int]
     max_workers: dict[str, int]
-    reasons: list[str]  # why the last decision changed a count (empty: no change)
+    reasons: list[str]  # why the counts last changed (empty: never yet)
     blocked_starts: int  # starts wanted that no rack had power budget for
     decided_at: float | None  # unix seconds; None before the first decision
     interval_s: float
