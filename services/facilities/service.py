@@ -11,9 +11,11 @@ from tokenyard.db import default_url, make_engine, make_sessionmaker, migrate
 from tokenyard.facilities.inventory import load_inventory
 from tokenyard.http_server import serve_app
 from tokenyard.services.facilities.api import create_app
+from tokenyard.services.facilities.autoscale import ReplicaAdvisor, advisor_settings
 from tokenyard.services.facilities.control import RackControl
 from tokenyard.services.facilities.grpc_api import FacilitiesControlServer
 from tokenyard.services.facilities.monitor import RackMonitor
+from tokenyard.services.facilities.scaler import ExternalScalerServer
 from tokenyard.services.facilities.settings import FacilitiesSettings
 from tokenyard.services.facilities.store import FacilitiesStore
 
@@ -37,11 +39,19 @@ async def serve(settings: FacilitiesSettings, stop: asyncio.Event | None = None)
         await monitor.start()
 
         control = RackControl(monitor)
-        app = create_app(monitor, store, settings, control)
+        advisor = None
+        if settings.autoscale_mode != "off":
+            policy = advisor_settings(settings, inventory)
+            advisor = ReplicaAdvisor(monitor, policy, settings.autoscale_interval_s)
+        app = create_app(monitor, store, settings, control, advisor)
         # gRPC first: once the HTTP API answers /health, every way in is up.
         grpc_server = FacilitiesControlServer(control, settings)
         await grpc_server.start()
         stack.push_async_callback(grpc_server.stop)
+        if advisor is not None and settings.scaler_port is not None:
+            scaler = ExternalScalerServer(advisor, settings.host, settings.scaler_port)
+            log.info("KEDA external scaler on %s", await scaler.start())
+            stack.push_async_callback(scaler.stop)
         api = await stack.enter_async_context(serve_app(app, settings.host, settings.port))
         log.info(
             "facilities: %d racks, API on %s, control (gRPC) on %s, database %s",
@@ -50,4 +60,7 @@ async def serve(settings: FacilitiesSettings, stop: asyncio.Event | None = None)
             grpc_server.endpoint,
             engine.url.render_as_string(),
         )
-        await monitor.run(stop)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(monitor.run(stop))
+            if advisor is not None:
+                tg.create_task(advisor.run(stop))

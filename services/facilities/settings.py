@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -40,3 +41,16 @@ class FacilitiesSettings(BaseSettings):
     simulate: bool = True  # model the racks whose inventory source is "simulator"
     sim_time_constant_s: float = Field(default=20.0, ge=0)
     sim_full_tokens_per_s: float = Field(default=0.0, ge=0)
+
+    # The autoscaler's desired replica counts for an orchestrator (docs/autoscaling.md):
+    # GET /v1/autoscale/desired and a KEDA external scaler on scaler_port (0 = any free
+    # port; unset = no scaler). "off": neither decides (the route answers 404).
+    autoscale_mode: Literal["off", "sla", "power"] = "power"
+    autoscale_interval_s: float = Field(default=5.0, gt=0)
+    autoscale_min_prefill: int = Field(default=1, ge=0)
+    autoscale_max_prefill: int = Field(default=8, ge=0)
+    autoscale_min_decode: int = Field(default=1, ge=0)
+    autoscale_max_decode: int = Field(default=8, ge=0)
+    autoscale_ttft_p99_s: float = Field(default=2.0, gt=0)
+    autoscale_itl_p99_s: float = Field(default=0.1, gt=0)
+    scaler_port: int | None = Field(default=None, ge=0, le=65535)

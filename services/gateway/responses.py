@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -78,6 +78,61 @@ class ChunkOrderer:
 
 
 @dataclass
+class EnergySum:
+    """A request's joules over its chunks (every worker that computed it sends its share)."""
+
+    modelled: float = 0.0
+    measured: float = 0.0
+    chunks: int = 0  # chunks that carried energy
+    measured_chunks: int = 0
+    sources: set[str] = field(default_factory=set)
+
+    def add(self, chunk: pb.TokenChunk) -> None:
+        if not chunk.energy_source:
+            return
+        self.chunks += 1
+        self.modelled += chunk.energy_joules
+        self.sources.add(chunk.energy_source)
+        if chunk.HasField("energy_joules_measured"):
+            self.measured_chunks += 1
+            self.measured += chunk.energy_joules_measured
+
+    def merge(self, other: EnergySum) -> None:
+        self.modelled += other.modelled
+        self.measured += other.measured
+        self.chunks += other.chunks
+        self.measured_chunks += other.measured_chunks
+        self.sources |= other.sources
+
+    def reported(self) -> tuple[float, str] | None:
+        """(joules, source): measured only where every share was measured by one kind of
+        counter; the model's figure otherwise. None where no worker reported energy."""
+        if not self.chunks:
+            return None
+        if self.measured_chunks == self.chunks and len(self.sources) == 1:
+            return round(self.measured, 6), next(iter(self.sources))
+        return round(self.modelled, 6), "modelled"
+
+    def usage_fields(self) -> dict[str, Any]:
+        """usage's energy fields (none where no worker reported energy)."""
+        found = self.reported()
+        if found is None:
+            return {}
+        joules, source = found
+        fields: dict[str, Any] = {"energy_joules": joules, "energy_source": source}
+        if source != "modelled":
+            fields["energy_joules_modelled"] = round(self.modelled, 6)
+        return fields
+
+
+def energy_of(accs: list[Accumulator]) -> EnergySum:
+    total = EnergySum()
+    for a in accs:
+        total.merge(a.energy)
+    return total
+
+
+@dataclass
 class Accumulator:
     """Everything the client gets at the end: text, logprobs, finish reason, usage."""
 
@@ -87,8 +142,10 @@ class Accumulator:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    energy: EnergySum = field(default_factory=lambda: EnergySum())
 
     def add(self, chunk: pb.TokenChunk) -> None:
+        self.energy.add(chunk)
         self.text.append(chunk.text)
         self.logprobs.extend(chunk.logprobs)
         self.num_output_tokens += len(chunk.token_ids)
@@ -117,6 +174,7 @@ def usage(accs: list[Accumulator], num_prompt_tokens: int) -> Usage:
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        **energy_of(accs).usage_fields(),
     )
 
 
@@ -411,6 +469,7 @@ class CompletionFormat:
             completion_tokens=completion,
             total_tokens=prompt + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            **energy_of(accs).usage_fields(),
         )
 
 

@@ -221,7 +221,28 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
-class Usage(BaseModel):
+ENERGY_FIELDS = ("energy_joules", "energy_source", "energy_joules_modelled")
+
+
+class EnergyUsage(BaseModel):
+    # Tokenyard's own (docs/autoscaling.md): the joules of the engine steps that computed
+    # this request, measured by a hardware counter ("measured:rapl", "measured:nvml") where
+    # every worker that served it reads one, else the facilities power model's ("modelled");
+    # energy_joules_modelled beside a measured figure. Absent where no worker reported any.
+    energy_joules: float | None = None
+    energy_source: str | None = None
+    energy_joules_modelled: float | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_energy(self, handler: SerializerFunctionWrapHandler) -> dict:
+        data = handler(self)
+        for key in ENERGY_FIELDS:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class Usage(EnergyUsage):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int

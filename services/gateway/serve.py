@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from tokenyard import tracing
 from tokenyard.api_errors import ApiError
 from tokenyard.services.gateway.backend import TokenStream
-from tokenyard.services.gateway.responses import Accumulator, ResponseFormat
+from tokenyard.services.gateway.responses import Accumulator, ResponseFormat, energy_of
 from tokenyard.services.gateway.state import GatewayState
 from tokenyard.services.gateway.translate import Prepared
 from tokenyard.tracing import tracer
@@ -246,6 +246,10 @@ class Generation:
             tracing.GEN_AI_USAGE_OUTPUT_TOKENS, sum(a.num_output_tokens for a in accs)
         )
         span.set_attribute("tokenyard.cached_tokens", max(a.num_cached_tokens for a in accs))
+        energy = energy_of(accs).reported()
+        if energy is not None:
+            span.set_attribute("tokenyard.energy_joules", energy[0])
+            span.set_attribute("tokenyard.energy_source", energy[1])
         reasons = [a.finish_reason for a in accs if a.finish_reason]
         if reasons:
             span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH_REASONS, reasons)

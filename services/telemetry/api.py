@@ -114,6 +114,7 @@ FLEET_COLUMNS = (
     "ttft_p99_s",
     "itl_p50_s",
     "itl_p99_s",
+    "joules_per_token",
 )
 
 

@@ -118,6 +118,7 @@ class Collector:
                 prompt_tokens=int(fields["prompt_tokens"] or 0),
                 cached_tokens=int(fields["cached_tokens"] or 0),
                 output_tokens=int(fields["output_tokens"] or 0),
+                energy_joules=fields["energy_joules"],
             )
         )
 

@@ -33,6 +33,10 @@ FIGURES = {
         "tokenyard:fleet_prefix_cache_hit_rate",
         "Cached share of prompt tokens (window)",
     ),
+    "joules_per_token": (
+        "tokenyard:fleet_energy_joules_per_output_token",
+        "Energy per output token (window; usage.energy_joules, modelled or measured)",
+    ),
 }
 
 

@@ -92,6 +92,8 @@ def request_fields(row: SpanRow) -> dict[str, Any]:
             "prompt_tokens": a.get(tracing.GEN_AI_USAGE_INPUT_TOKENS),
             "output_tokens": a.get(tracing.GEN_AI_USAGE_OUTPUT_TOKENS),
             "cached_tokens": a.get("tokenyard.cached_tokens"),
+            "energy_joules": a.get("tokenyard.energy_joules"),
+            "energy_source": a.get("tokenyard.energy_source"),
             "ttft_s": a.get(tracing.GEN_AI_TTFT),
             "duration_s": row.duration_s,
             **error_fields(row),

@@ -18,6 +18,7 @@ class Finished:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
+    energy_joules: float | None = None  # usage.energy_joules, where the workers reported it
 
     @property
     def itl_s(self) -> float | None:
@@ -59,4 +60,12 @@ class Window:
             "itl_p50_s": percentile_or_none(itls, 50),
             "itl_p99_s": percentile_or_none(itls, 99),
             "prefix_hit_rate": sum(r.cached_tokens for r in items) / prompt if prompt else None,
+            "joules_per_token": joules_per_token(items),
         }
+
+
+def joules_per_token(items: list[Finished]) -> float | None:
+    """Energy per output token over the requests that reported energy (None: none did)."""
+    known = [r for r in items if r.energy_joules is not None]
+    tokens = sum(r.output_tokens for r in known)
+    return sum(r.energy_joules or 0.0 for r in known) / tokens if tokens else None

@@ -24,6 +24,7 @@ from tokenyard.bus.nats import Bus
 from tokenyard.engine.contract import Engine
 from tokenyard.engine.outputs import RequestIdInUse
 from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.facilities.energy import EnergyLedger, PowerModel, open_counter
 from tokenyard.services.worker.admission import AdmissionGate, RackCap
 from tokenyard.services.worker.convert import engine_params
 from tokenyard.services.worker.engine_loop import EngineLoop
@@ -78,6 +79,7 @@ class WorkerBase:
             engine,
             on_kv_events=lambda events: self.presence.publish_kv_events(events),
             thread=engine_thread,
+            energy=energy_ledger(settings),
         )
         self.kv = KVPort(self.loop, settings)
         gate = AdmissionGate(self.cap.seq_cap, settings.scheduling_policy)
@@ -191,6 +193,14 @@ class WorkerBase:
             computed = len(prompt) - (stream.cached_tokens or 0)
             record_steps(_tracer, started_ns, stream.output_times, prefill_tokens=computed)
         return stream
+
+
+def energy_ledger(settings: WorkerSettings) -> EnergyLedger:
+    """Energy per request for this worker's device: modelled, and measured where it can be."""
+    model = PowerModel.for_device(
+        settings.device, settings.tensor_parallel_size, settings.max_num_seqs, settings.energy_tdp_w
+    )
+    return EnergyLedger(model, open_counter(settings.energy_counter, settings.device))
 
 
 def stream_attributes(stream: TokenStream, prompt_tokens: int, reason: str) -> dict[str, int | str]:

@@ -82,7 +82,20 @@ def token_chunk(
         num_cached_tokens=out.num_cached_tokens if cached_tokens is None else cached_tokens,
         worker_id=worker_id,
         embedding=out.embedding or [],
+        **energy_fields(out),
     )
+
+
+def energy_fields(out: RequestOutput) -> dict[str, Any]:
+    if out.energy is None:
+        return {}
+    fields: dict[str, Any] = {
+        "energy_joules": out.energy.modelled,
+        "energy_source": out.energy.source,
+    }
+    if out.energy.measured is not None:
+        fields["energy_joules_measured"] = out.energy.measured
+    return fields
 
 
 def error_chunk(

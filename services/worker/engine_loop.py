@@ -21,8 +21,9 @@ from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from tokenyard.engine.contract import Engine
-from tokenyard.engine.outputs import RequestOutput
+from tokenyard.engine.outputs import Energy, RequestOutput
 from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.facilities.energy import EnergyLedger
 from tokenyard.lifecycle import trim_heap
 from tokenyard.services.worker.step_timing import StepTiming
 
@@ -55,6 +56,8 @@ class StepResult:
     seconds: float
     tokens: int  # tokens the step computed
     stats: Any  # the engine's stats right after the step
+    batch: dict[str, int]  # tokens computed per request
+    joules: tuple[float | None, float | None]  # the energy counter before and after the step
 
 
 def engine_thread() -> ThreadPoolExecutor:
@@ -76,9 +79,12 @@ class EngineLoop:
         on_kv_events: Callable[[list[tuple[str, list[int]]]], Any] | None = None,
         *,
         thread: ThreadPoolExecutor | None = None,
+        energy: EnergyLedger | None = None,
     ) -> None:
-        """``thread``: the :func:`engine_thread` the engine was built on (a new one if None)."""
+        """``thread``: the :func:`engine_thread` the engine was built on (a new one if None);
+        ``energy``: charges each step's joules to its requests, handed out with outputs."""
         self.engine = engine
+        self.energy = energy
         self.sinks: dict[str, Sink] = {}
         self._pool = thread or engine_thread()
         self._wake = asyncio.Event()
@@ -176,6 +182,8 @@ class EngineLoop:
 
     async def abort(self, request_id: str) -> bool:
         self.sinks.pop(request_id, None)
+        if self.energy is not None:
+            self.energy.take(request_id)
         return bool(await self.call(self.engine.abort, request_id))
 
     async def stats(self) -> Any:
@@ -192,13 +200,19 @@ class EngineLoop:
         return self._last_stats
 
     def _step(self) -> StepResult:
+        before = self.energy.read() if self.energy is not None else None
         started = time.perf_counter()
         outputs = self.engine.step()
         events = self.engine.drain_kv_events()
         seconds = time.perf_counter() - started
+        after = self.energy.read() if self.energy is not None else None
         tokens = self.engine.last_step_tokens
+        batch = dict(self.engine.last_step_batch)
         stats = self.engine.stats()
-        return StepResult(outputs, events, self.engine.has_unfinished(), seconds, tokens, stats)
+        return StepResult(
+            outputs, events, self.engine.has_unfinished(), seconds, tokens, stats, batch,
+            (before, after),
+        )  # fmt: skip
 
     async def run(self) -> None:
         """Step while there is work; sleep on the wake event otherwise. Runs until cancelled.
@@ -233,6 +247,7 @@ class EngineLoop:
     async def _step_until_idle(self) -> None:
         result = await self._call_step()
         while True:
+            self._charge_energy(result)
             idle = not result.outputs and result.seconds < IDLE_STEP_S
             dispatched = time.perf_counter()
             # First tokens go out before the next step starts: on a small host the publish,
@@ -261,6 +276,15 @@ class EngineLoop:
                 await asyncio.sleep(IDLE_SLEEP_S)
                 ahead = self._call_step()
             result = await ahead
+
+    def _charge_energy(self, result: StepResult) -> None:
+        """The step's joules onto its requests, and each output's share onto the output."""
+        if self.energy is None:
+            return
+        self.energy.charge(result.batch, result.seconds, *result.joules)
+        for out in result.outputs:
+            owed = self.energy.take(out.request_id)
+            out.energy = Energy(owed.modelled, owed.measured, self.energy.source)
 
     async def _dispatch_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

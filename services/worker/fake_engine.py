@@ -88,6 +88,7 @@ class FakeEngine:
         self._free = list(range(num_blocks))
         self._seqs: dict[str, _Seq] = {}
         self.last_step_tokens = 0  # one per sequence stepped: the fake decodes only
+        self.last_step_batch: dict[str, int] = {}
 
     def _check_new(self, request_id: str) -> None:
         # As the real engine: one sequence per request id.
@@ -127,6 +128,7 @@ class FakeEngine:
     def step(self) -> list[RequestOutput]:
         active = self._active()
         self.last_step_tokens = len(active)
+        self.last_step_batch = {rid: 1 for rid, _ in active}
         if active and self.step_s:
             time.sleep(self.step_s)
         return [self._advance(rid, seq) for rid, seq in active]

@@ -74,6 +74,11 @@ class WorkerSettings(BaseSettings):
     # One engine call (a step, a stats read) running longer than this means the engine is
     # stuck: /ready turns 503 and heartbeats say so, though the process still beats.
     engine_stall_s: float = Field(default=60.0, gt=0)
+    # Energy per request (tokenyard.facilities.energy): the modelled draw's TDP per
+    # accelerator (None: 700 W per GPU, 65 W for a CPU) and the hardware counter read around
+    # each step (auto: NVML on CUDA, RAPL on a CPU, where readable; none: modelled only).
+    energy_tdp_w: float | None = Field(default=None, gt=0)
+    energy_counter: Literal["auto", "rapl", "nvml", "none"] = "auto"
     host: str = "127.0.0.1"  # where the KV transfer server listens (0.0.0.0: everywhere)
     # Where other workers reach this one (its KV endpoint). Empty: the bound address, or,
     # bound to 0.0.0.0, this host's own address (tokenyard.net); Kubernetes sets the pod IP.

@@ -66,7 +66,7 @@ class Exchange:
     status: int | None = None
     chunk_ns: list[int] = field(default_factory=list)  # chunks that carried output text
     text: list[str] = field(default_factory=list)
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None  # token counts; Tokenyard adds energy_joules and its source
     error_kind: str | None = (
         None  # http_<status>, timeout, connection, protocol, stream_error, empty
     )

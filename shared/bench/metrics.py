@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from tokenyard.bench.records import RequestRecord
 from tokenyard.stats import percentile
@@ -129,4 +130,25 @@ def summarize(records: list[RequestRecord], slos: SLOs) -> dict:
             "fraction": met / len(measured) if measured else 0.0,
             "requests_s": per_s(met),
         },
+        "energy": energy(ok, slos),
+    }
+
+
+def energy(ok: list[RequestRecord], slos: SLOs) -> dict[str, Any] | None:
+    """Output tokens per joule from the server's usage.energy_joules (None where it sent
+    none): over every completed request, and at the SLO (the tokens of requests that met
+    the SLOs over the joules of all of them, as goodput counts)."""
+    known = [r for r in ok if r.energy_joules is not None]
+    joules = sum(r.energy_joules or 0.0 for r in known)
+    if not known or joules <= 0:
+        return None
+    tokens = sum(r.output_tokens or 0 for r in known)
+    at_slo = sum(r.output_tokens or 0 for r in known if meets_slos(r, slos))
+    return {
+        "requests": len(known),
+        "joules": joules,
+        "sources": dict(Counter(r.energy_source for r in known)),
+        "joules_per_request": joules / len(known),
+        "output_tokens_per_joule": tokens / joules,
+        "output_tokens_per_joule_at_slo": at_slo / joules,
     }

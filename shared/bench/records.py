@@ -33,6 +33,9 @@ class RequestRecord:
     output_tokens: int | None = None
     token_source: str = "usage"  # "usage", "tokenizer" or "chunks": where output_tokens came from
     chunk_ms: list[float] = field(default_factory=list)  # output chunks, ms after start_s
+    # usage.energy_joules and its label (a Tokenyard server's; None from other servers)
+    energy_joules: float | None = None
+    energy_source: str | None = None
 
     @property
     def e2e_ms(self) -> float:
@@ -68,6 +71,8 @@ def make_record(
         scheduled_s=None if scheduled_ns is None else (scheduled_ns - t0_ns) / 1e9,
         prompt_tokens=usage.get("prompt_tokens"),
         output_tokens=usage.get("completion_tokens"),
+        energy_joules=usage.get("energy_joules"),
+        energy_source=usage.get("energy_source"),
         chunk_ms=[round((t - ex.start_ns) / 1e6, 4) for t in ex.chunk_ns],
     )
 

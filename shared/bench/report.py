@@ -17,6 +17,8 @@ ROWS: list[tuple[str, str, bool | None]] = [
     ("summary.output_token_throughput", "output tok/s", False),
     ("summary.goodput.requests_s", "goodput req/s", False),
     ("summary.goodput.fraction", "met SLOs (share)", False),
+    ("summary.energy.output_tokens_per_joule", "output tok/J", False),
+    ("summary.energy.output_tokens_per_joule_at_slo", "output tok/J at SLO", False),
     *[
         (f"summary.{m}.{s}", f"{m.removesuffix('_ms').upper()} {s} ms", True)
         for m in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
@@ -65,6 +67,9 @@ def summary_table(runs: list[dict[str, Any]], title: str = "tokenyard bench") ->
     table.add_row("server error codes", *(_errors(run, "error_codes") for run in runs))
     table.add_row(
         "tokens counted from", *(fmt(lookup(run, "summary.token_source")) for run in runs)
+    )
+    table.add_row(
+        "energy (usage) from", *(fmt(lookup(run, "summary.energy.sources")) for run in runs)
     )
     return table
 

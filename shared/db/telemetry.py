@@ -35,6 +35,8 @@ class RequestRecord(Base):
     decode_worker: Mapped[str | None] = mapped_column(String(128))
     error_code: Mapped[str | None] = mapped_column(String(64))  # a failed request's
     error_message: Mapped[str | None] = mapped_column(String(1024))
+    energy_joules: Mapped[float | None]  # usage.energy_joules
+    energy_source: Mapped[str | None] = mapped_column(String(32))  # modelled | measured:<counter>
 
 
 class SpanRecord(Base):
@@ -73,6 +75,7 @@ class FleetSample(Base):
     ttft_p99_s: Mapped[float | None]
     itl_p50_s: Mapped[float | None]
     itl_p99_s: Mapped[float | None]
+    joules_per_token: Mapped[float | None]  # per output token, of the window's requests
 
 
 class RackSample(Base):

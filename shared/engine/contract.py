@@ -70,6 +70,12 @@ class Engine(Handoff, KVEngine, Protocol):
         step timing fits its cost per token on."""
         ...
 
+    @property
+    def last_step_batch(self) -> dict[str, int]:
+        """The same per request id: what each sequence of the last step computed (the
+        worker shares the step's energy by it)."""
+        ...
+
     def has_unfinished(self) -> bool: ...
 
     def abort(self, request_id: str) -> bool:

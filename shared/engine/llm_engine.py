@@ -129,6 +129,7 @@ class LLMEngine:
             vocab_size=self.model_config.vocab_size,
         )
         self.last_step_tokens = 0  # tokens the last step computed (prefill chunks + decodes)
+        self.last_step_batch: dict[str, int] = {}  # the same, per request
         del loaded
         gc.collect()  # the loaded checkpoint and the model's intermediate copies
         trim_heap()
@@ -244,7 +245,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        self.last_step_tokens = sum(s.num_tokens for s in batch)
+        self.last_step_batch = {s.seq.request_id: s.num_tokens for s in batch}
+        self.last_step_tokens = sum(self.last_step_batch.values())
         if not batch:
             return []
         # Grammar masks are computed on another thread while the model runs.

@@ -18,6 +18,15 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
 
 
+@dataclass(frozen=True)
+class Energy:
+    """Joules of the steps that computed a request's tokens since its previous output."""
+
+    modelled: float
+    measured: float | None  # None: no hardware counter read
+    source: str  # "measured:rapl", "measured:nvml" or "modelled"
+
+
 @dataclass
 class RequestOutput:
     """The tokens one step added to one request."""
@@ -32,6 +41,8 @@ class RequestOutput:
     num_cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
     embedding: list[float] | None = None  # a pooling request's answer (SamplingParams.pooling)
+    # Set by the worker's engine loop (tokenyard.facilities.energy), not by the engine.
+    energy: Energy | None = None
 
 
 @dataclass

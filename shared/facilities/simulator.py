@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tokenyard.facilities.energy import busy_watts
 from tokenyard.facilities.faults import FaultKind
 from tokenyard.facilities.inventory import CoolantLoopSpec, RackSpec
 from tokenyard.facilities.policy import Reading
@@ -68,7 +69,7 @@ def rack_power_kw(rack: RackSpec, utils: dict[str, float]) -> float:
         # heartbeat); an inventory may list workers that this deployment does not start.
         running = [utils[w] for w in node.workers if w in utils]
         if running:
-            watts += node.gpus * node.gpu_tdp_w * sum(running) / len(running)
+            watts += busy_watts(node.gpus, node.gpu_tdp_w, sum(running) / len(running))
     return rack.idle_power_kw + watts / 1000.0
 
 

@@ -218,7 +218,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[Error.Code, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "text", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "error", "worker_id", "handed_to", "embedding")
+    __slots__ = ("request_id", "index", "token_ids", "text", "logprobs", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "error", "worker_id", "handed_to", "embedding", "energy_joules", "energy_joules_measured", "energy_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +233,9 @@ class TokenChunk(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HANDED_TO_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_JOULES_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_JOULES_MEASURED_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -247,7 +250,10 @@ class TokenChunk(_message.Message):
     worker_id: str
     handed_to: str
     embedding: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., worker_id: _Optional[str] = ..., handed_to: _Optional[str] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
+    energy_joules: float
+    energy_joules_measured: float
+    energy_source: str
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., worker_id: _Optional[str] = ..., handed_to: _Optional[str] = ..., embedding: _Optional[_Iterable[float]] = ..., energy_joules: _Optional[float] = ..., energy_joules_measured: _Optional[float] = ..., energy_source: _Optional[str] = ...) -> None: ...
 
 class JobMoved(_message.Message):
     __slots__ = ("request_id", "from_worker_id", "to_worker_id", "decode_worker_id")

@@ -62,6 +62,8 @@ def test_console_live_fleet_fault_and_trace(page: Page, telemetry_stack, tmp_pat
     expect(page.get_by_test_id("request-row")).to_have_count(rows_before + 3, timeout=15_000)
     expect(page.get_by_test_id("fig-requests-per-s")).not_to_have_text("0.00", timeout=15_000)
     expect(page.get_by_test_id("fig-ttft-p50")).not_to_have_text("– s")
+    # Energy per output token, from each request's usage.energy_joules (modelled here).
+    expect(page.get_by_test_id("fig-joules-per-token")).not_to_have_text("–")
     # Averaged over a window: still up a second after the burst, not back to 0.
     expect(page.get_by_test_id("fig-tokens-per-s")).not_to_have_text("0.0", timeout=15_000)
     page.wait_for_timeout(1500)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 import yaml
@@ -23,7 +24,10 @@ from tokenyard.bus.nats import Bus
 from tokenyard.facilities.tracker import RackStateTracker
 from tokenyard.services.facilities.service import serve
 from tokenyard.services.facilities.settings import FacilitiesSettings
+from tokenyard.v1 import externalscaler_pb2 as epb
+from tokenyard.v1 import externalscaler_pb2_grpc
 from tokenyard.v1.facilities_pb2 import FacilityReading, RackState, RackStateKind
+from tokenyard.v1.serving_pb2 import WorkerHeartbeat
 
 TOKEN = "test-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -287,3 +291,51 @@ def test_module_runs_standalone_and_stops_on_sigterm(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def beat(bus: Bus, role: str, worker_id: str, running: int, waiting: int) -> None:
+    hb = WorkerHeartbeat(
+        worker_id=worker_id, role=role, model="m", num_running=running, num_waiting=waiting,
+        max_num_seqs=8, heartbeat_interval_ms=200,
+    )  # fmt: skip
+    await bus.publish(subjects.heartbeat(role, worker_id), hb)
+
+
+async def test_desired_replicas_for_compose_and_keda(settings: FacilitiesSettings, bus: Bus):
+    """An overloaded decode pool: the HTTP route and the KEDA external scaler (real gRPC)
+    both say how many decode workers should run; a trigger without a role is refused."""
+    settings = settings.model_copy(
+        update={
+            "autoscale_mode": "sla",
+            "autoscale_interval_s": 0.2,
+            "autoscale_max_decode": 3,
+            "scaler_port": free_port(),
+        }  # fmt: skip
+    )
+    async with running(settings) as api:
+        for _ in range(10):  # a second of heartbeats: decode-2 full with as many queued
+            await beat(bus, "prefill", "prefill-1", 4, 0)
+            await beat(bus, "decode", "decode-2", 8, 8)
+            await asyncio.sleep(0.1)
+        body = (await api.get("/v1/autoscale/desired")).json()
+        assert body["mode"] == "sla" and body["live"] == {"prefill": 1, "decode": 1}
+        # demand 2 (busy 1 + 8 queued / 8 seqs) over the 0.6 target: 4, capped at 3
+        assert body["desired"] == {"prefill": 1, "decode": 3}, body
+        assert any("decode: up 1 -> 3" in r for r in body["reasons"])
+
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{settings.scaler_port}")
+        scaler = externalscaler_pb2_grpc.ExternalScalerStub(channel)
+        ref = epb.ScaledObjectRef(name="decode", namespace="ty", scalerMetadata={"role": "decode"})
+        spec = await scaler.GetMetricSpec(ref)
+        assert [(m.metricName, m.targetSize) for m in spec.metricSpecs] == [
+            ("tokenyard-desired-decode", 1)
+        ]
+        got = await scaler.GetMetrics(
+            epb.GetMetricsRequest(scaledObjectRef=ref, metricName="tokenyard-desired-decode")
+        )
+        assert [v.metricValue for v in got.metricValues] == [3]
+        assert (await scaler.IsActive(ref)).result is True
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await scaler.IsActive(epb.ScaledObjectRef(name="x", scalerMetadata={"role": "both"}))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await channel.close()

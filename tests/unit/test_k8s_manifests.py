@@ -242,3 +242,31 @@ def test_prometheus_adapter_is_valid_and_serves_the_decode_hpa_its_metric():
     series = re.match(r"([\w:]+)\{", served[wanted]).group(1)
     worker_metrics = (K8S.parents[1] / "services" / "worker" / "metrics.py").read_text()
     assert f'"{series}"' in worker_metrics
+
+
+def test_power_autoscaling_scales_both_pools_through_the_facilities_scaler():
+    """infra/k8s/power-autoscaling: valid ScaledObjects whose external trigger reaches the
+    port the facilities service serves its KEDA scaler on, one per pool."""
+    docs = render(K8S / "power-autoscaling")
+    schema = json.loads(CRD_SCHEMAS[("keda.sh/v1alpha1", "ScaledObject")].read_text())
+    facilities = render(K8S / "base")
+    service = by(facilities, "Service")["facilities"]["spec"]["ports"]
+    scaler_port = next(p["port"] for p in service if p["name"] == "scaler")
+    env = env_of(containers(by(facilities, "Deployment")["facilities"])[0])
+    assert env["TOKENYARD_FACILITIES_SCALER_PORT"]["value"] == str(scaler_port)
+    objects = by(docs, "ScaledObject")
+    assert set(objects) == {"prefill", "decode"}
+    for role, scaled in objects.items():
+        jsonschema.validate(scaled, schema)
+        assert scaled["spec"]["scaleTargetRef"]["name"] == role
+        (trigger,) = scaled["spec"]["triggers"]
+        assert trigger["type"] == "external"
+        assert trigger["metadata"] == {
+            "scalerAddress": f"facilities.tokenyard.svc:{scaler_port}",
+            "role": role,
+        }
+    for doc in docs:
+        if doc["kind"] != "ScaledObject":
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    policy = by(docs, "NetworkPolicy")["scaler-from-keda"]["spec"]["ingress"][0]
+    assert policy["ports"] == [{"protocol": "TCP", "port": scaler_port}]

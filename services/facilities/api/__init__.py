@@ -6,7 +6,16 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from tokenyard.http_server import ops_router
-from tokenyard.services.facilities.api import admin, errors, events, health, inventory, racks
+from tokenyard.services.facilities.api import (
+    admin,
+    autoscale,
+    errors,
+    events,
+    health,
+    inventory,
+    racks,
+)
+from tokenyard.services.facilities.autoscale import ReplicaAdvisor
 from tokenyard.services.facilities.control import RackControl
 from tokenyard.services.facilities.metrics import RackCollector
 from tokenyard.services.facilities.monitor import RackMonitor
@@ -19,14 +28,16 @@ def create_app(
     store: FacilitiesStore,
     settings: FacilitiesSettings,
     control: RackControl | None = None,
+    advisor: ReplicaAdvisor | None = None,
 ) -> FastAPI:
     app = FastAPI(title="Tokenyard facilities", version="1")
     app.state.monitor = monitor
     app.state.control = control or RackControl(monitor)
     app.state.store = store
     app.state.settings = settings
+    app.state.advisor = advisor
     errors.install(app)
-    for module in (health, racks, events, inventory, admin):
+    for module in (health, racks, events, inventory, admin, autoscale):
         app.include_router(module.router)
     # /health above says more (racks, NATS); /ready and /metrics are the shared ones.
     app.include_router(

@@ -78,3 +78,17 @@ class Health(BaseModel):
     status: Literal["ok"]
     racks: int
     nats_connected: bool
+
+
+class AutoscaleDesired(BaseModel):
+    """The autoscaler's latest decision: how many workers of each pool should run."""
+
+    mode: str  # sla | power
+    desired: dict[str, int]  # by role: what the orchestrator should run
+    live: dict[str, int]  # by role: workers heard from at that decision
+    min_workers: dict[str, int]
+    max_workers: dict[str, int]
+    reasons: list[str]  # why the counts last changed (empty: never yet)
+    blocked_starts: int  # starts wanted that no rack had power budget for
+    decided_at: float | None  # unix seconds; None before the first decision
+    interval_s: float

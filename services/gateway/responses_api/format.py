@@ -74,6 +74,9 @@ def response_usage(accs: list[Accumulator], num_prompt_tokens: int) -> ResponseU
         output_tokens=u.completion_tokens,
         output_tokens_details=OutputTokensDetails(),
         total_tokens=u.total_tokens,
+        energy_joules=u.energy_joules,
+        energy_source=u.energy_source,
+        energy_joules_modelled=u.energy_joules_modelled,
     )
 
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag
 from tokenyard.services.gateway.schemas import (
     MAX_MESSAGES,
     MAX_TOOLS,
+    EnergyUsage,
     JsonObject,
     Name,
     Text,
@@ -206,7 +207,7 @@ class OutputTokensDetails(BaseModel):
     reasoning_tokens: int = 0
 
 
-class ResponseUsage(BaseModel):
+class ResponseUsage(EnergyUsage):
     input_tokens: int
     input_tokens_details: InputTokensDetails
     output_tokens: int

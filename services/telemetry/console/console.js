@@ -19,7 +19,7 @@ const scaled = (v, k) => (v === null || v === undefined ? null : k * v);
 // --- history: one time column and one column per plotted value --------------------------------
 
 const history = { ts: [], tokens: [], ttft50: [], ttft99: [], itl50: [], itl99: [],
-  waiting: [], running: [], kv: [], prefix: [] };
+  waiting: [], running: [], kv: [], prefix: [], energy: [] };
 const rackHistory = {}; // rack -> { ts, kw, supply, ret }
 
 function trim(columns) {
@@ -33,7 +33,7 @@ function record(f, ts) {
   const row = { ts, tokens: f.tokens_per_s, ttft50: f.ttft_p50_s, ttft99: f.ttft_p99_s,
     itl50: scaled(f.itl_p50_s, 1000), itl99: scaled(f.itl_p99_s, 1000),
     waiting: f.num_waiting, running: f.num_running, kv: scaled(f.kv_usage, 100),
-    prefix: scaled(f.prefix_hit_rate, 100) };
+    prefix: scaled(f.prefix_hit_rate, 100), energy: f.joules_per_token };
   for (const [key, col] of Object.entries(history)) col.push(row[key] ?? null);
   trim(history);
 }
@@ -89,6 +89,7 @@ const FLEET_CHARTS = [
   { id: "c-queue", title: "sequences", unit: "seqs", lines: ["waiting", "running"], keys: ["waiting", "running"], digits: 0 },
   { id: "c-kv", title: "KV cache in use", unit: "%", lines: ["KV use"], keys: ["kv"], digits: 1 },
   { id: "c-prefix", title: "prefix cache hit rate", unit: "%", lines: ["hit rate"], keys: ["prefix"], digits: 1 },
+  { id: "c-energy", title: "energy per output token", unit: "J", lines: ["J/token"], keys: ["energy"], digits: 3 },
 ];
 const charts = {};
 const rackCharts = {}; // rack -> { power, coolant }
@@ -127,6 +128,7 @@ function renderFigures(f, windowS) {
     [`waiting / running · ${avg}`, `${fmt(smoothed("waiting"), 1)} / ${fmt(smoothed("running"), 1)}`, "queue"],
     ["KV use", pct(f.kv_usage), "kv-use"],
     ["prefix hit rate", pct(f.prefix_hit_rate), "prefix-hit"],
+    [`J per output token · ${windowS} s`, fmt(f.joules_per_token, 3), "joules-per-token"],
   ];
   $("figures").innerHTML = items.map(([label, value, id]) =>
     `<div class="figure"><b data-testid="fig-${id}">${esc(value)}</b><span>${esc(label)}</span></div>`).join("");
