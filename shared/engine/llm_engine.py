@@ -482,6 +482,7 @@ class LLMEngine:
         output_token_ids: list[int],
         params: SamplingParams,
     ) -> list[int]:
+        self.check_adapter(params.lora)
         return self.handoff.import_sequence(request_id, prompt_token_ids, output_token_ids, params)
 
     def commit_import(self, request_id: str, kv_ok: bool) -> None:

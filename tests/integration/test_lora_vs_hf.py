@@ -167,3 +167,60 @@ def test_one_slot_swaps_adapters(models):
     for name, r in zip(names, results, strict=True):
         _assert_matches(refs[name], r)
     assert llm.engine.lora is not None and llm.engine.lora.num_swaps >= 2
+
+
+def test_adapter_across_a_kv_handoff(models, llm):
+    """A prefill engine computes the prompt on adapter b; a decode engine (b loaded as well)
+    imports its K/V and continues: the tokens after the hand-off still match PEFT."""
+    folder, refs, paths = models
+    params = SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, lora="b"
+    )
+    prefill = llm.engine
+    if all(a.name != "b" for a in prefill.list_loras()):
+        prefill.add_lora("b", str(paths["b"]))
+    prefill.add_request("h", PROMPTS[2], params, prefill_only=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    exported = prefill.export_sequence("h")
+    kv = prefill.kv_cache[exported.block_ids].clone()  # the blocks a transfer would carry
+    prefill.release("h")
+    decode = LLM(folder, max_loras=2, **ENGINE)
+    decode.engine.add_lora("b", str(paths["b"]))
+    prompt, first = exported.prompt_token_ids, exported.output_token_ids
+    dst = decode.engine.import_sequence("h", prompt, first, params)
+    decode.engine.kv_cache[dst] = kv
+    decode.engine.commit_import("h", kv_ok=True)
+    seq = decode.engine.seqs["h"]
+    while decode.engine.has_unfinished():
+        decode.engine.step()
+    ref = _hf_logprobs(refs["b"], seq.token_ids)
+    assert len(seq.token_ids) == len(prompt) + params.max_tokens
+    for i, lp in enumerate(seq.logprobs):  # the tokens sampled after the import
+        pos = len(prompt) + len(first) + i
+        assert lp.token_id == seq.token_ids[pos]
+        assert abs(lp.logprob - ref[pos - 1][lp.token_id].item()) <= TOL
+    assert seq.logprobs and ref[len(prompt) - 1].argmax().item() == first[0]
+    decode.engine.block_manager.check_no_leaks()
+
+
+def test_unload_lets_running_requests_finish(models, llm):
+    """An unload while a request runs on the adapter: new requests are refused at once, the
+    running one finishes with all its tokens, and then the adapter is gone."""
+    from tokenyard.engine.lora import UnknownAdapter
+
+    _, _, paths = models
+    engine = llm.engine
+    engine.add_lora("gone", str(paths["a"]))
+    params = SamplingParams(max_tokens=4, ignore_eos=True, lora="gone")
+    engine.add_request("u", PROMPTS[0], params)
+    engine.step()
+    assert engine.remove_lora("gone") is False
+    with pytest.raises(UnknownAdapter, match="being unloaded"):
+        engine.add_request("u2", PROMPTS[0], params)
+    seq = engine.seqs["u"]
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.num_output_tokens == 4 and seq.finish_reason == "length"
+    assert "gone" not in [a.name for a in engine.list_loras()]
+    assert "gone" not in engine.lora.slots
