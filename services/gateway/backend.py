@@ -29,7 +29,12 @@ from tokenyard.bus.nats import Bus
 from tokenyard.bus.senders import subscribe_heartbeats
 from tokenyard.fleet import FleetView
 from tokenyard.fleet.resume import resume_on_live_worker
-from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes, salted_root
+from tokenyard.kv.hashing import (
+    HASH_SPEC_VERSION,
+    adapter_salt,
+    prefix_block_hashes,
+    salted_root,
+)
 from tokenyard.services.gateway.responses import ChunkOrderer
 from tokenyard.services.gateway.senders import MAX_HELD_CHUNKS, RequestSenders
 from tokenyard.services.gateway.settings import GatewaySettings
@@ -539,10 +544,13 @@ class NatsBackend:
             num_prompt_tokens=len(prompt_ids),
             max_tokens=params.max_tokens,
             block_hashes=prefix_block_hashes(
-                prompt_ids, self.settings.block_size, salted_root(params.cache_salt)
+                prompt_ids,
+                self.settings.block_size,
+                salted_root(adapter_salt(params.cache_salt, params.lora)),
             ),
             hash_version=HASH_SPEC_VERSION,
             priority=params.priority,
+            lora=params.lora,
         )
         retry = self.settings.retry_after_s
         try:

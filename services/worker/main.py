@@ -79,6 +79,13 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
     one_cpu_rank = settings.device == "cpu" and settings.tensor_parallel_size == 1
     if one_cpu_rank and settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
         optional["kv_pool_factory"] = shared_pool
+    if settings.enable_lora or settings.lora_modules:
+        optional |= {
+            "enable_lora": True,
+            "max_loras": settings.max_loras,
+            "max_lora_rank": settings.max_lora_rank,
+            "max_cpu_loras": settings.max_cpu_loras,
+        }
     optional["prefix_cache_grows_pool"] = settings.prefix_cache_grows_pool
     optional["prefault_kv_pool"] = settings.prefault_kv_pool and settings.prefix_cache_grows_pool
     if settings.device == "cpu" and settings.shared_weights_dir:
@@ -93,7 +100,10 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         tensor_parallel_size=settings.tensor_parallel_size,
         **{k: v for k, v in optional.items() if v is not None},
     )
-    return LLMEngine(config), SamplingParams
+    engine = LLMEngine(config)
+    for name, path in settings.lora_modules.items():  # a bad one stops the start, named
+        engine.add_lora(name, path)
+    return engine, SamplingParams
 
 
 class Readiness:

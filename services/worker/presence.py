@@ -145,6 +145,7 @@ class Presence:
             ops_endpoint=self.ops_endpoint,
             kv_layout=layout_to_proto(self.engine.layout) if self.engine.layout else None,
             kvcache_fetch_ms_per_block=self.kvcache_fetch_ms_per_block(),
+            lora_adapters=sorted(stats.loras),
         )
 
     def log_step_timings(self) -> None:

@@ -24,10 +24,11 @@ from tokenyard.engine.contract import Prompt
 from tokenyard.engine.guided import CLOSE_MAX_TOKENS, Guide, PendingMasks
 from tokenyard.engine.handoff import SequenceHandoff
 from tokenyard.engine.logits_processors import apply_processors
-from tokenyard.engine.lora import AdapterInfo, LoRAManager, UnknownAdapter
+from tokenyard.engine.lora import LoRAManager, UnknownAdapter
 from tokenyard.engine.memory import build_model_and_pool
 from tokenyard.engine.model_runner import ModelRunner, StepLogits
 from tokenyard.engine.outputs import (
+    AdapterInfo,
     EngineStats,
     ExportedSequence,
     NoFreeBlocks,
@@ -262,6 +263,9 @@ class LLMEngine:
             num_pending_prompt_tokens=self.scheduler.pending_prompt_tokens(),
             tenants=self.scheduler.tenant_stats(),
         )
+        if self.lora is not None:
+            stats.loras = {a.name: a.num_running for a in self.lora.info() if not a.unloading}
+            stats.lora_swaps = self.lora.num_swaps
         if self.speculator is not None:
             spec = self.speculator.stats
             stats.spec_num_drafts = spec.num_drafts

@@ -14,31 +14,15 @@ refused at once, and the engine removes it when the last of those requests ends.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
 
 import torch
 
+from tokenyard.engine.outputs import AdapterInfo, UnknownAdapter
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.lora import LoRABatch, LoRALinear, set_slot
 from tokenyard.models.lora_adapter import AdapterLimit, LoRAAdapter, load_adapter
 
-
-class UnknownAdapter(LookupError):
-    """A request or an unload named an adapter the engine does not hold."""
-
-    def __init__(self, name: str, detail: str = "") -> None:
-        super().__init__(f"the LoRA adapter {name!r} does not exist{detail}")
-        self.name = name
-
-
-@dataclass
-class AdapterInfo:
-    name: str
-    path: str
-    rank: int
-    slot: int | None  # the model slot holding it now, if any
-    num_running: int  # running sequences pinning it
-    unloading: bool
+__all__ = ["AdapterInfo", "LoRAManager", "UnknownAdapter"]
 
 
 class LoRAManager:

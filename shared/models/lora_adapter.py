@@ -135,8 +135,7 @@ def _config_targets(name: str, settings: dict) -> set[str] | None:
     unknown = sorted(set(targets) - TARGETS.keys())
     if unknown:
         raise InvalidAdapter(
-            f"adapter {name!r}: unknown target module(s) {unknown}; "
-            f"supported: {sorted(TARGETS)}"
+            f"adapter {name!r}: unknown target module(s) {unknown}; supported: {sorted(TARGETS)}"
         )
     return set(targets)
 

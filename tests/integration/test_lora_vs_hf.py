@@ -173,9 +173,7 @@ def test_adapter_across_a_kv_handoff(models, llm):
     """A prefill engine computes the prompt on adapter b; a decode engine (b loaded as well)
     imports its K/V and continues: the tokens after the hand-off still match PEFT."""
     folder, refs, paths = models
-    params = SamplingParams(
-        max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, lora="b"
-    )
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, lora="b")
     prefill = llm.engine
     if all(a.name != "b" for a in prefill.list_loras()):
         prefill.add_lora("b", str(paths["b"]))

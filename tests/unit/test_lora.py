@@ -121,9 +121,7 @@ def manager(tmp_path):
     model.to_empty(device="cpu")
     layers = apply_lora(model, max_loras=2, max_rank=8)
     assert model.lora_batch is not None
-    m = LoRAManager(
-        layers, model.lora_batch, CONFIG, max_loras=2, max_lora_rank=8, max_cpu_loras=3
-    )
+    m = LoRAManager(layers, model.lora_batch, CONFIG, max_loras=2, max_lora_rank=8, max_cpu_loras=3)
     for name in "abc":
         m.load(name, str(write_adapter(tmp_path / name)))
     return m
