@@ -97,6 +97,12 @@ class Backend(Protocol):
 
     async def cancel(self, rid: str, reason: str) -> None: ...
 
+    async def lora_call(
+        self, worker_id: str, request: pb.LoRAAdapterRequest
+    ) -> pb.LoRAAdapterReply | None:
+        """Ask one worker to load or unload a LoRA adapter; None when it does not answer."""
+        ...
+
 
 def route_error(error: pb.RouteError, retry_after_s: int) -> ApiError:
     code = pb.RouteError.Code.Name(error.code).lower()
@@ -404,6 +410,20 @@ class NatsBackend:
 
     async def _on_heartbeat(self, hb: pb.WorkerHeartbeat, _: Msg) -> None:
         self.fleet.on_heartbeat(hb, time.monotonic())
+
+    async def lora_call(
+        self, worker_id: str, request: pb.LoRAAdapterRequest
+    ) -> pb.LoRAAdapterReply | None:
+        try:
+            return await self._bus().request(
+                subjects.lora(worker_id),
+                request,
+                pb.LoRAAdapterReply,
+                timeout=self.settings.lora_timeout_s,
+            )
+        except (NatsTimeoutError, TimeoutError, NoRespondersError) as exc:
+            log.warning("worker %s did not answer a LoRA %s: %s", worker_id, request.action, exc)
+            return None
 
     def connected(self) -> bool:
         return self.bus is not None and self.bus.nc.is_connected

@@ -30,7 +30,7 @@ from tokenyard.lifecycle import (
 )
 from tokenyard.models.errors import ModelLoadError
 from tokenyard.net import advertise_address, host_endpoint
-from tokenyard.services.worker import control
+from tokenyard.services.worker import control, lora
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.decode import DecodeHandler
 from tokenyard.services.worker.engine_loop import engine_thread
@@ -166,6 +166,9 @@ async def run_worker(
         await bus.reply(msg, pb.DrainReply(accepted=True, message="draining, then exiting"))
         stop.set()
 
+    async def on_lora(req: pb.LoRAAdapterRequest, msg: Msg) -> None:
+        await bus.reply(msg, await lora.handle(worker, req))
+
     try:
         async with spans_to_bus(bus, settings.worker_id), asyncio.TaskGroup() as tg:
             await worker.start(tg)
@@ -174,6 +177,7 @@ async def run_worker(
                     await handler.start(tg)
             await control_server.start()
             await bus.subscribe(subjects.drain(settings.worker_id), pb.DrainRequest, on_drain)
+            await bus.subscribe(subjects.lora(settings.worker_id), pb.LoRAAdapterRequest, on_lora)
             ready.set(None)
             log.info(
                 "worker %s (%s, %s) ready; KV endpoint %r",

@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 
 from tokenyard.models.config import ModelConfig
+from tokenyard.models.errors import AdapterLimit, InvalidAdapter
+
+__all__ = ["AdapterLimit", "InvalidAdapter", "LoRAAdapter", "load_adapter"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -44,18 +47,6 @@ TARGETS: dict[str, tuple[str, int]] = {
 _KEY = re.compile(
     r"layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>\w+)\.lora_(?P<ab>[AB])(?:\.\w+)?\.weight$"
 )
-
-
-class InvalidAdapter(ValueError):
-    """The adapter's files are missing, malformed, or do not fit the base model."""
-
-
-class AdapterLimit(ValueError):
-    """The adapter is well formed but beyond one of the engine's limits (`limit` names it)."""
-
-    def __init__(self, limit: str, message: str) -> None:
-        super().__init__(message)
-        self.limit = limit
 
 
 @dataclass
