@@ -45,4 +45,5 @@ async def handle(worker: WorkerBase, req: pb.LoRAAdapterRequest) -> pb.LoRAAdapt
     except ValueError as exc:  # InvalidAdapter, or LoRA not enabled here
         return pb.LoRAAdapterReply(status=400, message=str(exc))
     log.info("worker %s: %s", worker.worker_id, message)
+    await worker.presence.beat_now()  # the router places on the adapter from its next beat
     return pb.LoRAAdapterReply(ok=True, status=200, message=message)

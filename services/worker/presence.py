@@ -164,6 +164,13 @@ class Presence:
             )
         self._step_log_at = now
 
+    async def beat_now(self) -> None:
+        """A heartbeat out of turn: what it says changed (a LoRA adapter loaded) and the
+        router must know before the next request relies on it."""
+        await self.bus.publish(
+            subjects.heartbeat(self.settings.role, self.worker_id), await self.heartbeat()
+        )
+
     async def _heartbeats(self, stopping: asyncio.Event) -> None:
         subject = subjects.heartbeat(self.settings.role, self.worker_id)
         while not stopping.is_set():
