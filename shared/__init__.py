@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenyard.engine.llm import LLM
+    from tokenyard.engine.llm import LLM, LoRARequest
     from tokenyard.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,6 +24,10 @@ def __getattr__(name: str) -> Any:
         from tokenyard.engine.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from tokenyard.engine.llm import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from tokenyard.engine.sampling_params import SamplingParams
 

@@ -26,6 +26,7 @@ from tokenyard.services.gateway.routes import (
     completions,
     embeddings,
     health,
+    lora,
     models,
     responses,
     tokenize,
@@ -167,7 +168,8 @@ def create_app(settings: GatewaySettings, state: GatewayState | None = None) -> 
         lifespan=lifespan,
         description="OpenAI-compatible REST API of a Tokenyard cluster",
     )
-    for module in (chat, completions, responses, embeddings, models, tokenize, health):
+    app.state.settings = settings  # the admin token (tokenyard.api_deps.require_admin)
+    for module in (chat, completions, responses, embeddings, models, tokenize, health, lora):
         app.include_router(module.router)
     install_error_handlers(app)
     install_openapi(app)

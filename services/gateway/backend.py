@@ -29,7 +29,12 @@ from tokenyard.bus.nats import Bus
 from tokenyard.bus.senders import subscribe_heartbeats
 from tokenyard.fleet import FleetView
 from tokenyard.fleet.resume import resume_on_live_worker
-from tokenyard.kv.hashing import HASH_SPEC_VERSION, prefix_block_hashes, salted_root
+from tokenyard.kv.hashing import (
+    HASH_SPEC_VERSION,
+    adapter_salt,
+    prefix_block_hashes,
+    salted_root,
+)
 from tokenyard.services.gateway.responses import ChunkOrderer
 from tokenyard.services.gateway.senders import MAX_HELD_CHUNKS, RequestSenders
 from tokenyard.services.gateway.settings import GatewaySettings
@@ -91,6 +96,12 @@ class Backend(Protocol):
         ...
 
     async def cancel(self, rid: str, reason: str) -> None: ...
+
+    async def lora_call(
+        self, worker_id: str, request: pb.LoRAAdapterRequest
+    ) -> pb.LoRAAdapterReply | None:
+        """Ask one worker to load or unload a LoRA adapter; None when it does not answer."""
+        ...
 
 
 def route_error(error: pb.RouteError, retry_after_s: int) -> ApiError:
@@ -400,6 +411,20 @@ class NatsBackend:
     async def _on_heartbeat(self, hb: pb.WorkerHeartbeat, _: Msg) -> None:
         self.fleet.on_heartbeat(hb, time.monotonic())
 
+    async def lora_call(
+        self, worker_id: str, request: pb.LoRAAdapterRequest
+    ) -> pb.LoRAAdapterReply | None:
+        try:
+            return await self._bus().request(
+                subjects.lora(worker_id),
+                request,
+                pb.LoRAAdapterReply,
+                timeout=self.settings.lora_timeout_s,
+            )
+        except (NatsTimeoutError, TimeoutError, NoRespondersError) as exc:
+            log.warning("worker %s did not answer a LoRA %s: %s", worker_id, request.action, exc)
+            return None
+
     def connected(self) -> bool:
         return self.bus is not None and self.bus.nc.is_connected
 
@@ -539,10 +564,13 @@ class NatsBackend:
             num_prompt_tokens=len(prompt_ids),
             max_tokens=params.max_tokens,
             block_hashes=prefix_block_hashes(
-                prompt_ids, self.settings.block_size, salted_root(params.cache_salt)
+                prompt_ids,
+                self.settings.block_size,
+                salted_root(adapter_salt(params.cache_salt, params.lora)),
             ),
             hash_version=HASH_SPEC_VERSION,
             priority=params.priority,
+            lora=params.lora,
         )
         retry = self.settings.retry_after_s
         try:

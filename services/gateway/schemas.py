@@ -421,6 +421,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "tokenyard"
     max_model_len: int | None = None
+    root: str | None = None  # what it serves: the model itself, or a LoRA adapter's name
+    parent: str | None = None  # a LoRA adapter's base model (None for a base model)
 
 
 class ModelList(BaseModel):

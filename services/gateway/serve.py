@@ -112,6 +112,8 @@ class Generation:
             kind=trace.SpanKind.SERVER,
             attributes=self._request_attributes(model),
         )
+        # A LoRA adapter's name routes to its base model's workers that hold it.
+        model, self.prepared.params.lora = self.state.resolve_model(model)
         try:
             self.streams.append(await self._submit(model, 0))
         except BaseException as exc:

@@ -38,6 +38,10 @@ class GatewaySettings(BaseSettings):
     # places a request only on a worker whose own context holds it).
     max_model_len: int = Field(default=0, ge=0)
     block_size: int = Field(default=16, ge=1)
+    # The admin API (POST /v1/load_lora_adapter, /v1/unload_lora_adapter) takes this token
+    # (Authorization: Bearer or X-Admin-Token); unset: admin actions are disabled.
+    admin_token: str | None = None
+    lora_timeout_s: float = Field(default=60.0, gt=0)  # a worker reads and checks the adapter
     # How the model writes tool calls (vLLM's names: hermes, llama3_json, mistral; qwen is
     # hermes). None = the family the chat template writes, hermes when it names none.
     tool_call_parser: str | None = None

@@ -46,8 +46,24 @@ class GatewayState:
         return self.settings.max_model_len or self.backend.fleet.max_model_len(time.monotonic())
 
     def served_models(self) -> list[str]:
+        """The base models, then the LoRA adapters the live workers hold."""
+        bases = self.base_models()
+        return [*bases, *sorted(self.adapters().keys() - set(bases))]
+
+    def base_models(self) -> list[str]:
         others = self.backend.fleet.models(time.monotonic()) - {self.model_id}
         return [self.model_id, *sorted(others)]
+
+    def adapters(self) -> dict[str, str]:
+        """LoRA adapter -> its base model, as the live workers' heartbeats say."""
+        return self.backend.fleet.adapters(time.monotonic())
+
+    def resolve_model(self, model: str) -> tuple[str, str]:
+        """(the base model to route to, the LoRA adapter or "") of a request's `model`."""
+        parent = self.adapters().get(model)
+        if parent is None or model in self.base_models():
+            return model, ""
+        return parent, model
 
     def response_store(self) -> ResponseStore:
         if self.responses is None:

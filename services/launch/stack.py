@@ -82,6 +82,10 @@ class LocalStack:
         # The telemetry service's console (empty when it is not run) and its admin token.
         self.console_url = ""
         self.console_admin_token = ""
+        # The gateway's admin API (LoRA loads): the operator's own token if set, else a fresh one.
+        self.gateway_admin_token = os.environ.get(
+            "TOKENYARD_GATEWAY_ADMIN_TOKEN"
+        ) or secrets.token_urlsafe(16)
         self.redis: ChildProcess | None = None  # the Redis behind per-key limits, if any
         # A gRPC token per identity (each worker pool's role, the operator); every server is
         # told only their digests (grpc_peers), each caller only its own token.
@@ -214,6 +218,7 @@ class LocalStack:
             "TOKENYARD_GATEWAY_PORT": str(self.config.port),
             **({"TOKENYARD_GATEWAY_MODEL_PATH": self.config.model} if self.config.model else {}),
             **self._keys_env(),
+            "TOKENYARD_GATEWAY_ADMIN_TOKEN": self.gateway_admin_token,
             # /ready asks the router's rule, under the router's setting.
             "TOKENYARD_GATEWAY_ROUTER_DISAGGREGATION": self.config.router_env.get(
                 "TOKENYARD_ROUTER_DISAGGREGATION", "auto"

@@ -196,6 +196,7 @@ class RouterHandler:
             turn=next(self.turns),
             shared_blocks=shared_blocks,
             priority=req.priority,
+            lora=req.lora,
         )
         facilities = self.fleet.racks.by_worker()
         result = choose(self.fleet.workers, request, now, facilities=facilities, config=self.config)

@@ -40,6 +40,7 @@ def engine_params(p: pb.SamplingParams, params_cls: Any) -> Any:
         pooling=p.pooling or None,
         priority=p.priority,
         tenant=p.tenant,
+        lora=p.lora,
     )
 
 

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenyard.engine.outputs import (
+    AdapterInfo,
     EngineStats,
     ExportedSequence,
     NoFreeBlocks,
     RequestIdInUse,
     RequestOutput,
+    UnknownAdapter,
 )
 from tokenyard.engine.sampling_params import SamplingParams
 
@@ -106,6 +108,8 @@ class FakeEngine:
         self, request_id: str, prompt: Any, params: SamplingParams, *, prefill_only: bool = False
     ) -> None:
         self._check_new(request_id)
+        if params.lora:
+            raise UnknownAdapter(params.lora, " (the fake engine serves no LoRA adapters)")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -177,6 +181,15 @@ class FakeEngine:
         seq = self._seqs.pop(rid, None)
         if seq is not None:
             self._free.extend(seq.blocks)
+
+    def add_lora(self, name: str, path: str) -> AdapterInfo:
+        raise ValueError("the fake engine serves no LoRA adapters")
+
+    def remove_lora(self, name: str) -> bool:
+        raise UnknownAdapter(name)
+
+    def list_loras(self) -> list[AdapterInfo]:
+        return []
 
     def abort(self, request_id: str) -> bool:
         found = request_id in self._seqs

@@ -30,7 +30,7 @@ from tokenyard.lifecycle import (
 )
 from tokenyard.models.errors import ModelLoadError
 from tokenyard.net import advertise_address, host_endpoint
-from tokenyard.services.worker import control
+from tokenyard.services.worker import control, lora
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.decode import DecodeHandler
 from tokenyard.services.worker.engine_loop import engine_thread
@@ -83,6 +83,13 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
     )
     if one_cpu_rank and settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
         optional["kv_pool_factory"] = shared_pool
+    if settings.enable_lora or settings.lora_modules:
+        optional |= {
+            "enable_lora": True,
+            "max_loras": settings.max_loras,
+            "max_lora_rank": settings.max_lora_rank,
+            "max_cpu_loras": settings.max_cpu_loras,
+        }
     optional["prefix_cache_grows_pool"] = settings.prefix_cache_grows_pool
     optional["prefault_kv_pool"] = settings.prefault_kv_pool and settings.prefix_cache_grows_pool
     if settings.device == "cpu" and settings.shared_weights_dir:
@@ -98,7 +105,10 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         pipeline_parallel_size=settings.pipeline_parallel_size,
         **{k: v for k, v in optional.items() if v is not None},
     )
-    return LLMEngine(config), SamplingParams
+    engine = LLMEngine(config)
+    for name, path in settings.lora_modules.items():  # a bad one stops the start, named
+        engine.add_lora(name, path)
+    return engine, SamplingParams
 
 
 class Readiness:
@@ -161,6 +171,9 @@ async def run_worker(
         await bus.reply(msg, pb.DrainReply(accepted=True, message="draining, then exiting"))
         stop.set()
 
+    async def on_lora(req: pb.LoRAAdapterRequest, msg: Msg) -> None:
+        await bus.reply(msg, await lora.handle(worker, req))
+
     try:
         async with spans_to_bus(bus, settings.worker_id), asyncio.TaskGroup() as tg:
             await worker.start(tg)
@@ -169,6 +182,7 @@ async def run_worker(
                     await handler.start(tg)
             await control_server.start()
             await bus.subscribe(subjects.drain(settings.worker_id), pb.DrainRequest, on_drain)
+            await bus.subscribe(subjects.lora(settings.worker_id), pb.LoRAAdapterRequest, on_lora)
             ready.set(None)
             log.info(
                 "worker %s (%s, %s) ready; KV endpoint %r",

@@ -63,6 +63,14 @@ TENANT_WAIT = Counter(
 TENANT_TOKENS = Counter(
     "tokenyard:tenant_tokens", "Tokens computed for the tenant (its fair share)", TENANT_LABELS
 )
+# Per LoRA adapter (engine/lora.py): sequences running on it, and swaps into a model slot.
+LORA_LABELS = (*LABELS, "lora")
+LORA_RUNNING = Gauge(
+    "tokenyard:lora_requests_running", "Sequences running on each LoRA adapter", LORA_LABELS
+)
+LORA_SWAPS = Counter(
+    "tokenyard:lora_swaps", "LoRA adapters copied from host memory into a model slot", LABELS
+)
 PROMPT_TOKENS = Counter("tokenyard:prompt_tokens", "Prompt tokens prefilled here", LABELS)
 GENERATION_TOKENS = Counter(
     "tokenyard:generation_tokens", "Tokens generated and streamed here", LABELS
@@ -131,6 +139,8 @@ class WorkerMetrics:
         self._engine_totals = (0, 0, 0, 0, 0, 0)
         self._expert_totals: list[list[int]] = []  # [moe layer][expert]
         self._tenant_totals: dict[str, TenantQueueStats] = {}
+        self._loras: set[str] = set()
+        self._lora_swaps = 0
         self._children: dict[Any, Any] = {}  # by metric (hashed by identity)
 
     def child(self, metric: Any) -> Any:
@@ -170,6 +180,16 @@ class WorkerMetrics:
         self._engine_totals = totals
         self._on_expert_tokens(stats.expert_tokens)
         self._on_tenants(stats.tenants)
+        self._on_loras(stats)
+
+    def _on_loras(self, stats: EngineStats) -> None:
+        for name in self._loras - stats.loras.keys():  # unloaded: no stale series
+            LORA_RUNNING.remove(*self.labels.values(), name)
+        for name, running in stats.loras.items():
+            LORA_RUNNING.labels(**self.labels, lora=name).set(running)
+        self._loras = set(stats.loras)
+        self.child(LORA_SWAPS).inc(stats.lora_swaps - self._lora_swaps)
+        self._lora_swaps = stats.lora_swaps
 
     def _on_tenants(self, tenants: dict[str, TenantQueueStats]) -> None:
         for tenant, now in tenants.items():

@@ -12,6 +12,7 @@ import logging
 
 from tokenyard.bus import auth, subjects
 from tokenyard.bus.workqueue import Delivery, Outcome, WorkQueue, WorkQueueSpec
+from tokenyard.kv.hashing import adapter_salt
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.convert import error_chunk
 from tokenyard.services.worker.kvcache import KVCachePort, PrefixHit
@@ -101,7 +102,7 @@ class PrefillHandler:
         # A pooling (embedding) request asks for max_tokens 1: it runs whole here too.
         aggregated = job.decode_worker_id in ("", self.w.worker_id) or job.params.max_tokens == 1
         prompt = list(job.prompt_token_ids)
-        salt = job.params.cache_salt
+        salt = adapter_salt(job.params.cache_salt, job.params.lora)  # the prefix cache's
         # The fetch of a shared hit runs while the request waits for admission here.
         # NOTE: mean pooling computes every prompt token: a fetched prefix would go unused.
         wanted = job.params.pooling != "mean"

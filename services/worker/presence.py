@@ -145,6 +145,7 @@ class Presence:
             ops_endpoint=self.ops_endpoint,
             kv_layout=layout_to_proto(self.engine.layout) if self.engine.layout else None,
             kvcache_fetch_ms_per_block=self.kvcache_fetch_ms_per_block(),
+            lora_adapters=sorted(stats.loras),
         )
 
     def log_step_timings(self) -> None:
@@ -162,6 +163,13 @@ class Presence:
                 per_token_s * 1e3,
             )
         self._step_log_at = now
+
+    async def beat_now(self) -> None:
+        """A heartbeat out of turn: what it says changed (a LoRA adapter loaded) and the
+        router must know before the next request relies on it."""
+        await self.bus.publish(
+            subjects.heartbeat(self.settings.role, self.worker_id), await self.heartbeat()
+        )
 
     async def _heartbeats(self, stopping: asyncio.Event) -> None:
         subject = subjects.heartbeat(self.settings.role, self.worker_id)

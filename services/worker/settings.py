@@ -47,6 +47,14 @@ class WorkerSettings(BaseSettings):
     # Speculative decoding, vLLM's speculative_config as JSON, e.g. {"method": "ngram"};
     # decode-capable workers use it (tokenyard.engine.spec), prefill-only ones ignore it.
     speculative: str | None = None
+    # LoRA adapters (engine/lora.py): loaded at start as {"name": "PEFT folder", ...} (JSON),
+    # and at run time through the gateway's admin API; `enable_lora` without any at start
+    # keeps the slots ready for run-time loads.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = Field(default_factory=dict)
+    max_loras: int = Field(default=4, ge=1)
+    max_lora_rank: int = Field(default=16, ge=1)
+    max_cpu_loras: int = Field(default=32, ge=1)
     max_num_seqs: int = 32
     # Jobs taken from the work queue beyond max_num_seqs: they wait in the engine, whose
     # queue admits by priority and shares tokens fairly between tenants (a job left in

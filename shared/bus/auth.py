@@ -154,6 +154,7 @@ def gateway(gateway_id: str, *, name: str | None = None) -> NatsUser:
             DECODE_JOBS_ANY,
             subjects.cancel(gateway_id, "*"),
             subjects.replay(gateway_id, "*"),
+            subjects.lora("*"),  # its admin API's LoRA loads (services/worker/lora.py)
             subjects.telemetry_spans("gateway"),
             *PREFILL_STREAM_OWNER_API,
         ],
@@ -186,6 +187,7 @@ def worker(role: str, worker_id: str, *, name: str | None = None) -> NatsUser:
             subjects.decode_jobs(worker_id),
             subjects.kv_resync(worker_id),
             subjects.drain(worker_id),
+            subjects.lora(worker_id),
             subjects.CANCEL_ALL,
             subjects.REPLAY_ALL,
             subjects.FACILITIES_STATE_ALL,

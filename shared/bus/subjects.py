@@ -128,3 +128,8 @@ TELEMETRY_SPANS_ALL = f"{PREFIX}.telemetry.spans.*"
 def drain(worker_id: str) -> str:
     """Request/reply: stop taking work, finish what runs, exit (the console's drain)."""
     return f"{PREFIX}.drain.{worker_id}"
+
+
+def lora(worker_id: str) -> str:
+    """Request/reply: load or unload a LoRA adapter on one worker (the gateway's admin API)."""
+    return f"{PREFIX}.lora.{worker_id}"

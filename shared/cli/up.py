@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -160,6 +161,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
         '\'{"method": "draft", "model": null, "quantization": "int4"}\' (a self-draft needs '
         "--quantization none)",
+    )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the PEFT LoRA adapter in folder PATH as model NAME on every worker "
+        "(repeatable); more load at run time through POST /v1/load_lora_adapter with the "
+        "gateway's admin token (docs/lora.md)",
+    )
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="keep LoRA slots ready for run-time loads, without any --lora at start",
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=4,
+        metavar="N",
+        help="LoRA adapters a worker's batch mixes at once (its slots; default 4)",
+    )
+    parser.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        metavar="R",
+        help="the largest LoRA rank a worker accepts (default 16)",
     )
     parser.add_argument(
         "--deterministic",
@@ -345,6 +374,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
             **_kv_cache_env(args, kv_dtype),
             **_quantization_env(args),
             **speculative,
+            **_lora_env(args),
             **({"TOKENYARD_WORKER_DETERMINISTIC": "1"} if args.deterministic else {}),
         },
         device=args.device,
@@ -381,6 +411,37 @@ def _role_parallel(tp: dict[str, int], pp: dict[str, int]) -> dict[str, WorkerPa
 
     named = sorted((tp.keys() | pp.keys()) - {""})
     return {r: WorkerParallel(tp.get(r, tp[""]), pp.get(r, pp[""])) for r in named}
+
+
+def _lora_env(args: argparse.Namespace) -> dict[str, str]:
+    """The workers' LoRA settings: --lora NAME=PATH pairs, checked for shape here (the
+    workers check the adapters themselves, and refuse to start on a bad one)."""
+    if not args.lora and not args.enable_lora:
+        return {}
+    if args.tensor_parallel_size.strip() != "1" or args.pipeline_parallel_size.strip() != "1":
+        raise SystemExit(
+            "--lora runs on one rank only: drop it or --tensor-parallel-size and "
+            "--pipeline-parallel-size"
+        )
+    if args.max_loras < 1 or args.max_lora_rank < 1:
+        raise SystemExit("--max-loras and --max-lora-rank must be at least 1")
+    modules: dict[str, str] = {}
+    for pair in args.lora:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora {pair!r}: write NAME=PATH")
+        if name in modules:
+            raise SystemExit(f"--lora: the name {name!r} is given twice")
+        if not Path(path).is_dir():
+            raise SystemExit(f"--lora {name}: {path} is not a folder")
+        modules[name] = str(Path(path).resolve())
+    return {
+        "TOKENYARD_WORKER_ENABLE_LORA": "1",
+        "TOKENYARD_WORKER_LORA_MODULES": json.dumps(modules),
+        "TOKENYARD_WORKER_MAX_LORAS": str(args.max_loras),
+        "TOKENYARD_WORKER_MAX_LORA_RANK": str(args.max_lora_rank),
+        "TOKENYARD_WORKER_MAX_CPU_LORAS": str(max(32, args.max_loras, len(modules))),
+    }
 
 
 def _parsers_env(args: argparse.Namespace) -> dict[str, str]:
@@ -583,6 +644,10 @@ def _banner(stack: LocalStack) -> None:
         )
     if stack.console_url:
         print(f"console: {stack.console_url}  (admin token: {stack.console_admin_token})")
+    print(
+        f"Gateway admin token (POST /v1/load_lora_adapter, /v1/unload_lora_adapter): "
+        f"{stack.gateway_admin_token}"
+    )
     print(
         f"Control (gRPC) token: {stack.grpc_token}  (`tokenyard ctl` reads it and the "
         f"addresses from {running.path()} while this runs)"

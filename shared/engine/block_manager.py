@@ -79,7 +79,7 @@ class BlockManager:
         # At least one token must run through the model to produce logits, so a block holding
         # the last token is never taken from the cache (and a shared block is never written).
         n_cacheable = (seq.num_tokens - 1) // self.block_size
-        parent = salted_root(seq.params.cache_salt)
+        parent = salted_root(seq.params.prefix_salt)
         cache_hit = self.enable_prefix_caching and use_cache
         for i in range(self.blocks_needed(seq.num_tokens)):
             block_id = None
@@ -178,7 +178,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         n_full = seq.num_computed_tokens // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else salted_root(seq.params.cache_salt)
+        parent = seq.block_hashes[-1] if seq.block_hashes else salted_root(seq.params.prefix_salt)
         for i in range(len(seq.block_hashes), n_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = block_hash(parent, tokens)

@@ -89,6 +89,14 @@ class EngineConfig:
     # tensor_parallel_size ranks holds a contiguous run of layers and their KV pool; rank
     # numbering is stage-major (rank = stage * tp + tp rank), rank 0 samples.
     pipeline_parallel_size: int = 1
+    # LoRA adapters (engine/lora.py): the adapted projections hold `max_loras` adapters at
+    # once (a batch mixes at most that many), each of rank up to `max_lora_rank`; up to
+    # `max_cpu_loras` adapters wait in host memory and swap into a slot when a request
+    # needs one. Off: no layer is touched and no step pays anything.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 32
     enable_prefix_caching: bool = True
     # Whether the prefix cache keeps freed blocks while never-written ones remain, so a lazily
     # resident KV pool becomes resident in full; False: it reuses its oldest cached block
@@ -167,6 +175,24 @@ class EngineConfig:
     def world_size(self) -> int:
         """The engine's ranks (processes, and GPUs on CUDA): tp x pp."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+        self._check_lora()
+        self._check_device()
+
+    def _check_lora(self) -> None:
+        if not self.enable_lora:
+            return
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be at least 1")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras})"
+            )
+        if self.world_size != 1:
+            raise ValueError(
+                "LoRA adapters run on one rank only so far: tensor_parallel_size and "
+                "pipeline_parallel_size 1"
+            )
 
     def _check_device(self) -> None:
         kind, _, index = self.device.partition(":")

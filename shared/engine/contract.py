@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from tokenyard.engine.handoff import Handoff
-from tokenyard.engine.outputs import EngineStats, RequestOutput
+from tokenyard.engine.outputs import AdapterInfo, EngineStats, RequestOutput
 from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.kv.engine_port import KVEngine
 
@@ -63,6 +63,17 @@ class Engine(Handoff, KVEngine, Protocol):
         ...
 
     def step(self) -> list[RequestOutput]: ...
+
+    def add_lora(self, name: str, path: str) -> AdapterInfo:
+        """Load a PEFT LoRA adapter; InvalidAdapter (a ValueError) names what is wrong with
+        it, AdapterLimit (a ValueError) the limit it is beyond (models/lora_adapter.py)."""
+        ...
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload it now (True) or once the requests using it end (False); UnknownAdapter."""
+        ...
+
+    def list_loras(self) -> list[AdapterInfo]: ...
 
     @property
     def last_step_tokens(self) -> int:

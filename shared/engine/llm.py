@@ -8,6 +8,7 @@ for out in llm.generate(["Hello, my name is"], SamplingParams(max_tokens=16)):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -39,6 +40,16 @@ class GenerationResult:
         return len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter for `LLM.generate`, in vLLM's shape: a name, a number (unused here
+    beyond vLLM's signature: names identify adapters), and the PEFT folder to load it from."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
@@ -53,13 +64,20 @@ class LLM:
         self,
         prompts: Prompt | list[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[GenerationResult]:
-        """Run every prompt to completion with continuous batching; results in input order."""
+        """Run every prompt to completion with continuous batching; results in input order.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt; each is
+        loaded the first time it is named (the engine needs enable_lora=True)."""
         prompts = _as_prompt_list(prompts)
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("give one LoRARequest, or one (or None) per prompt")
+        plist = [self._on_adapter(p, lora) for p, lora in zip(plist, loras, strict=True)]
         ids = []
         for prompt, p in zip(prompts, plist, strict=True):
             rid = f"offline-{self._next_id}"
@@ -70,6 +88,13 @@ class LLM:
         while self.engine.has_unfinished():
             self.engine.step()
         return [_result(seqs[rid]) for rid in ids]
+
+    def _on_adapter(self, params: SamplingParams, lora: LoRARequest | None) -> SamplingParams:
+        if lora is None:
+            return params
+        if all(a.name != lora.lora_name for a in self.engine.list_loras()):
+            self.engine.add_lora(lora.lora_name, lora.lora_path)
+        return dataclasses.replace(params, lora=lora.lora_name)
 
     def chat(
         self,

@@ -24,9 +24,11 @@ from tokenyard.engine.contract import Prompt
 from tokenyard.engine.guided import CLOSE_MAX_TOKENS, Guide, PendingMasks
 from tokenyard.engine.handoff import SequenceHandoff
 from tokenyard.engine.logits_processors import apply_processors
+from tokenyard.engine.lora import LoRAManager, UnknownAdapter
 from tokenyard.engine.memory import build_model_and_pool
 from tokenyard.engine.model_runner import StepLogits
 from tokenyard.engine.outputs import (
+    AdapterInfo,
     EngineStats,
     ExportedSequence,
     NoFreeBlocks,
@@ -47,6 +49,7 @@ from tokenyard.kv import engine_port
 from tokenyard.kv.layout import KVLayout
 from tokenyard.lifecycle import trim_heap
 from tokenyard.models.loader import LoadedModel, load_model
+from tokenyard.models.lora import apply_lora
 from tokenyard.models.moe import moe_blocks
 from tokenyard.models.pp import check_pp
 from tokenyard.models.tokenizer import IncrementalDetokenizer
@@ -87,6 +90,7 @@ class LLMEngine:
         # service: this one holds only rank 0's heads, so its workers recompute instead.
         self.kv_cache: torch.Tensor | None = kv_cache if self.ranks is None else None
         self.layout: KVLayout | None = layout if self.ranks is None else None
+        self.lora = _lora_manager(model, config)
         num_blocks = kv_cache.shape[0]
         self.block_size = config.block_size
         self.max_model_len = min(
@@ -104,9 +108,14 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             policy=config.scheduling_policy,
+            lora=self.lora,
         )
         self.runner = make_runner(
-            config, model, kv_cache, broadcast=self.ranks.broadcast if self.ranks else None
+            config,
+            model,
+            kv_cache,
+            broadcast=self.ranks.broadcast if self.ranks else None,
+            lora=self.lora,
         )
         self.guide = Guide(self.tokenizer, self.model_config.vocab_size)
         self.speculator = build_speculator(
@@ -169,6 +178,7 @@ class LLMEngine:
             raise RequestIdInUse(request_id)
         if prefill_only and params.pooling:
             raise ValueError("a pooling request runs whole on one worker: not prefill_only")
+        self.check_adapter(params.lora)
         prompt_ids = self.encode_prompt(prompt)
         self._check_length(len(prompt_ids))
         seq = Sequence(
@@ -177,6 +187,37 @@ class LLMEngine:
         self._attach_output_state(seq)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def check_adapter(self, name: str) -> None:
+        """Raise UnknownAdapter unless a request may run on LoRA adapter `name` ('' = base)."""
+        if not name:
+            return
+        if self.lora is None:
+            raise UnknownAdapter(name, " (this engine serves no LoRA adapters: enable_lora)")
+        self.lora.check(name)
+
+    # --- LoRA adapters (engine/lora.py) ----------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> AdapterInfo:
+        """Load the PEFT adapter in folder `path` as `name`; InvalidAdapter or AdapterLimit
+        (models/lora_adapter.py) say what is wrong."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with enable_lora)")
+        self.lora.load(name, path)
+        return next(a for a in self.lora.info() if a.name == name)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload `name`: at once (True) or, while requests still use it, once they end
+        (False; new requests are refused meanwhile)."""
+        if self.lora is None:
+            raise UnknownAdapter(name)
+        return self.lora.unload(name, in_use=name in self._adapters_in_use())
+
+    def list_loras(self) -> list[AdapterInfo]:
+        return self.lora.info() if self.lora is not None else []
+
+    def _adapters_in_use(self) -> set[str]:
+        return {s.params.lora for s in self.seqs.values() if s.params.lora}
 
     def _check_length(self, num_prompt_tokens: int) -> None:
         if num_prompt_tokens >= self.max_model_len:
@@ -200,7 +241,12 @@ class LLMEngine:
             seq.status = Status.FINISHED
         else:
             self.scheduler.finish(seq, "abort")
+        self._finish_unloads()
         return True
+
+    def _finish_unloads(self) -> None:
+        if self.lora is not None and self.lora.unloading:
+            self.lora.finish_unloads(self._adapters_in_use())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -219,6 +265,9 @@ class LLMEngine:
             num_pending_prompt_tokens=self.scheduler.pending_prompt_tokens(),
             tenants=self.scheduler.tenant_stats(),
         )
+        if self.lora is not None:
+            stats.loras = {a.name: a.num_running for a in self.lora.info() if not a.unloading}
+            stats.lora_swaps = self.lora.num_swaps
         if self.speculator is not None:
             spec = self.speculator.stats
             stats.spec_num_drafts = spec.num_drafts
@@ -261,6 +310,7 @@ class LLMEngine:
         if self.speculator is not None:
             # NOTE: drafts skip the grammar and the logit edits, so those requests get none.
             self.speculator.propose([s for s in self.scheduler.running if not _processed(s)])
+        self._finish_unloads()
         return outputs
 
     def _pool(self, result: StepLogits) -> list[RequestOutput]:
@@ -439,6 +489,7 @@ class LLMEngine:
         output_token_ids: list[int],
         params: SamplingParams,
     ) -> list[int]:
+        self.check_adapter(params.lora)
         return self.handoff.import_sequence(request_id, prompt_token_ids, output_token_ids, params)
 
     def commit_import(self, request_id: str, kv_ok: bool) -> None:
@@ -459,6 +510,21 @@ class LLMEngine:
 
     def commit_prefix(self, request_id: str, kv_ok: bool) -> None:
         self.handoff.commit_prefix(request_id, kv_ok)
+
+
+def _lora_manager(model: torch.nn.Module, config: EngineConfig) -> LoRAManager | None:
+    """The model's LoRA slots and their manager where the engine serves adapters."""
+    if not config.enable_lora:
+        return None
+    layers = apply_lora(model, config.max_loras, config.max_lora_rank)
+    return LoRAManager(
+        layers,
+        model.lora_batch,
+        model.config,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras,
+    )
 
 
 def _start_ranks(config: EngineConfig, loaded: LoadedModel) -> TensorParallelRanks | None:

@@ -8,12 +8,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenyard.engine.scheduler import ScheduledSeq
 from tokenyard.models.attention import AttnMetadata, PrefillSpan
 from tokenyard.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from tokenyard.engine.lora import LoRAManager
 
 
 @dataclass
@@ -41,6 +45,7 @@ class InputSpan:
     start: int  # the position of the first
     block_table: list[int]  # covers every position up to start + len(token_ids)
     prompt: bool = False  # the span holds prompt tokens (AttnMetadata.prompt_step)
+    lora: str = ""  # the LoRA adapter its rows run on ("" = the base model)
 
 
 @dataclass
@@ -60,6 +65,7 @@ class ModelRunner:
         block_size: int,
         per_token_attention: bool = False,
         broadcast: Callable[[StepPlan], None] | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, H_kv, D]
@@ -70,6 +76,8 @@ class ModelRunner:
         self.per_token_attention = per_token_attention
         # Tensor parallelism: sends each step's plan to the other ranks (None on one rank).
         self.broadcast = broadcast
+        # LoRA adapters (engine/lora.py): each step's rows grouped by adapter slot.
+        self.lora = lora
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> StepLogits:
@@ -134,6 +142,9 @@ class ModelRunner:
         input_ids, positions, meta, ends = _prepare(
             spans, self.block_size, self.per_token_attention
         )
+        if self.lora is not None:
+            rows = [(span.lora, len(span.token_ids)) for span in spans]
+            self.lora.prepare_step(rows, meta.prompt_step)
         if self.kv_cache.device.type != "cpu":
             input_ids, positions, meta = _to_device(
                 self.kv_cache.device, input_ids, positions, meta
@@ -149,7 +160,8 @@ def _pooled_rows(s: ScheduledSeq) -> int:
 def _span(s: ScheduledSeq) -> InputSpan:
     start = s.seq.num_computed_tokens
     tokens = s.seq.token_ids[start : start + s.num_tokens] + s.spec_token_ids
-    return InputSpan(tokens, start, s.seq.block_table, start < s.seq.num_prompt_tokens)
+    prompt = start < s.seq.num_prompt_tokens
+    return InputSpan(tokens, start, s.seq.block_table, prompt, s.seq.params.lora)
 
 
 def _prepare(

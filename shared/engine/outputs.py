@@ -75,6 +75,31 @@ class EngineStats:
     # Prompt tokens still to compute (queued and part-prefilled sequences): queued work.
     num_pending_prompt_tokens: int = 0
     tenants: dict[str, TenantQueueStats] = field(default_factory=dict)  # by tenant
+    # LoRA adapters served (engine/lora.py; unloading ones left out) -> sequences running on
+    # each now; and adapters copied into a model slot so far (swaps from host memory).
+    loras: dict[str, int] = field(default_factory=dict)
+    lora_swaps: int = 0
+
+
+class UnknownAdapter(ValueError, LookupError):
+    """A request or an unload named a LoRA adapter the engine does not hold (a ValueError:
+    bad input, refused where the others are)."""
+
+    def __init__(self, name: str, detail: str = "") -> None:
+        super().__init__(f"the LoRA adapter {name!r} does not exist{detail}")
+        self.name = name
+
+
+@dataclass
+class AdapterInfo:
+    """A LoRA adapter the engine holds (engine/lora.py)."""
+
+    name: str
+    path: str
+    rank: int
+    slot: int | None  # the model slot holding it now, if any
+    num_running: int  # running sequences pinning it
+    unloading: bool
 
 
 @dataclass

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.model_runner import InputSpan, ModelRunner, StepPlan, _prepare, _to_device
 from tokenyard.models.llama import LlamaForCausalLM
 from tokenyard.models.pp import embed, stage_forward
+
+if TYPE_CHECKING:
+    from tokenyard.engine.lora import LoRAManager
 
 
 @dataclass(frozen=True)
@@ -188,10 +191,14 @@ def make_runner(
     kv_cache: torch.Tensor,
     rank: int = 0,
     broadcast: Callable[[StepPlan], None] | None = None,
+    lora: LoRAManager | None = None,
 ) -> ModelRunner:
-    """Rank `rank`'s runner: a PipelineRunner where the engine has several stages."""
+    """Rank `rank`'s runner: a PipelineRunner where the engine has several stages (LoRA
+    adapters run on one rank only: EngineConfig refuses them with stages)."""
     if config.pipeline_parallel_size == 1:
-        return ModelRunner(model, kv_cache, config.block_size, config.deterministic, broadcast)
+        return ModelRunner(
+            model, kv_cache, config.block_size, config.deterministic, broadcast, lora=lora
+        )
     return PipelineRunner(
         model,
         kv_cache,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tokenyard.engine.fair_queue import check_priority
+from tokenyard.kv.hashing import adapter_salt
 
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "llguidance"]
 GUIDED_KINDS: tuple[GuidedKind, ...] = (
@@ -61,6 +62,8 @@ class SamplingParams:
     # tenant whose fair share of tokens this request is charged to.
     priority: int = 0
     tenant: str = ""
+    # The LoRA adapter the request runs on, by its name (engine/lora.py); "" = the base model.
+    lora: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +100,11 @@ class SamplingParams:
         if self.pooling is not None and self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         check_priority(self.priority)
+
+    @property
+    def prefix_salt(self) -> str:
+        """The prefix cache's salt: cache_salt, and the adapter when there is one."""
+        return adapter_salt(self.cache_salt, self.lora)
 
     @property
     def greedy(self) -> bool:

@@ -19,11 +19,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenyard.engine.block_manager import BlockManager
 from tokenyard.engine.fair_queue import FairQueue, Policy, QueueKey
 from tokenyard.engine.outputs import TenantQueueStats
 from tokenyard.engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from tokenyard.engine.lora import LoRAManager
 
 
 @dataclass
@@ -49,8 +53,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: Policy = "fair",
         clock: Callable[[], float] = time.monotonic,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.block_manager = block_manager
+        # LoRA slots (engine/lora.py): a running sequence pins its adapter's slot.
+        self.lora = lora
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: FairQueue[Sequence] = FairQueue(_queue_key, _queue_cost, policy)
@@ -76,6 +83,7 @@ class Scheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence that already holds its blocks (an imported KV hand-off)."""
+        self._pin_adapter(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
 
@@ -126,6 +134,8 @@ class Scheduler:
                 break
             if self._prefix_in_flight(seq):
                 continue  # admitted once that prefix is computed, then shared
+            if not self._adapter_fits(seq):
+                continue  # every LoRA slot is pinned by other adapters' running sequences
             if not self.block_manager.can_allocate(seq):
                 break
             self._admit(seq)
@@ -157,6 +167,7 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> None:
         self.waiting.remove(seq)
         self.block_manager.allocate(seq, use_cache=_uses_cache(seq))
+        self._pin_adapter(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
         queued_at = self._queued_at.pop(id(seq), None)
@@ -187,14 +198,26 @@ class Scheduler:
                 other.num_computed_tokens < cacheable
                 and other.num_uncomputed_tokens > 1  # still prefilling (or recomputing)
                 and other.token_ids[: bm.block_size] == head
-                and other.params.cache_salt == seq.params.cache_salt
+                and other.params.prefix_salt == seq.params.prefix_salt
                 and _common_prefix(other.token_ids, seq.token_ids) > other.num_computed_tokens
             ):
                 return True
         return False
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        return self.lora is None or not seq.params.lora or self.lora.can_pin(seq.params.lora)
+
+    def _pin_adapter(self, seq: Sequence) -> None:
+        if self.lora is not None and seq.params.lora:
+            self.lora.pin(seq.params.lora)
+
+    def _unpin_adapter(self, seq: Sequence) -> None:
+        if self.lora is not None and seq.params.lora:
+            self.lora.unpin(seq.params.lora)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._unpin_adapter(seq)
         seq.spec_token_ids = []
         self.block_manager.free_sequence(seq)
         seq.status = Status.WAITING
@@ -205,6 +228,7 @@ class Scheduler:
         """Take `seq` out of the queues; free its blocks unless they are kept for a transfer."""
         if seq in self.running:
             self.running.remove(seq)
+            self._unpin_adapter(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._queued_at.pop(id(seq), None)

@@ -143,6 +143,18 @@ class FleetView:
                 pending_prompt_tokens=w.pending_prompt_tokens + prompt_tokens,
             )
 
+    def note_adapter(self, worker_id: str, name: str, *, held: bool) -> None:
+        """A LoRA load or unload the worker confirmed, seen before its next heartbeat says so."""
+        w = self.workers.get(worker_id)
+        if w is None:
+            return
+        hb = pb.WorkerHeartbeat()
+        hb.CopyFrom(w.heartbeat)
+        adapters = set(hb.lora_adapters) | {name} if held else set(hb.lora_adapters) - {name}
+        hb.ClearField("lora_adapters")
+        hb.lora_adapters.extend(sorted(adapters))
+        self.workers[worker_id] = dataclasses.replace(w, heartbeat=hb)
+
     def __contains__(self, worker_id: str) -> bool:
         return worker_id in self.workers
 
@@ -203,3 +215,7 @@ class FleetView:
 
     def models(self, now: float) -> set[str]:
         return {w.model for w in self.live(now) if w.model}
+
+    def adapters(self, now: float) -> dict[str, str]:
+        """LoRA adapter -> the base model of the live workers that serve it."""
+        return {a: w.model for w in self.live(now) for a in w.heartbeat.lora_adapters}

@@ -41,6 +41,15 @@ def salted_root(salt: str) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def adapter_salt(salt: str, adapter: str) -> str:
+    """The prefix-cache salt of a request run on LoRA `adapter` ('' = the base model): the
+    same tokens under another adapter have other K/V, so they must name other blocks here,
+    in the router's index and in the KV-cache service alike."""
+    if not adapter:
+        return salt
+    return f"{salt}\x1flora:{adapter}"
+
+
 def prefix_block_hashes(
     token_ids: Sequence[int], block_size: int, root: int = ROOT_HASH
 ) -> list[int]:

@@ -19,6 +19,7 @@ from tokenyard.kernels import cpu as cpu_kernels
 from tokenyard.models.attention import AttnMetadata, paged_attention
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.fused import add_rms_norm, rotary_
+from tokenyard.models.lora import LoRABatch, base_layer
 from tokenyard.models.mlp import MLP
 from tokenyard.models.module import LeanModule
 from tokenyard.models.moe import SparseMoeBlock
@@ -177,6 +178,8 @@ class LlamaForCausalLM(LeanModule):
             "no",
         )
         self._fused_plans: dict[tuple[int, bool], tuple[list[torch.Tensor], list[int]] | None] = {}
+        # Set by models.lora.apply_lora: the step's rows by adapter, filled by the runner.
+        self.lora_batch: LoRABatch | None = None
 
     def forward(
         self,
@@ -235,6 +238,8 @@ class LlamaForCausalLM(LeanModule):
         one). Plans are kept per (rows, prompt step)."""
         if not self.fused_layers:
             return None
+        if self.lora_batch is not None and self.lora_batch.groups:
+            return None  # adapter rows: the layers' LoRA products run layer by layer
         if x.device.type != "cpu" or kv_cache.dim() != 6 or cpu_kernels.ops() is None:
             return None
         key = (x.shape[0], prompt)
@@ -254,7 +259,13 @@ class LlamaForCausalLM(LeanModule):
             if not isinstance(attn, Attention):
                 return None
             weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for proj in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            for lora_proj in (
+                attn.qkv_proj,
+                attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            ):
+                proj = base_layer(lora_proj)
                 kernel = (
                     proj.step_kernel(rows, prompt) if isinstance(proj, QuantizedLinear) else None
                 )

@@ -49,6 +49,7 @@ class RouteInput:
     turn: int = 0  # the router's count of requests so far (round-robin placement takes it)
     shared_blocks: int = 0  # leading blocks the shared KV-cache service holds
     priority: int = 0  # lower = more urgent (engine/fair_queue.py); > 0 is shed first
+    lora: str = ""  # a LoRA adapter: only workers that hold it (their heartbeats say) fit
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,14 @@ def choose(
                 f"model {request.model!r} is not served (serving: {models})",
             )
         live = serving
+    if request.lora:
+        holding = [w for w in live if request.lora in w.heartbeat.lora_adapters]
+        if live and not holding:
+            return _error(
+                pb.RouteError.UNKNOWN_MODEL,
+                f"the LoRA adapter {request.lora!r} is loaded on no live worker",
+            )
+        live = holding
     # A worker's context is what its heartbeat says: one that claims a short one gets no
     # request beyond it, and the others still serve those.
     fitting = [w for w in live if fits(w, request)]
@@ -176,7 +185,12 @@ def _place(
     if not decoders:
         return aggregated("no live decode worker")
     # Decode does not read the prompt's cache, so overlap does not matter here: only load.
-    decode = _best(decoders, RouteInput(request.request_id, request.model, 0), facilities, config)
+    decode = _best(
+        decoders,
+        RouteInput(request.request_id, request.model, 0, lora=request.lora),
+        facilities,
+        config,
+    )
     if decode is None:
         return aggregated("every decode worker is full")
     reason = "disaggregation is forced"

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs", "cache_salt", "min_tokens", "logit_bias", "guided", "pooling", "priority", "tenant")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs", "cache_salt", "min_tokens", "logit_bias", "guided", "pooling", "priority", "tenant", "lora")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class SamplingParams(_message.Message):
     POOLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -57,7 +58,8 @@ class SamplingParams(_message.Message):
     pooling: str
     priority: int
     tenant: str
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., guided: _Optional[_Union[GuidedDecoding, _Mapping]] = ..., pooling: _Optional[str] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    lora: str
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., guided: _Optional[_Union[GuidedDecoding, _Mapping]] = ..., pooling: _Optional[str] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class GuidedDecoding(_message.Message):
     __slots__ = ("kind", "value")
@@ -68,7 +70,7 @@ class GuidedDecoding(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "hash_version", "max_tokens", "priority")
+    __slots__ = ("request_id", "model", "num_prompt_tokens", "block_hashes", "hash_version", "max_tokens", "priority", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +78,7 @@ class RouteRequest(_message.Message):
     HASH_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     num_prompt_tokens: int
@@ -83,7 +86,8 @@ class RouteRequest(_message.Message):
     hash_version: str
     max_tokens: int
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., hash_version: _Optional[str] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    lora: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., hash_version: _Optional[str] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("prefill_worker_id", "decode_worker_id", "disaggregated", "reason", "expected_cached_tokens")
@@ -284,7 +288,7 @@ class Replay(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., from_index: _Optional[int] = ...) -> None: ...
 
 class WorkerHeartbeat(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "max_num_seqs", "tokens_per_s", "kv_endpoint", "host", "sent_unix_ms", "block_size", "heartbeat_interval_ms", "max_model_len", "seq_cap", "step_fixed_ms", "step_ms_per_token", "pending_prompt_tokens", "local_prefill", "not_ready", "kv_epoch", "kv_seq", "draining", "control_endpoint", "ops_endpoint", "kv_layout", "kvcache_fetch_ms_per_block")
+    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "max_num_seqs", "tokens_per_s", "kv_endpoint", "host", "sent_unix_ms", "block_size", "heartbeat_interval_ms", "max_model_len", "seq_cap", "step_fixed_ms", "step_ms_per_token", "pending_prompt_tokens", "local_prefill", "not_ready", "kv_epoch", "kv_seq", "draining", "control_endpoint", "ops_endpoint", "kv_layout", "kvcache_fetch_ms_per_block", "lora_adapters")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +317,7 @@ class WorkerHeartbeat(_message.Message):
     OPS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KVCACHE_FETCH_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -341,7 +346,8 @@ class WorkerHeartbeat(_message.Message):
     ops_endpoint: str
     kv_layout: _kv_pb2.KVLayoutDesc
     kvcache_fetch_ms_per_block: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_endpoint: _Optional[str] = ..., host: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., block_size: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., seq_cap: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_token: _Optional[float] = ..., pending_prompt_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., not_ready: _Optional[str] = ..., kv_epoch: _Optional[str] = ..., kv_seq: _Optional[int] = ..., draining: _Optional[bool] = ..., control_endpoint: _Optional[str] = ..., ops_endpoint: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayoutDesc, _Mapping]] = ..., kvcache_fetch_ms_per_block: _Optional[float] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_endpoint: _Optional[str] = ..., host: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., block_size: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., seq_cap: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_token: _Optional[float] = ..., pending_prompt_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., not_ready: _Optional[str] = ..., kv_epoch: _Optional[str] = ..., kv_seq: _Optional[int] = ..., draining: _Optional[bool] = ..., control_endpoint: _Optional[str] = ..., ops_endpoint: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayoutDesc, _Mapping]] = ..., kvcache_fetch_ms_per_block: _Optional[float] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("worker_id", "kind", "block_hashes", "hash_version", "seq", "epoch")
@@ -418,3 +424,31 @@ class DrainReply(_message.Message):
     accepted: bool
     message: str
     def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapterRequest(_message.Message):
+    __slots__ = ("action", "lora_name", "lora_path")
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ACTION_UNSPECIFIED: _ClassVar[LoRAAdapterRequest.Action]
+        LOAD: _ClassVar[LoRAAdapterRequest.Action]
+        UNLOAD: _ClassVar[LoRAAdapterRequest.Action]
+    ACTION_UNSPECIFIED: LoRAAdapterRequest.Action
+    LOAD: LoRAAdapterRequest.Action
+    UNLOAD: LoRAAdapterRequest.Action
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    action: LoRAAdapterRequest.Action
+    lora_name: str
+    lora_path: str
+    def __init__(self, action: _Optional[_Union[LoRAAdapterRequest.Action, str]] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapterReply(_message.Message):
+    __slots__ = ("ok", "status", "message")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    status: int
+    message: str
+    def __init__(self, ok: _Optional[bool] = ..., status: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

@@ -124,6 +124,9 @@ class FakeBackend:
     streams: list[FakeStream] = field(default_factory=list)
     placements: list[pb.Placement | None] = field(default_factory=list)  # as submitted
     reads_before_submit: list[int] = field(default_factory=list)  # chunks read by then
+    # LoRA loads: each worker's scripted reply (absent: ok; None: it does not answer)
+    lora_replies: dict[str, pb.LoRAAdapterReply | None] = field(default_factory=dict)
+    lora_calls: list[tuple[str, pb.LoRAAdapterRequest]] = field(default_factory=list)
 
     def connected(self) -> bool:
         return True
@@ -153,6 +156,12 @@ class FakeBackend:
 
     async def cancel(self, rid: str, reason: str) -> None:
         self.cancelled.append(rid)
+
+    async def lora_call(
+        self, worker_id: str, request: pb.LoRAAdapterRequest
+    ) -> pb.LoRAAdapterReply | None:
+        self.lora_calls.append((worker_id, request))
+        return self.lora_replies.get(worker_id, pb.LoRAAdapterReply(ok=True, status=200))
 
 
 def fake_state(

@@ -33,6 +33,8 @@ def test_every_route_is_documented_and_answers():
             "/v1/embeddings",
             "/v1/models",
             "/v1/models/{model}",
+            "/v1/load_lora_adapter",
+            "/v1/unload_lora_adapter",
             "/tokenize",
             "/detokenize",
             "/health",

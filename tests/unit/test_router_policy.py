@@ -486,3 +486,16 @@ def test_a_worker_without_a_pool_gets_no_credit_for_the_shared_tier():
     workers = table(worker("a", "both"), pooled(worker("b", "both", running=2)))
     result = choose(workers, shared_req({}, 100), NOW, config=PolicyConfig(disaggregation="never"))
     assert result.prefill_worker_id == "b"
+
+
+def test_a_lora_request_goes_only_to_a_worker_holding_the_adapter():
+    holder = worker("b2", "both", running=6)
+    holder.heartbeat.lora_adapters.append("sql")
+    workers = table(worker("b1", "both"), holder)
+    request = RouteInput("r1", MODEL, 100, {}, lora="sql")
+    out = choose(workers, request, NOW)  # b1 is idle, but holds no adapter
+    assert isinstance(out, pb.Placement) and out.prefill_worker_id == "b2"
+    assert out.decode_worker_id == "b2"
+    out = choose(workers, RouteInput("r1", MODEL, 100, {}, lora="other"), NOW)
+    assert isinstance(out, pb.RouteError) and out.code == pb.RouteError.UNKNOWN_MODEL
+    assert "'other' is loaded on no live worker" in out.message

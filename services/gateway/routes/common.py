@@ -14,6 +14,9 @@ _ERRORS = {
     429: "Rate limit reached (see Retry-After)",
     503: "No worker can take the request now (see Retry-After)",
     504: "The request got no tokens in time",
+    403: "Wrong admin token, or the admin API is disabled",
+    409: "A limit of the adapter reached (max_lora_rank) or its name in use",
+    507: "The workers hold as many LoRA adapters as they may (max_cpu_loras)",
 }
 
 

@@ -12,7 +12,16 @@ router = APIRouter(prefix="/v1", tags=["models"])
 
 
 def _card(state: State, model: str) -> ModelCard:
-    return ModelCard(id=model, created=state.created, max_model_len=state.max_model_len() or None)
+    """A base model's card, or a LoRA adapter's with its base as `parent` (as vLLM lists
+    them)."""
+    _, adapter = state.resolve_model(model)
+    return ModelCard(
+        id=model,
+        created=state.created,
+        max_model_len=state.max_model_len() or None,
+        root=model,
+        parent=state.adapters()[adapter] if adapter else None,
+    )
 
 
 @router.get("/models", response_model=ModelList, responses=error_responses(401))
