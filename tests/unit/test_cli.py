@@ -330,6 +330,7 @@ def test_up_saves_its_control_token_for_ctl_and_prints_it(tmp_path, monkeypatch,
         facilities_control="127.0.0.1:50123",
         facilities_admin_token="admin-secret",
         console_url="",
+        gateway_admin_token="gateway-admin-secret",
         fetch_model_id=lambda: "m",
     )
     with up._saved_for_ctl(stack):
@@ -344,7 +345,8 @@ def test_up_saves_its_control_token_for_ctl_and_prints_it(tmp_path, monkeypatch,
         assert ctl.address_for(racks, running.load()) == "127.0.0.1:50123"
         given = parser.parse_args(["--token", "mine", "worker", "status", "127.0.0.1:1"])
         assert ctl.security_for(given).token == "mine"
-    assert "grpc-secret" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "grpc-secret" in printed and "gateway-admin-secret" in printed
     assert not running.path().exists()  # removed with the stack
     assert ctl.security_for(worker).token == ""
     assert ctl.address_for(racks, running.load()) == ctl.DEFAULT_FACILITIES
