@@ -10,6 +10,9 @@ every rank's pool.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import pytest
 import torch
 from moe_checkpoints import save_hf_folder
@@ -18,9 +21,15 @@ from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
 from tokenyard.engine.outputs import TokenLogprob
 from tokenyard.engine.sampling_params import SamplingParams
+from tokenyard.kv.store.client import KVCacheClient
+from tokenyard.kv.store.engine_bridge import fetch_prefix, offload_prefix
+from tokenyard.services.kvcache.server import serve
+from tokenyard.services.kvcache.settings import KVCacheSettings
 
 TOL = 1e-3  # fp32, as tests/integration/test_tensor_parallel.py
 PROMPTS = [[(7 * i + 3) % 4000 + 100 for i in range(n)] for n in (41, 70)]
+# Two more, each seen first by the KV-cache test (70 tokens: 4 full blocks to share).
+CACHE_PROMPTS = [[(11 * i + s) % 4000 + 100 for i in range(70)] for s in (5, 9)]
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
 ENGINE = dict(
     block_size=16,
@@ -28,10 +37,12 @@ ENGINE = dict(
     max_num_seqs=4,
     kv_cache_bytes=2 * 1024**2,
     num_threads=1,
-    enable_prefix_caching=False,  # the decode side must read what was written, not a hit
 )
 
 Run = tuple[list[int], list[TokenLogprob]]
+
+# Three engines, one of them two processes, on a CPU other suites share.
+pytestmark = pytest.mark.slow
 
 
 def _llama():
@@ -57,19 +68,22 @@ def engines(tmp_path_factory):
     folder = str(save_hf_folder(_llama(), tmp_path_factory.mktemp("llama-tp-handoff")))
     one = LLMEngine(EngineConfig(model=folder, **ENGINE))
     two = LLMEngine(EngineConfig(model=folder, tensor_parallel_size=2, **ENGINE))
+    # The reference: one rank, no prefix cache, so it computes every prompt whole.
+    plain = LLMEngine(EngineConfig(model=folder, enable_prefix_caching=False, **ENGINE))
     try:
-        yield {1: one, 2: two}
+        yield {1: one, 2: two, "plain": plain}
     finally:
         two.close()
 
 
 @pytest.fixture(scope="module")
 def reference(engines) -> list[Run]:
-    """Each prompt run whole on one rank."""
-    one = engines[1]
-    for i, prompt in enumerate(PROMPTS):
-        one.add_request(f"ref{i}", prompt, PARAMS)
-    return [runs for _, runs in sorted(_drain(one).items())]
+    """PROMPTS then CACHE_PROMPTS, each run whole on one rank."""
+    plain = engines["plain"]
+    for i, prompt in enumerate(PROMPTS + CACHE_PROMPTS):
+        plain.add_request(f"ref{i}", prompt, PARAMS)
+    runs = _drain(plain)
+    return [runs[f"ref{i}"] for i in range(len(runs))]
 
 
 def _drain(engine: LLMEngine) -> dict[str, Run]:
@@ -92,6 +106,8 @@ def _hand_off(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int]
     assert prefill.layout is not None and decode.layout == prefill.layout  # whole-head
     assert tuple(blocks.shape) == prefill.layout.pool_shape(len(exported.block_ids))
 
+    # NOTE: imported blocks are always fresh ones (never a prefix-cache hit), so the decode
+    # reads exactly what was written here.
     into = f"{rid}-decode"
     dst = decode.import_sequence(into, exported.prompt_token_ids, exported.output_token_ids, PARAMS)
     decode.write_kv_blocks(dst, blocks)
@@ -146,3 +162,95 @@ def test_blocks_in_another_layout_are_refused(engines):
     rank_share = torch.zeros((1, 2, 2, 16, 1, 16))  # one rank's heads only
     with pytest.raises(ValueError, match="are not"):
         two.write_kv_blocks([0], rank_share)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+async def test_worker_kv_ports_hand_off_over_grpc_between_tensor_parallel_sizes(
+    engines, reference, monkeypatch, caplog, prefill_tp, decode_tp
+):
+    """The workers' own KV ports, a real gRPC transfer between them: a tp=2 side stages its
+    blocks (every rank's heads) for the pull, or splits the pulled blocks over its ranks."""
+    from tokenyard.services.worker.engine_loop import EngineLoop
+    from tokenyard.services.worker.kv import KVPort
+    from tokenyard.services.worker.settings import WorkerSettings
+
+    monkeypatch.setenv("TOKENYARD_KV_TRANSFER_ALLOWED", '["grpc"]')
+    prefill, decode = engines[prefill_tp], engines[decode_tp]
+    sender = KVPort(EngineLoop(prefill), WorkerSettings(role="prefill", kv_port=0))
+    receiver = KVPort(EngineLoop(decode), WorkerSettings(role="decode"))
+    await sender.start()
+    await receiver.start()
+    # The tp=2 side's transfers go through whole-head staging blocks; the other's through its pool.
+    assert (sender._staging is not None, receiver._staging is not None) == (
+        prefill_tp == 2,
+        decode_tp == 2,
+    )
+    try:
+        rid, prompt = f"w{prefill_tp}{decode_tp}", PROMPTS[1]
+        await sender.loop.call(prefill.add_request, rid, prompt, PARAMS, prefill_only=True)
+        first_tokens, first_logprobs = (await sender.loop.call(_drain, prefill))[rid]
+        exported = await sender.loop.call(prefill.export_sequence, rid)
+        endpoint, src = await sender.offer(rid, list(exported.block_ids))
+        assert endpoint and len(src) == len(exported.block_ids)
+
+        dst = await receiver.loop.call(
+            decode.import_sequence,
+            rid,
+            exported.prompt_token_ids,
+            exported.output_token_ids,
+            PARAMS,
+        )
+        with caplog.at_level(logging.INFO, logger="tokenyard.kv.transfer.client"):
+            assert await receiver.pull(endpoint, rid, src, dst)
+        assert f"KV pull {rid}: {len(dst)} blocks" in caplog.text and "via grpc" in caplog.text
+        await receiver.loop.call(decode.commit_import, rid, True)
+        tokens, logprobs = (await receiver.loop.call(_drain, decode))[rid]
+        _assert_same((first_tokens + tokens, first_logprobs + logprobs), reference[1])
+
+        for _ in range(100):  # the pull's release frees the prefill's blocks and staging
+            if sender.num_held == 0 and rid not in prefill.seqs:
+                break
+            await asyncio.sleep(0.02)
+        assert sender.num_held == 0 and rid not in prefill.seqs
+        for port in (sender, receiver):
+            staging = port._staging
+            assert staging is None or staging.num_free == staging.pool.shape[0]
+    finally:
+        await receiver.stop()
+        await sender.stop()
+
+
+@pytest.fixture
+async def cache():
+    server = await serve(KVCacheSettings(port=0, shutdown_grace_s=0))
+    async with KVCacheClient(server.endpoint) as client:
+        yield client
+    await server.stop()
+
+
+async def test_the_kv_cache_service_shares_blocks_between_tensor_parallel_sizes(
+    engines, reference, cache
+):
+    """Blocks offloaded by a tp=2 engine serve a tp=1 one, and the other way round: the
+    service stores whole-head blocks under the same salted hashes, whatever the sizes."""
+    for (offloader, fetcher), prompt, want in zip(
+        [(2, 1), (1, 2)], CACHE_PROMPTS, reference[len(PROMPTS) :], strict=True
+    ):
+        src, dst = engines[offloader], engines[fetcher]
+        rid = f"c{offloader}{fetcher}"
+        src.add_request(rid, prompt, PARAMS, prefill_only=True)
+        _drain(src)
+        assert await offload_prefix(src, cache, rid) == 4
+        src.release(rid)
+
+        assert await fetch_prefix(dst, cache, prompt) == 64
+        dst.add_request(rid, prompt, PARAMS)
+        cached = []
+        tokens, logprobs = [], []
+        while dst.has_unfinished():
+            for out in dst.step():
+                cached.append(out.num_cached_tokens)
+                tokens += out.new_token_ids
+                logprobs += out.logprobs or []
+        assert cached[-1] == 64  # the fetched blocks were used, not recomputed
+        _assert_same((tokens, logprobs), want)
