@@ -64,8 +64,12 @@ def _llama():
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    folder = str(save_hf_folder(_llama(), tmp_path_factory.mktemp("llama-tp-handoff")))
+def folder(tmp_path_factory) -> str:
+    return str(save_hf_folder(_llama(), tmp_path_factory.mktemp("llama-tp-handoff")))
+
+
+@pytest.fixture(scope="module")
+def engines(folder):
     one = LLMEngine(EngineConfig(model=folder, **ENGINE))
     two = LLMEngine(EngineConfig(model=folder, tensor_parallel_size=2, **ENGINE))
     # The reference: one rank, no prefix cache, so it computes every prompt whole.
