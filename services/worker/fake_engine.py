@@ -268,3 +268,9 @@ class FakeEngine:
 
     def commit_prefix(self, request_id: str, kv_ok: bool) -> None:
         self._free.extend(self._seqs.pop(request_id).blocks)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> Any:
+        raise ValueError("the fake engine has no KV pool to read blocks from")
+
+    def write_kv_blocks(self, block_ids: list[int], blocks: Any) -> None:
+        raise ValueError("the fake engine has no KV pool to write blocks into")

@@ -85,7 +85,7 @@ class Handoffs:
         if self.streams.is_cancelled(rid):
             await self.kv.end_hold(rid, "cancelled")
             return
-        endpoint = self.kv.offer(rid, list(exported.block_ids))
+        endpoint, src_block_ids = await self.kv.offer(rid, list(exported.block_ids))
         handoff = pb.DecodeHandoff(
             request_id=rid,
             model=job.model,
@@ -94,7 +94,7 @@ class Handoffs:
             params=job.params,
             prefill_worker_id=self.worker_id,
             kv_endpoint=endpoint,
-            src_block_ids=exported.block_ids,
+            src_block_ids=src_block_ids,
             num_cached_tokens=cached_tokens,
             arrival_unix_ns=job.arrival_unix_ns,
             gateway_id=job.gateway_id,

@@ -63,7 +63,7 @@ class KVCachePort:
         return self._client is not None
 
     async def start(self) -> None:
-        if not self.settings.kvcache_endpoint or self.loop.engine.kv_cache is None:
+        if not self.settings.kvcache_endpoint or self.loop.engine.layout is None:
             return
         from tokenyard.kv.store.client import KVCacheClient
 

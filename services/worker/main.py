@@ -75,7 +75,9 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         "speculative_config": settings.speculative if settings.decodes else None,
     }
     # A shared-memory pool is host memory: for a CPU engine of one rank only (a
-    # tensor-parallel engine offers no pool to hand-offs; its decode peers recompute).
+    # tensor-parallel engine's pool holds one rank's heads; its hand-offs pass through a
+    # staging pool of every head, itself in shared memory: services/worker/kv.py; an engine
+    # in pipeline stages offers no KV to hand-offs at all).
     one_cpu_rank = (
         settings.device == "cpu"
         and settings.tensor_parallel_size == 1

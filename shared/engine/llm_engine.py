@@ -23,6 +23,7 @@ from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.contract import Prompt
 from tokenyard.engine.guided import CLOSE_MAX_TOKENS, Guide, PendingMasks
 from tokenyard.engine.handoff import SequenceHandoff
+from tokenyard.engine.kv_blocks import KVBlocks
 from tokenyard.engine.logits_processors import apply_processors
 from tokenyard.engine.lora import LoRAManager, UnknownAdapter
 from tokenyard.engine.memory import build_model_and_pool
@@ -86,10 +87,16 @@ class LLMEngine:
             if self.ranks is not None:
                 self.ranks.abort()
             raise
-        # NOTE: a tensor-parallel engine offers no pool to KV hand-offs or the KV-cache
-        # service: this one holds only rank 0's heads, so its workers recompute instead.
+        # Blocks cross the engine's boundary whole-head (read_kv_blocks / write_kv_blocks);
+        # a tensor-parallel engine's own pool holds only rank 0's heads, so it offers none
+        # to be copied from or into directly.
+        self.kv_blocks = KVBlocks(kv_cache, layout, self.ranks)
         self.kv_cache: torch.Tensor | None = kv_cache if self.ranks is None else None
-        self.layout: KVLayout | None = layout if self.ranks is None else None
+        # NOTE: an engine in pipeline stages offers no KV to hand-offs or the KV-cache
+        # service: its ranks hold layers, not heads, and KVBlocks joins heads only.
+        self.layout: KVLayout | None = (
+            self.kv_blocks.layout if config.pipeline_parallel_size == 1 else None
+        )
         self.lora = _lora_manager(model, config)
         num_blocks = kv_cache.shape[0]
         self.block_size = config.block_size
@@ -510,6 +517,12 @@ class LLMEngine:
 
     def commit_prefix(self, request_id: str, kv_ok: bool) -> None:
         self.handoff.commit_prefix(request_id, kv_ok)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.kv_blocks.read(block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        self.kv_blocks.write(block_ids, blocks)
 
 
 def _lora_manager(model: torch.nn.Module, config: EngineConfig) -> LoRAManager | None:

@@ -13,7 +13,8 @@ are processes it spawns, each holding its share of the model and its own KV pool
     close(): broadcast(None) -------------->   exit
 
 The ranks see the same plan, so they run the same collectives in the same order and never
-need to agree on anything else. Collectives run on gloo on a CPU and NCCL on GPUs (rank r
+need to agree on anything else. Between steps rank 0 may send a RankCall instead of a plan
+(engine/kv_blocks.py gathers and scatters KV blocks so): every rank runs it, in order. Collectives run on gloo on a CPU and NCCL on GPUs (rank r
 on the device after rank 0's); plans always travel over gloo, on the host.
 
 With pipeline stages (tokenyard.engine.pipeline) the same ranks are tp x pp of them, every
@@ -33,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tokenyard.engine.config import EngineConfig
-from tokenyard.engine.model_runner import StepPlan
+from tokenyard.engine.model_runner import ModelRunner, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,14 @@ JOIN_TIMEOUT = timedelta(minutes=10)
 # NOTE: the other ranks wait for the next plan as long as the engine stays idle: a serving
 # worker may get no request for hours, and a timed-out wait would kill its ranks.
 IDLE_TIMEOUT = timedelta(days=365)
+
+
+class RankCall:
+    """A message to the ranks other than a step's plan: each runs it on its own runner,
+    with the plan group for any collective it makes with rank 0."""
+
+    def run(self, runner: ModelRunner, group: Any) -> None:
+        raise NotImplementedError
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -108,7 +117,7 @@ class TensorParallelRanks:
                 raise TimeoutError(f"tensor-parallel ranks did not start in {JOIN_TIMEOUT}")
             time.sleep(0.05)
 
-    def broadcast(self, plan: StepPlan | None) -> None:
+    def broadcast(self, plan: StepPlan | RankCall | None) -> None:
         dist.broadcast_object_list([plan], src=0, group=self.plan_group)
 
     def close(self) -> None:
@@ -154,10 +163,13 @@ def _rank_main(index: int, config: EngineConfig, model_path: str, port: int) -> 
         model, kv_cache, _, _ = build_model_and_pool(load_model(model_path), config, rank=rank)
         runner = make_runner(config, model, kv_cache, rank)
         while True:
-            received: list[StepPlan | None] = [None]
+            received: list[StepPlan | RankCall | None] = [None]
             dist.broadcast_object_list(received, src=0, group=plan_group)
             if received[0] is None:
                 break
-            runner.compute(received[0])
+            if isinstance(received[0], RankCall):
+                received[0].run(runner, plan_group)
+            else:
+                runner.compute(received[0])
     finally:
         dist.destroy_process_group()

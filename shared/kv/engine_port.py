@@ -34,11 +34,13 @@ class PromptBlocks(Protocol):
 class KVEngine(Protocol):
     @property
     def layout(self) -> KVLayout | None:
-        """The pool's layout; None for an engine with no KV pool (a test double)."""
+        """The layout blocks cross the engine's boundary in (every KV head: tp_size 1);
+        None for an engine with no KV pool (a test double)."""
 
     @property
     def kv_cache(self) -> torch.Tensor | None:
-        """The pool itself: [num_blocks, ...] as ``layout.pool_shape`` says; None with no pool."""
+        """The pool itself: [num_blocks, ...] as ``layout.pool_shape`` says; None with no pool
+        or none in that layout (a tensor-parallel engine's: read_kv_blocks, write_kv_blocks)."""
 
     def export_sequence(self, request_id: str) -> PromptBlocks:
         """A held (prefilled, prefill-only) request's prompt and blocks."""
@@ -65,6 +67,16 @@ class KVEngine(Protocol):
 
     def commit_prefix(self, request_id: str, kv_ok: bool) -> None:
         """kv_ok: name the blocks in the prefix cache (free but findable); else drop them."""
+        ...
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A host copy of the blocks in ``layout`` (every KV head, whatever the engine's
+        tensor-parallel size: its ranks' shares gathered); ValueError with no pool."""
+        ...
+
+    def write_kv_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write blocks in ``layout`` into the pool (each tensor-parallel rank its heads):
+        blocks the engine reserved or imported, before they are committed."""
         ...
 
 

@@ -16,7 +16,7 @@ at offset ``p % block_size``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
@@ -41,7 +41,9 @@ class KVLayout:
     head_dim: int
     hash_version: str = HASH_SPEC_VERSION
     # Tensor parallelism: the model's KV heads are split over this many ranks, each with a
-    # pool of its own; num_kv_heads is one rank's share.
+    # pool of its own; num_kv_heads is one rank's share. Blocks cross an engine's boundary
+    # (hand-offs, the KV-cache service) only in the whole-head layout, tp_size 1: see
+    # whole_heads() and tokenyard.kv.tp_layout.
     tp_size: int = 1
 
     @property
@@ -69,22 +71,18 @@ class KVLayout:
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, *self.block_shape)
 
+    def whole_heads(self) -> KVLayout:
+        """The layout of the same blocks with every rank's heads together (tp_size 1): what
+        a block of a tensor-parallel engine looks like once its ranks' shares are gathered."""
+        return replace(self, num_kv_heads=self.num_kv_heads * self.tp_size, tp_size=1)
+
     def mismatch(self, other: KVLayout) -> str | None:
         """A human-readable reason the two layouts cannot exchange blocks, or None."""
         mine, theirs = asdict(self), asdict(other)
         diffs = [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
         if not diffs:
             return None
-        why = "KV layout mismatch (" + ", ".join(diffs) + ")"
-        if self.tp_size != other.tp_size:
-            # NOTE: refused, not converted: each rank's pool holds its own KV heads, and
-            # regrouping heads across ranks is not built.
-            why += (
-                f": the two pools split KV heads over different tensor-parallel sizes "
-                f"({self.tp_size} and {other.tp_size}); hand off only between workers of "
-                "the same tensor_parallel_size"
-            )
-        return why
+        return "KV layout mismatch (" + ", ".join(diffs) + ")"
 
     @staticmethod
     def dtype_name(dtype: torch.dtype) -> str:

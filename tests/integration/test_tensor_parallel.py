@@ -169,9 +169,10 @@ def test_heads_that_do_not_split_are_refused_before_any_process_starts(llama_fol
 
 @pytest.mark.slow
 @cpu_only
-def test_a_worker_with_two_ranks_serves_without_offering_its_pool(llama_folder, monkeypatch):
+def test_a_worker_with_two_ranks_offers_whole_head_blocks(llama_folder, monkeypatch):
     """TOKENYARD_WORKER_TENSOR_PARALLEL_SIZE reaches the engine; rank 0's pool holds half
-    the KV heads, so the worker offers none to hand-offs (peers recompute)."""
+    the KV heads, so the engine offers no pool of its own, and its blocks cross its
+    boundary with every head (test_tensor_parallel_handoff.py hands them off)."""
     from tokenyard.services.worker.main import build_engine
     from tokenyard.services.worker.settings import WorkerSettings
 
@@ -183,7 +184,8 @@ def test_a_worker_with_two_ranks_serves_without_offering_its_pool(llama_folder, 
     assert isinstance(engine, LLMEngine)
     try:
         assert engine.config.tensor_parallel_size == 2
-        assert engine.kv_cache is None and engine.layout is None
+        assert engine.kv_cache is None and engine.layout is not None
+        assert (engine.layout.num_kv_heads, engine.layout.tp_size) == (2, 1)  # both ranks'
         assert engine.config.kv_pool_factory is None  # no shared-memory pool for TP
         engine.add_request("r", PROMPTS[1], params_cls(max_tokens=3, temperature=0.0))
         outs = []

@@ -130,9 +130,10 @@ async def test_layout_mismatch_is_refused_with_a_clear_error():
     assert sender.released == ["r1"]  # the receiver will recompute: the sender frees now
 
 
-async def test_a_pull_between_tensor_parallel_sizes_is_refused():
+async def test_a_pull_into_one_ranks_share_of_the_heads_is_refused():
     """The layout on the wire carries tp_size: a rank's pool of half the KV heads (tp=2)
-    cannot take blocks of a one-rank pool, and the error says why."""
+    cannot take whole-head blocks (a tensor-parallel worker pulls into whole-head staging
+    blocks instead, then splits them over its ranks), and the error says why."""
     half = KVLayout(
         "tiny", "float32", block_size=4, num_layers=3, num_kv_heads=1, head_dim=8, tp_size=2
     )
@@ -143,7 +144,8 @@ async def test_a_pull_between_tensor_parallel_sizes_is_refused():
             with pytest.raises(KVTransferError) as err:
                 await client.pull(sender.endpoint, "r1", SRC, DST)
     assert "tp_size: 1 != 2" in str(err.value)
-    assert "different tensor-parallel sizes (1 and 2)" in str(err.value)
+    assert "num_kv_heads: 2 != 1" in str(err.value)
+    assert half.whole_heads() == LAYOUT
     assert torch.count_nonzero(dst_pool) == 0
     assert sender.released == ["r1"]
 

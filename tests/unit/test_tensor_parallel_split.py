@@ -79,8 +79,10 @@ def test_layout_carries_tp_size_on_the_wire():
     assert isinstance(old_peer, kv_pb2.KVLayoutDesc)
     assert layout_from_proto(old_peer).tp_size == 1
     why = layout.mismatch(layout_from_proto(old_peer))
-    assert why is not None and "tensor-parallel sizes (2 and 1)" in why
+    assert why is not None and "tp_size: 2 != 1" in why
     assert "num_kv_heads: 4 != 8" in why
+    # A rank's share never crosses as is: its engine sends the whole-head blocks.
+    assert layout.whole_heads().mismatch(layout_from_proto(old_peer)) is None
 
 
 def test_memory_report_says_its_figures_are_per_rank():

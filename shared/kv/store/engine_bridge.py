@@ -24,25 +24,23 @@ from tokenyard.kv.engine_port import KVEngine
 from tokenyard.kv.hashing import prefix_block_hashes, salted_root
 from tokenyard.kv.layout import KVLayout
 from tokenyard.kv.store.client import KVCacheClient, KVCacheError
-from tokenyard.kv.transfer.common import copy_blocks
 
 
-def _pool(engine: KVEngine) -> tuple[KVLayout, torch.Tensor]:
-    layout, pool = engine.layout, engine.kv_cache
-    if layout is None or pool is None:
+def _layout(engine: KVEngine) -> KVLayout:
+    if engine.layout is None:
         raise ValueError("this engine has no KV pool to move blocks in or out of")
-    return layout, pool
+    return engine.layout
 
 
 def snapshot_stored_blocks(engine: KVEngine, hashes: list[int]) -> tuple[list[int], torch.Tensor]:
-    """The hashes still cached by the engine and a copy of their blocks (a small pool).
+    """The hashes still cached by the engine and a copy of their blocks (a small pool, every
+    KV head: a tensor-parallel engine gathers its ranks' shares).
 
     Call on the engine's thread right after the step that stored them: a cached block can
     be reused for other tokens by any later step, so the bytes are copied out now."""
-    layout, pool = _pool(engine)
+    _layout(engine)
     found = engine.cached_block_ids(hashes)
-    snapshot = torch.empty(layout.pool_shape(len(found)), dtype=pool.dtype)
-    copy_blocks(pool, snapshot, [b for _, b in found], list(range(len(found))))
+    snapshot = engine.read_kv_blocks([b for _, b in found])
     return [h for h, _ in found], snapshot
 
 
@@ -60,7 +58,7 @@ async def offload_prefix(
 ) -> int:
     """Store a held request's full prompt blocks under their salted hashes, by the worker's
     own write-through path (snapshot, then send); returns how many were stored."""
-    layout, _ = _pool(engine)
+    layout = _layout(engine)
     prompt = engine.export_sequence(request_id).prompt_token_ids
     hashes = prefix_block_hashes(prompt, layout.block_size, salted_root(cache_salt))
     found, snapshot = snapshot_stored_blocks(engine, hashes)
@@ -84,7 +82,7 @@ async def fetch_prefix(
     ``call(fn, *args)`` runs an engine call where the engine lives (a worker passes its
     engine thread's); the bytes land in reserved blocks, which no engine step touches, so
     they are written from here while the engine runs on."""
-    layout, pool = _pool(engine)
+    layout = _layout(engine)
     bs = layout.block_size
     # The engine always computes the block holding the prompt's last token itself.
     hashes = prefix_block_hashes(token_ids, bs, salted_root(cache_salt))
@@ -106,10 +104,30 @@ async def fetch_prefix(
     dst = await call(engine.reserve_prefix, rid, token_ids[: n * bs], cache_salt)
     landed = 0
     try:
-        landed = await client.get_prefix(layout, hashes[:n], pool, dst)
+        landed = await _get_into(engine, client, layout, hashes[:n], dst, call)
     except (KVCacheError, OSError):
         pass
     finally:
         # Evicted meanwhile (or failed): drop it all rather than register a partial prefix.
         await call(engine.commit_prefix, rid, landed == n)
     return n * bs if landed == n else 0
+
+
+async def _get_into(
+    engine: KVEngine,
+    client: KVCacheClient,
+    layout: KVLayout,
+    hashes: list[int],
+    dst: list[int],
+    call: Callable[..., Awaitable[Any]],
+) -> int:
+    """Fetch blocks into the engine's reserved ``dst``: straight into its pool, or (a
+    tensor-parallel engine, whose pool holds one rank's heads) through a host copy that
+    the engine splits over its ranks; returns how many leading blocks landed."""
+    if engine.kv_cache is not None:
+        return await client.get_prefix(layout, hashes, engine.kv_cache, dst)
+    staged = torch.empty(layout.pool_shape(len(hashes)), dtype=layout.torch_dtype)
+    landed = await client.get_prefix(layout, hashes, staged, list(range(len(hashes))))
+    if landed == len(hashes):
+        await call(engine.write_kv_blocks, dst, staged)
+    return landed
