@@ -85,6 +85,16 @@ class EngineConfig:
     # Ranks one model is split over (tokenyard.models.tp): rank 0 is this process, the others
     # are processes the engine starts; on CUDA rank r takes the r-th device after `device`.
     tensor_parallel_size: int = 1
+    # Ranks the experts of a Mixture-of-Experts model are placed over
+    # (tokenyard.models.expert_parallel): 1, or the engine's whole set of ranks, which are
+    # the tensor-parallel ranks when tensor_parallel_size > 1 (attention stays sharded by
+    # heads) and otherwise as many ranks that each run the attention whole.
+    expert_parallel_size: int = 1
+    # Expert parallelism's load balancer (tokenyard.models.expert_placement): spare expert
+    # slots per rank that hold replicas of the hottest experts, and how many steps apart
+    # the placement is recomputed from the tokens counted since the last (0 = never).
+    expert_redundant_slots: int = 0
+    expert_rebalance_interval: int = 0
     enable_prefix_caching: bool = True
     # Whether the prefix cache keeps freed blocks while never-written ones remain, so a lazily
     # resident KV pool becomes resident in full; False: it reuses its oldest cached block
@@ -156,7 +166,13 @@ class EngineConfig:
             # With `deterministic`, only greedy requests speculate (Speculator.greedy_only).
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_tensor_parallel()
+        self._check_expert_parallel()
         self._check_device()
+
+    @property
+    def world_size(self) -> int:
+        """The engine's ranks (processes): tensor- and expert-parallel ranks are the same."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
 
     def _check_device(self) -> None:
         kind, _, index = self.device.partition(":")
@@ -170,11 +186,11 @@ class EngineConfig:
             gpu = platforms.gpu()
             if not gpu.available:
                 raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
-            last = int(index or 0) + self.tensor_parallel_size - 1
+            last = int(index or 0) + self.world_size - 1
             if last >= gpu.count:
                 raise ValueError(
-                    f"device {self.device!r} with tensor_parallel_size "
-                    f"{self.tensor_parallel_size} needs CUDA device {last}: only "
+                    f"device {self.device!r} with {self.world_size} ranks (tensor_parallel_size "
+                    f"{self.tensor_parallel_size}) needs CUDA device {last}: only "
                     f"{gpu.count} CUDA devices"
                 )
 
@@ -195,3 +211,28 @@ class EngineConfig:
                 "a kv_pool_factory (shared-memory KV pool) holds one rank's pool: not with "
                 f"tensor_parallel_size {tp}"
             )
+
+    def _check_expert_parallel(self) -> None:
+        """Expert parallelism's shape and what it does not combine with, refused up front."""
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        if ep < 1:
+            raise ValueError(f"expert_parallel_size must be at least 1, got {ep}")
+        if self.expert_redundant_slots < 0 or self.expert_rebalance_interval < 0:
+            raise ValueError("expert_redundant_slots and expert_rebalance_interval must be >= 0")
+        if ep == 1:
+            return
+        if tp not in (1, ep):
+            raise ValueError(
+                f"expert_parallel_size {ep} with tensor_parallel_size {tp}: the experts are "
+                "placed over the engine's ranks, so choose tensor_parallel_size 1 or "
+                f"{ep} (attention replicated, or sharded over the same {ep} ranks)"
+            )
+        refused = {
+            "speculative_config": self.speculative_config,
+            "kv_pool_factory": self.kv_pool_factory,
+            "quantization": self.quantization,  # the balancer copies plain weights
+            "shared_weights_dir": self.shared_weights_dir,  # read-only; experts move
+        }
+        for name, value in refused.items():
+            if value is not None:
+                raise ValueError(f"{name} is not supported with expert_parallel_size {ep} yet")

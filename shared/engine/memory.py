@@ -26,6 +26,7 @@ from tokenyard.engine.budget import (
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.shared_weights import share_weights
 from tokenyard.kv.layout import KVLayout
+from tokenyard.models.expert_parallel import apply_ep
 from tokenyard.models.llama import LlamaForCausalLM
 from tokenyard.models.loader import LoadedModel
 from tokenyard.models.moe import SparseMoeBlock, moe_blocks
@@ -138,9 +139,11 @@ def build_model_and_pool(
     with torch.device("meta"):  # no time spent initialising weights we overwrite anyway
         model = LlamaForCausalLM(mc, max_positions)
     # Sharded on the host, so a GPU only ever holds its rank's share of the weights.
-    model.to_empty(device=device if tp == 1 else torch.device("cpu"))
+    model.to_empty(device=device if config.world_size == 1 else torch.device("cpu"))
     model.load_weights(loaded.weights)
-    apply_tp(model, rank, tp)
+    ep = config.expert_parallel_size
+    apply_tp(model, rank, tp, shard_experts=ep == 1)
+    apply_ep(model, rank, ep, config.expert_redundant_slots)
     model.to(device=device, dtype=dtype)
     if model.rope is not None and device.type != "cpu":  # plain attributes: not moved by .to()
         model.rope.cos, model.rope.sin = model.rope.cos.to(device), model.rope.sin.to(device)
@@ -247,7 +250,7 @@ def _pool_blocks(
         block_nbytes=layout.block_nbytes,
     )
     num_blocks = kv_bytes // layout.block_nbytes
-    if config.tensor_parallel_size > 1:
+    if config.world_size > 1:
         num_blocks = _agree(num_blocks, device)
     if num_blocks < MIN_KV_BLOCKS:
         raise MemoryBudgetError(

@@ -23,11 +23,12 @@ import dataclasses
 import logging
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.model_runner import StepPlan
@@ -42,6 +43,13 @@ JOIN_TIMEOUT = timedelta(minutes=10)
 IDLE_TIMEOUT = timedelta(days=365)
 
 
+class RankCommand(Protocol):
+    """A message between steps that every rank runs on its model in the same order (e.g.
+    tokenyard.engine.expert_balance.Rebalance); rank 0 broadcasts it, then runs it too."""
+
+    def run(self, model: nn.Module) -> None: ...
+
+
 def rank_device(device: str, rank: int) -> str:
     """Rank r's device: the CPU, or the r-th GPU after rank 0's."""
     kind, _, index = device.partition(":")
@@ -51,7 +59,7 @@ def rank_device(device: str, rank: int) -> str:
 def init_ranks(config: EngineConfig, rank: int, store: dist.Store) -> Any:
     """Join the process group; returns the group that carries the plans (gloo, on the host,
     with no practical timeout)."""
-    world = config.tensor_parallel_size
+    world = config.world_size
     cuda = config.device.startswith("cuda")
     if cuda:  # NCCL and the collectives' tensors use the current device
         torch.cuda.set_device(torch.device(rank_device(config.device, 0)))
@@ -65,7 +73,7 @@ class TensorParallelRanks:
     """Rank 0's handle on the other ranks: start them, send each step's plan, stop them."""
 
     def __init__(self, config: EngineConfig, model_path: str) -> None:
-        world = config.tensor_parallel_size
+        world = config.world_size
         # Rank 0 holds the rendezvous store; port 0 lets the OS choose a free port.
         self._store = dist.TCPStore(
             "127.0.0.1", 0, world, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False
@@ -99,7 +107,7 @@ class TensorParallelRanks:
                 raise TimeoutError(f"tensor-parallel ranks did not start in {JOIN_TIMEOUT}")
             time.sleep(0.05)
 
-    def broadcast(self, plan: StepPlan | None) -> None:
+    def broadcast(self, plan: StepPlan | RankCommand | None) -> None:
         dist.broadcast_object_list([plan], src=0, group=self.plan_group)
 
     def close(self) -> None:
@@ -137,7 +145,7 @@ def _rank_main(index: int, config: EngineConfig, model_path: str, port: int) -> 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     store = dist.TCPStore(
-        "127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=JOIN_TIMEOUT
+        "127.0.0.1", port, config.world_size, is_master=False, timeout=JOIN_TIMEOUT
     )
     store.set(_started(rank), "1")
     plan_group = init_ranks(config, rank, store)
@@ -145,10 +153,13 @@ def _rank_main(index: int, config: EngineConfig, model_path: str, port: int) -> 
         model, kv_cache, _, _ = build_model_and_pool(load_model(model_path), config, rank=rank)
         runner = ModelRunner(model, kv_cache, config.block_size, config.deterministic)
         while True:
-            received: list[StepPlan | None] = [None]
+            received: list[StepPlan | RankCommand | None] = [None]
             dist.broadcast_object_list(received, src=0, group=plan_group)
             if received[0] is None:
                 break
-            runner.compute(received[0])
+            if isinstance(received[0], StepPlan):
+                runner.compute(received[0])
+            else:
+                received[0].run(runner.model)
     finally:
         dist.destroy_process_group()

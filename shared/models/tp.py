@@ -122,8 +122,16 @@ class GatherVocab(LeanModule):
         return torch.cat(parts, dim=-1)[:, : self.vocab_size]
 
 
-def apply_tp(model: nn.Module, rank: int, world: int, group: ProcessGroup = None) -> nn.Module:
-    """Keep rank `rank`'s share of a loaded LlamaForCausalLM's weights, in place."""
+def apply_tp(
+    model: nn.Module,
+    rank: int,
+    world: int,
+    group: ProcessGroup = None,
+    shard_experts: bool = True,
+) -> nn.Module:
+    """Keep rank `rank`'s share of a loaded LlamaForCausalLM's weights, in place.
+    `shard_experts=False` leaves sparse layers whole, for expert parallelism to place
+    (tokenyard.models.expert_parallel)."""
     assert isinstance(model, LlamaForCausalLM)
     check_tp(model.config, world)
     if world == 1:
@@ -131,12 +139,13 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: ProcessGroup = None
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, Attention)
         _shard_attention(layer.self_attn, rank, world)
-        _shard_feed_forward(layer.mlp, rank, world)
         # NOTE: wrappers swapped in where gpt-fast registers forward hooks: LeanModule skips
         # hooks on the hot path. The layer calls them as it called the plain ones.
         swap: Any = layer
         swap.self_attn = AllReduce(layer.self_attn, group)
-        swap.mlp = AllReduce(layer.mlp, group)
+        if shard_experts or not isinstance(layer.mlp, SparseMoeBlock):
+            _shard_feed_forward(layer.mlp, rank, world)
+            swap.mlp = AllReduce(layer.mlp, group)
     _shard_vocab(model, rank, world, group)
     return model
 

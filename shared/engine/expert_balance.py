@@ -1,0 +1,114 @@
+"""The expert-placement load balancer's engine side: every `interval` steps, rank 0 reads the
+tokens each expert took since the last rebalance, computes a placement per sparse layer
+(tokenyard.models.expert_placement.rebalance) and, where it lowers that layer's per-rank
+load, sends a Rebalance to the other ranks with the step plans, then runs it itself:
+
+    rank 0: step ... step | Rebalance(placements) --plan group--> every rank
+                          | move_experts per layer: weights copied between the ranks
+            step ...      | the next step dispatches by the new placement
+
+The engine does not restart and no request waits for more than the copy: the rebalance
+runs between two steps, as the plans do, so every rank applies it at the same point.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tokenyard.models.expert_parallel import ExpertParallelMoE, ep_blocks, move_experts
+from tokenyard.models.expert_placement import Placement, imbalance, rank_loads, rebalance
+
+log = logging.getLogger(__name__)
+
+# A layer moves experts only when its imbalance falls by at least this factor: a copy of
+# weights for a gain within the counts' noise is not worth the pause.
+MIN_GAIN = 0.98
+
+
+@dataclass
+class Rebalance:
+    """Every sparse layer's new placement, in the model's order (a RankCommand)."""
+
+    placements: list[Placement]
+
+    def run(self, model: nn.Module) -> None:
+        blocks = ep_blocks(model)
+        assert len(blocks) == len(self.placements)
+        for block, slots in zip(blocks, self.placements, strict=True):
+            if slots != block.slots:
+                move_experts(block, slots)
+
+
+@dataclass
+class BalanceRecord:
+    """One rebalance: each sparse layer's max/mean rank load over the window's counts,
+    under the placement before it and under the one chosen."""
+
+    step: int
+    before: list[float] = field(default_factory=list)
+    after: list[float] = field(default_factory=list)
+
+
+class ExpertBalancer:
+    """Rank 0's balancer: counts steps, reads the routing counters, rebalances."""
+
+    def __init__(self, model: nn.Module, interval: int, send: Callable[[Rebalance], None]) -> None:
+        self.model = model
+        self.blocks = ep_blocks(model)
+        self.interval = interval
+        self.send = send
+        self.steps = 0
+        self.history: list[BalanceRecord] = []
+        self._seen = self._totals()
+
+    def _totals(self) -> list[torch.Tensor]:
+        return [b.block.tokens_per_expert.clone() for b in self.blocks]
+
+    def after_step(self) -> None:
+        self.steps += 1
+        if self.interval and self.steps % self.interval == 0:
+            self.rebalance()
+
+    def window_counts(self) -> list[list[int]]:
+        """Tokens each expert of each sparse layer took since the last rebalance."""
+        return [
+            (b.block.tokens_per_expert - seen).tolist()
+            for b, seen in zip(self.blocks, self._seen, strict=True)
+        ]
+
+    def rebalance(self) -> BalanceRecord | None:
+        """Place the experts for the window's counts; None where no layer gains."""
+        counts = self.window_counts()
+        self._seen = self._totals()
+        record = BalanceRecord(self.steps)
+        placements = []
+        for block, c in zip(self.blocks, counts, strict=True):
+            current = imbalance(rank_loads(c, block.slots, block.world))
+            slots = _proposal(block, c)
+            proposed = imbalance(rank_loads(c, slots, block.world))
+            keep = proposed > current * MIN_GAIN
+            placements.append(block.slots if keep else slots)
+            record.before.append(current)
+            record.after.append(current if keep else proposed)
+        if all(p == b.slots for p, b in zip(placements, self.blocks, strict=True)):
+            return None
+        command = Rebalance(placements)
+        self.send(command)
+        command.run(self.model)
+        self.history.append(record)
+        log.info(
+            "experts rebalanced at step %d: max/mean rank load %s -> %s",
+            self.steps,
+            [round(x, 3) for x in record.before],
+            [round(x, 3) for x in record.after],
+        )
+        return record
+
+
+def _proposal(block: ExpertParallelMoE, counts: list[int]) -> Placement:
+    return rebalance(counts, block.slots, block.world)
