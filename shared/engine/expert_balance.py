@@ -20,14 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tokenyard.models.expert_parallel import ExpertParallelMoE, ep_blocks, move_experts
+from tokenyard.models.expert_parallel import ep_blocks, move_experts
 from tokenyard.models.expert_placement import Placement, imbalance, rank_loads, rebalance
 
 log = logging.getLogger(__name__)
-
-# A layer moves experts only when its imbalance falls by at least this factor: a copy of
-# weights for a gain within the counts' noise is not worth the pause.
-MIN_GAIN = 0.98
 
 
 @dataclass
@@ -88,13 +84,10 @@ class ExpertBalancer:
         record = BalanceRecord(self.steps)
         placements = []
         for block, c in zip(self.blocks, counts, strict=True):
-            current = imbalance(rank_loads(c, block.slots, block.world))
-            slots = _proposal(block, c)
-            proposed = imbalance(rank_loads(c, slots, block.world))
-            keep = proposed > current * MIN_GAIN
-            placements.append(block.slots if keep else slots)
-            record.before.append(current)
-            record.after.append(current if keep else proposed)
+            slots = rebalance(c, block.slots, block.world)
+            placements.append(slots)
+            record.before.append(imbalance(rank_loads(c, block.slots, block.world)))
+            record.after.append(imbalance(rank_loads(c, slots, block.world)))
         if all(p == b.slots for p, b in zip(placements, self.blocks, strict=True)):
             return None
         command = Rebalance(placements)
@@ -108,7 +101,3 @@ class ExpertBalancer:
             [round(x, 3) for x in record.after],
         )
         return record
-
-
-def _proposal(block: ExpertParallelMoE, counts: list[int]) -> Placement:
-    return rebalance(counts, block.slots, block.world)

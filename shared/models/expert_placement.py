@@ -58,13 +58,21 @@ def imbalance(loads: list[float]) -> float:
     return max(loads) / mean if mean else 1.0
 
 
+# A new placement is taken only when it lowers max/mean by at least this factor: a copy of
+# weights for a gain within the counts' noise is not worth the pause.
+MIN_GAIN = 0.98
+
+
 def rebalance(counts: list[int], current: Placement, world: int) -> Placement:
     """A placement of the same shape as `current` whose per-rank load under `counts` is as
-    even as the greedy passes make it, keeping experts where they are where it can."""
+    even as the greedy passes make it, keeping experts where they are where it can;
+    `current` itself where that would not lower the imbalance by MIN_GAIN."""
     per_rank = len(current) // world
     replicas = _replicate(counts, len(current))
     bins = _pack(counts, replicas, world, per_rank)
-    return _keep_in_place(bins, current, world, per_rank)
+    new = _keep_in_place(bins, current, world, per_rank)
+    before = imbalance(rank_loads(counts, current, world))
+    return new if imbalance(rank_loads(counts, new, world)) < before * MIN_GAIN else current
 
 
 def _replicate(counts: list[int], num_slots: int) -> list[int]:
