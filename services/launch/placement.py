@@ -40,7 +40,7 @@ class Placement:
     def threads_per_worker(self) -> int:
         """Share the cores: torch's default (every core per process) makes N workers on a
         small machine spin against each other and run several times slower."""
-        ranks = self.planned_workers() * self.config.tensor_parallel_size
+        ranks = self.planned_workers() * self.config.ranks_per_worker
         return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
     def device_env(self, workers_started: int) -> dict[str, str]:
@@ -54,7 +54,7 @@ class Placement:
             max(self.planned_workers(), workers_started),
             torch.cuda.device_count(),
             self.config.gpu_memory_utilization,
-            self.config.tensor_parallel_size,
+            self.config.ranks_per_worker,
         )
         return {
             "TOKENYARD_WORKER_DEVICE": device,

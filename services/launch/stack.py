@@ -179,6 +179,7 @@ class LocalStack:
             ),
             **self.placement.device_env(self._worker_count),
             "TOKENYARD_WORKER_TENSOR_PARALLEL_SIZE": str(self.config.tensor_parallel_size),
+            "TOKENYARD_WORKER_EXPERT_PARALLEL_SIZE": str(self.config.expert_parallel_size),
             **(
                 {"TOKENYARD_WORKER_SHARED_WEIGHTS_DIR": str(self.shared_weights_dir)}
                 if self.shared_weights_dir

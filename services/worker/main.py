@@ -76,12 +76,18 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
     }
     # A shared-memory pool is host memory: for a CPU engine of one rank only (a
     # tensor-parallel engine offers no pool to hand-offs; its decode peers recompute).
-    one_cpu_rank = settings.device == "cpu" and settings.tensor_parallel_size == 1
+    one_rank = settings.tensor_parallel_size == settings.expert_parallel_size == 1
+    one_cpu_rank = settings.device == "cpu" and one_rank
     if one_cpu_rank and settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
         optional["kv_pool_factory"] = shared_pool
     optional["prefix_cache_grows_pool"] = settings.prefix_cache_grows_pool
     optional["prefault_kv_pool"] = settings.prefault_kv_pool and settings.prefix_cache_grows_pool
-    if settings.device == "cpu" and settings.shared_weights_dir:
+    # NOTE: not under expert parallelism: the placement balancer rewrites experts in place.
+    if (
+        settings.device == "cpu"
+        and settings.shared_weights_dir
+        and settings.expert_parallel_size == 1
+    ):
         optional["shared_weights_dir"] = settings.shared_weights_dir
     config = EngineConfig(
         model=settings.model,
@@ -91,6 +97,9 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         gpu_memory_utilization=settings.gpu_memory_utilization,
         cpu_memory_utilization=settings.cpu_memory_utilization,
         tensor_parallel_size=settings.tensor_parallel_size,
+        expert_parallel_size=settings.expert_parallel_size,
+        expert_redundant_slots=settings.expert_redundant_slots,
+        expert_rebalance_interval=settings.expert_rebalance_interval,
         **{k: v for k, v in optional.items() if v is not None},
     )
     return LLMEngine(config), SamplingParams

@@ -67,6 +67,11 @@ class WorkerSettings(BaseSettings):
     # Ranks the model is split over (EngineConfig.tensor_parallel_size); the worker starts
     # the other ranks itself. Its pool then stays out of KV hand-offs (peers recompute).
     tensor_parallel_size: int = 1
+    # Ranks a Mixture-of-Experts model's experts are placed over, and the placement
+    # balancer's spare slots per rank and interval in steps (EngineConfig.expert_*).
+    expert_parallel_size: int = 1
+    expert_redundant_slots: int = Field(default=0, ge=0)
+    expert_rebalance_interval: int = Field(default=0, ge=0)
     heartbeat_interval_s: float = 1.0
     # One engine call (a step, a stats read) running longer than this means the engine is
     # stuck: /ready turns 503 and heartbeats say so, though the process still beats.

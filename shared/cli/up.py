@@ -128,6 +128,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--aggregated",
     )
     parser.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="place a Mixture-of-Experts model's experts over N ranks per worker (tokens go "
+        "to their experts' ranks by all-to-all); N is 1 or the worker's ranks: with "
+        "--tensor-parallel-size N attention is split over the same ranks, with 1 each rank "
+        "runs it whole. Unquantized weights only (the CPU default becomes --quantization none)",
+    )
+    parser.add_argument(
+        "--expert-redundant-slots",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --expert-parallel-size: spare expert slots per rank that the placement "
+        "balancer fills with replicas of the hottest experts",
+    )
+    parser.add_argument(
+        "--expert-rebalance-interval",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="with --expert-parallel-size: recompute the experts' placement from the tokens "
+        "each took every STEPS engine steps, moving and replicating experts without a "
+        "restart (0 = never)",
+    )
+    parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -289,13 +316,14 @@ def config_from(args: argparse.Namespace) -> StackConfig:
                 "target, so the target must not be quantized: add --quantization none"
             )
         speculative = {"TOKENYARD_WORKER_SPECULATIVE": args.speculative}
-    quantization = args.quantization or ("int4" if args.device == "cpu" else "none")
+    quantization = _quantization(args)
     if args.deterministic and quantization not in ("int4", "int8"):
         raise SystemExit("--deterministic needs --quantization int4 or int8")
     if args.tensor_parallel_size < 1:
         raise SystemExit("--tensor-parallel-size must be at least 1")
     if args.tensor_parallel_size > 1 and args.speculative:
         raise SystemExit("--speculative runs on one rank only: drop it or --tensor-parallel-size")
+    expert_parallel = _expert_parallel_env(args, quantization)
     gateway_env = _parsers_env(args)
     dtype = auto_dtype(args.device) if args.dtype == "auto" else args.dtype
     try:
@@ -331,13 +359,39 @@ def config_from(args: argparse.Namespace) -> StackConfig:
             **_kv_cache_env(args, kv_dtype),
             **_quantization_env(args),
             **speculative,
+            **expert_parallel,
             **({"TOKENYARD_WORKER_DETERMINISTIC": "1"} if args.deterministic else {}),
         },
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_memory_utilization=args.cpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel_size=args.expert_parallel_size,
     )
+
+
+def _expert_parallel_env(args: argparse.Namespace, quantization: str) -> dict[str, str]:
+    """The expert-placement balancer's settings for the workers; a layout the engine
+    refuses (EngineConfig._check_expert_parallel) stops here, before anything starts."""
+    ep, tp = args.expert_parallel_size, args.tensor_parallel_size
+    if ep < 1 or args.expert_redundant_slots < 0 or args.expert_rebalance_interval < 0:
+        raise SystemExit(
+            "--expert-parallel-size must be at least 1, --expert-redundant-slots and "
+            "--expert-rebalance-interval at least 0"
+        )
+    if ep == 1:
+        return {}
+    if tp not in (1, ep):
+        raise SystemExit(
+            f"--expert-parallel-size {ep} places experts over the worker's ranks: use "
+            f"--tensor-parallel-size 1 or {ep}"
+        )
+    if quantization != "none" or args.speculative:
+        raise SystemExit("--expert-parallel-size runs unquantized, without --speculative")
+    return {
+        "TOKENYARD_WORKER_EXPERT_REDUNDANT_SLOTS": str(args.expert_redundant_slots),
+        "TOKENYARD_WORKER_EXPERT_REBALANCE_INTERVAL": str(args.expert_rebalance_interval),
+    }
 
 
 def _parsers_env(args: argparse.Namespace) -> dict[str, str]:
@@ -378,8 +432,15 @@ def _kv_cache_env(args: argparse.Namespace, kv_dtype: str) -> dict[str, str]:
     return {"TOKENYARD_WORKER_KV_CACHE_BYTES": str(kv_cache_mib * 1024**2)}
 
 
+def _quantization(args: argparse.Namespace) -> str:
+    """--quantization, or by default int4 on the CPU (none with expert parallelism, which
+    moves plain weights) and none on cuda."""
+    cpu_default = "int4" if args.expert_parallel_size == 1 else "none"
+    return args.quantization or (cpu_default if args.device == "cpu" else "none")
+
+
 def _quantization_env(args: argparse.Namespace) -> dict[str, str]:
-    quantization = args.quantization or ("int4" if args.device == "cpu" else "none")
+    quantization = _quantization(args)
     if args.device != "cpu" and quantization != "none":
         raise SystemExit(f"--quantization {quantization} runs on the CPU only; drop it for cuda")
     return {} if quantization == "none" else {"TOKENYARD_WORKER_QUANTIZATION": quantization}
