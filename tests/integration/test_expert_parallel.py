@@ -11,8 +11,9 @@ import torch
 from moe_checkpoints import hf_moe_model, save_hf_folder
 
 from tokenyard import LLM, SamplingParams
-from tokenyard.models.expert_parallel import ep_blocks
+from tokenyard.models.expert_parallel import ExpertParallelMoE, ep_blocks
 from tokenyard.models.expert_placement import initial_placement
+from tokenyard.models.loader import load_model
 
 TOL = 1e-3  # as tests/integration/test_moe.py
 PROMPTS = [[(7 * i + 3) % 4000 + 100 for i in range(n)] for n in (5, 41, 17)]
@@ -47,8 +48,12 @@ def test_expert_parallel_matches_hf_across_rebalances(layout, tmp_path):
         slots = [b.slots for b in ep_blocks(llm.engine.runner.model)]
         assert any(s != initial_placement(4, 2, 1) for s in slots)
         assert all(r.after <= r.before for r in balancer.history)
+        _assert_rank0_slots_hold_their_experts(llm.engine.runner.model, str(folder))
         counts = llm.engine.stats().expert_tokens  # rank 0 counts every rank's tokens
-        tokens_run = sum(len(p) + PARAMS.max_tokens - 1 for p in PROMPTS)
+        tokens_run = sum(  # the prompts share a prefix: cached blocks are not run
+            len(p) - r.num_cached_tokens + PARAMS.max_tokens - 1
+            for p, r in zip(PROMPTS, results, strict=True)
+        )
         assert all(sum(c) == 2 * tokens_run for c in counts)
     finally:
         llm.close()
@@ -62,3 +67,22 @@ def test_expert_parallel_matches_hf_across_rebalances(layout, tmp_path):
             for token_id, value in lp.top:
                 assert abs(value - row[token_id].item()) <= TOL
             assert row.max().item() - row[lp.token_id].item() <= TOL  # greedy took HF's argmax
+
+
+def _assert_rank0_slots_hold_their_experts(model, folder: str) -> None:
+    """After the moves, each of rank 0's slots holds the checkpoint's weights of the expert
+    its placement names (the gate rows of gate_up and all of down)."""
+    weights = load_model(folder).weights
+    sparse = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, ExpertParallelMoE)]
+    for i, block in zip(sparse, ep_blocks(model), strict=True):
+        for slot, e in enumerate(block.local_experts(block.slots)):
+            mixtral = f"model.layers.{i}.block_sparse_moe.experts.{e}."
+            qwen = f"model.layers.{i}.mlp.experts.{e}."
+            gate, down = (
+                (weights[mixtral + "w1.weight"], weights[mixtral + "w2.weight"])
+                if mixtral + "w1.weight" in weights
+                else (weights[qwen + "gate_proj.weight"], weights[qwen + "down_proj.weight"])
+            )
+            expert = block.block.expert(slot)
+            assert torch.equal(expert.gate_up_proj.weight[: gate.shape[0]], gate.float())
+            assert torch.equal(expert.down_proj.weight, down.float())
