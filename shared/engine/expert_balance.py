@@ -42,8 +42,9 @@ class Rebalance:
 
 @dataclass
 class BalanceRecord:
-    """One rebalance: each sparse layer's max/mean rank load over the window's counts,
-    under the placement before it and under the one chosen."""
+    """One rebalance, per sparse layer: max/mean of the tokens the ranks ran since the last
+    one (measured), and of those the window's routing would give them under the placement
+    chosen (the balancer's estimate; `after` equals `before`'s estimate where kept)."""
 
     step: int
     before: list[float] = field(default_factory=list)
@@ -56,38 +57,39 @@ class ExpertBalancer:
     def __init__(self, model: nn.Module, interval: int, send: Callable[[Rebalance], None]) -> None:
         self.model = model
         self.blocks = ep_blocks(model)
-        self.interval = interval
+        self.interval = interval  # 0: only when rebalance() is called
         self.send = send
         self.steps = 0
         self.history: list[BalanceRecord] = []
         self._seen = self._totals()
 
-    def _totals(self) -> list[torch.Tensor]:
-        return [b.block.tokens_per_expert.clone() for b in self.blocks]
+    def _totals(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(b.block.tokens_per_expert.clone(), b.tokens_per_rank.clone()) for b in self.blocks]
 
     def after_step(self) -> None:
         self.steps += 1
         if self.interval and self.steps % self.interval == 0:
             self.rebalance()
 
-    def window_counts(self) -> list[list[int]]:
-        """Tokens each expert of each sparse layer took since the last rebalance."""
+    def window(self) -> list[tuple[list[int], list[int]]]:
+        """Per sparse layer, since the last rebalance: (tokens each expert took, tokens each
+        rank ran)."""
         return [
-            (b.block.tokens_per_expert - seen).tolist()
-            for b, seen in zip(self.blocks, self._seen, strict=True)
+            ((b.block.tokens_per_expert - experts).tolist(), (b.tokens_per_rank - ranks).tolist())
+            for b, (experts, ranks) in zip(self.blocks, self._seen, strict=True)
         ]
 
     def rebalance(self) -> BalanceRecord | None:
         """Place the experts for the window's counts; None where no layer gains."""
-        counts = self.window_counts()
+        window = self.window()
         self._seen = self._totals()
         record = BalanceRecord(self.steps)
         placements = []
-        for block, c in zip(self.blocks, counts, strict=True):
-            slots = rebalance(c, block.slots, block.world)
+        for block, (counts, ran) in zip(self.blocks, window, strict=True):
+            slots = rebalance(counts, block.slots, block.world)
             placements.append(slots)
-            record.before.append(imbalance(rank_loads(c, block.slots, block.world)))
-            record.after.append(imbalance(rank_loads(c, slots, block.world)))
+            record.before.append(imbalance([float(n) for n in ran]))
+            record.after.append(imbalance(rank_loads(counts, slots, block.world)))
         if all(p == b.slots for p, b in zip(placements, self.blocks, strict=True)):
             return None
         command = Rebalance(placements)

@@ -479,8 +479,8 @@ def _start_ranks(config: EngineConfig, loaded: LoadedModel) -> TensorParallelRan
 def _expert_balancer(
     config: EngineConfig, model: LlamaForCausalLM, ranks: TensorParallelRanks | None
 ) -> ExpertBalancer | None:
-    """Expert parallelism's placement balancer on rank 0; None where it has nothing to move."""
-    if config.expert_parallel_size == 1 or not config.expert_rebalance_interval:
+    """Expert parallelism's placement balancer on rank 0; None on one expert-parallel rank."""
+    if config.expert_parallel_size == 1:
         return None
     assert ranks is not None
     return ExpertBalancer(model, config.expert_rebalance_interval, ranks.broadcast)

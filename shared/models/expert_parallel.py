@@ -81,6 +81,8 @@ class ExpertParallelMoE(LeanModule):
             local.append(block.expert(e) if e not in taken else copy.deepcopy(block.expert(e)))
             taken.add(e)
         block.experts = nn.ModuleList(local)  # the other experts' weights are freed
+        # (row, expert) pairs each rank ran since the engine started (its load); not a weight
+        self.tokens_per_rank = torch.zeros(world, dtype=torch.long)
         self.set_slots(slots)
 
     def local_experts(self, slots: Placement) -> list[int]:
@@ -105,8 +107,11 @@ class ExpertParallelMoE(LeanModule):
         block = self.block
         weights, ids = block.route(x)  # [T, k] each
         block.count(ids)
+        slot = self._slots_of(ids)  # [T * k]: the physical slot of each (row, choice) pair
+        self.tokens_per_rank += torch.bincount(slot // self.slots_per_rank, minlength=self.world)
         lo, hi = self._home_rows(x.shape[0])
-        out = self._routed(x[lo:hi], weights[lo:hi], ids[lo:hi], lo, prompt)  # [hi - lo, H]
+        k = ids.shape[1]
+        out = self._routed(x[lo:hi], weights[lo:hi], slot[lo * k : hi * k], prompt)  # [hi-lo, H]
         out = self._gather_rows(out, x.shape[0])
         if block.shared_expert is not None:
             out += block.shared_output(x, prompt)
@@ -116,15 +121,19 @@ class ExpertParallelMoE(LeanModule):
         m = -(-num_rows // self.world)
         return min(self.rank * m, num_rows), min((self.rank + 1) * m, num_rows)
 
-    def _routed(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int, prompt: bool
-    ) -> torch.Tensor:
-        """This rank's rows through their experts, wherever those live."""
-        k = ids.shape[1]
-        pair_row = torch.arange(ids.numel()) // k  # pair i is local row i // k, choice i % k
+    def _slots_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T, k] -> [T * k] physical slots: row t's replica of its expert is t mod the
+        expert's replica count, so the replicas share an expert's rows evenly."""
         expert = ids.flatten().cpu()
-        replica = (first + pair_row) % self._num_replicas[expert]
-        slot = self._replica_table[expert, replica]  # [P] physical slots
+        row = torch.arange(expert.numel()) // ids.shape[1]
+        return self._replica_table[expert, row % self._num_replicas[expert]]
+
+    def _routed(
+        self, x: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor, prompt: bool
+    ) -> torch.Tensor:
+        """This rank's rows (x [t, H], weights [t, k]) through the experts in their `slot`
+        ([t * k]), wherever those live."""
+        pair_row = torch.arange(slot.numel()) // weights.shape[1]  # pair i: row i // k
         order = torch.argsort(slot // self.slots_per_rank, stable=True)  # grouped by rank
         send_counts = torch.bincount(slot // self.slots_per_rank, minlength=self.world)
         rows = pair_row[order].to(x.device)

@@ -45,9 +45,9 @@ def test_expert_parallel_matches_hf_across_rebalances(layout, tmp_path):
         results = llm.generate(PROMPTS, PARAMS)
         balancer = llm.engine.expert_balancer
         assert balancer is not None and balancer.history  # experts moved mid-generation
-        slots = [b.slots for b in ep_blocks(llm.engine.runner.model)]
+        blocks = ep_blocks(llm.engine.runner.model)
+        slots = [b.slots for b in blocks]
         assert any(s != initial_placement(4, 2, 1) for s in slots)
-        assert all(r.after <= r.before for r in balancer.history)
         _assert_rank0_slots_hold_their_experts(llm.engine.runner.model, str(folder))
         counts = llm.engine.stats().expert_tokens  # rank 0 counts every rank's tokens
         tokens_run = sum(  # the prompts share a prefix: cached blocks are not run
@@ -55,6 +55,7 @@ def test_expert_parallel_matches_hf_across_rebalances(layout, tmp_path):
             for p, r in zip(PROMPTS, results, strict=True)
         )
         assert all(sum(c) == 2 * tokens_run for c in counts)
+        assert all(sum(b.tokens_per_rank.tolist()) == 2 * tokens_run for b in blocks)
     finally:
         llm.close()
     for prompt, result in zip(PROMPTS, results, strict=True):
