@@ -144,6 +144,7 @@ def run(folder: Path, args: argparse.Namespace, redundant: int) -> dict[str, Any
                 "before": imbalance([float(n) for n in ran_a]),
                 "after": imbalance([float(n) for n in ran_b]),
                 "b_under_initial": imbalance(rank_loads(counts_b, initial, args.ep)),
+                "estimated_after_on_a": record.after[i] if record else None,
                 "rank_tokens_before": ran_a,
                 "rank_tokens_after": ran_b,
                 "placement": slots[i],

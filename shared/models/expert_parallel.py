@@ -216,8 +216,8 @@ def move_experts(moe: ExpertParallelMoE, new: Placement) -> int:
         bufs = [p.detach() for p in local] or [torch.empty_like(p) for p in template]
         for buf in bufs:
             dist.broadcast(buf, src=src, group=moe.group)
-        if e in mine_new and e not in mine_old:
-            arriving[e] = [b.clone() if src == moe.rank else b for b in bufs]
+        if e in mine_new and e not in mine_old:  # so src is another rank: bufs are fresh
+            arriving[e] = bufs
     changed = [i for i in range(s) if mine_old[i] != mine_new[i]]
     # Local sources are read before any slot is overwritten (slots may trade experts).
     for e in {mine_new[i] for i in changed} - arriving.keys():
