@@ -21,7 +21,8 @@ So a step costs two all-reduces per layer, one for the embedding and one all-gat
 the logits of the rows that are sampled. Query heads go with their kv heads (contiguous
 slices keep GQA's head grouping), which is why `world` must divide both head counts.
 Mixture-of-Experts layers split every expert's MLP the same way; the router stays whole
-on every rank, so each rank picks the same experts, and the block is reduced once.
+on every rank, so each rank picks the same experts, and the block is reduced once. Under
+expert parallelism they are left whole here, for tokenyard.models.expert_parallel to place.
 
 Weight-only quantization is applied after this, to each rank's slices (quantize() walks
 into the wrappers): int8's per-channel and int4's per-group scales are then those of the
