@@ -38,6 +38,7 @@ import torch
 from result_path import OUT_HELP, out_path
 
 from tokenyard import LLM, SamplingParams
+from tokenyard.engine.contract import Prompt
 from tokenyard.models.expert_parallel import ep_blocks
 from tokenyard.models.expert_placement import imbalance, initial_placement, rank_loads
 from tokenyard.models.loader import load_tokenizer
@@ -126,12 +127,12 @@ def run(folder: Path, args: argparse.Namespace, redundant: int) -> dict[str, Any
     try:
         balancer = llm.engine.expert_balancer
         assert balancer is not None
-        llm.generate(prompts(args.prompts, seed=1), params)
+        llm.generate(list[Prompt](prompts(args.prompts, seed=1)), params)
         window_a = balancer.window()
         start = time.perf_counter()
         record = balancer.rebalance()
         seconds = time.perf_counter() - start
-        llm.generate(prompts(args.prompts, seed=2), params)
+        llm.generate(list[Prompt](prompts(args.prompts, seed=2)), params)
         window_b = balancer.window()
         slots = [b.slots for b in ep_blocks(llm.engine.runner.model)]
     finally:
