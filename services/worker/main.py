@@ -82,6 +82,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         settings.device == "cpu"
         and settings.tensor_parallel_size == 1
         and settings.pipeline_parallel_size == 1
+        and settings.expert_parallel_size == 1  # its config refuses a shared pool
     )
     if one_cpu_rank and settings.prefills and settings.kv_transfer and settings.kv_shared_memory:
         optional["kv_pool_factory"] = shared_pool
@@ -94,7 +95,12 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         }
     optional["prefix_cache_grows_pool"] = settings.prefix_cache_grows_pool
     optional["prefault_kv_pool"] = settings.prefault_kv_pool and settings.prefix_cache_grows_pool
-    if settings.device == "cpu" and settings.shared_weights_dir:
+    # NOTE: not under expert parallelism: the placement balancer rewrites experts in place.
+    if (
+        settings.device == "cpu"
+        and settings.shared_weights_dir
+        and settings.expert_parallel_size == 1
+    ):
         optional["shared_weights_dir"] = settings.shared_weights_dir
     config = EngineConfig(
         model=settings.model,
@@ -105,6 +111,9 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, type[SamplingParams]
         cpu_memory_utilization=settings.cpu_memory_utilization,
         tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size,
+        expert_parallel_size=settings.expert_parallel_size,
+        expert_redundant_slots=settings.expert_redundant_slots,
+        expert_rebalance_interval=settings.expert_rebalance_interval,
         **{k: v for k, v in optional.items() if v is not None},
     )
     engine = LLMEngine(config)

@@ -78,6 +78,11 @@ class WorkerSettings(BaseSettings):
     # Pipeline stages (EngineConfig.pipeline_parallel_size), each of tensor_parallel_size
     # ranks; the worker starts them too, and its pool stays out of hand-offs the same way.
     pipeline_parallel_size: int = 1
+    # Ranks a Mixture-of-Experts model's experts are placed over, and the placement
+    # balancer's spare slots per rank and interval in steps (EngineConfig.expert_*).
+    expert_parallel_size: int = 1
+    expert_redundant_slots: int = Field(default=0, ge=0)
+    expert_rebalance_interval: int = Field(default=0, ge=0)
     heartbeat_interval_s: float = 1.0
     # One engine call (a step, a stats read) running longer than this means the engine is
     # stuck: /ready turns 503 and heartbeats say so, though the process still beats.

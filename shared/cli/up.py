@@ -138,6 +138,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "layers. Per role as for --tensor-parallel-size",
     )
     parser.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="place a Mixture-of-Experts model's experts over N ranks per worker (tokens go "
+        "to their experts' ranks by all-to-all); N is 1 or the worker's ranks: with "
+        "--tensor-parallel-size N attention is split over the same ranks, with 1 each rank "
+        "runs it whole. Unquantized weights only (the CPU default becomes --quantization none)",
+    )
+    parser.add_argument(
+        "--expert-redundant-slots",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --expert-parallel-size: spare expert slots per rank that the placement "
+        "balancer fills with replicas of the hottest experts",
+    )
+    parser.add_argument(
+        "--expert-rebalance-interval",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="with --expert-parallel-size: recompute the experts' placement from the tokens "
+        "each took every STEPS engine steps, moving and replicating experts without a "
+        "restart (0 = never)",
+    )
+    parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -327,7 +354,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
                 "target, so the target must not be quantized: add --quantization none"
             )
         speculative = {"TOKENYARD_WORKER_SPECULATIVE": args.speculative}
-    quantization = args.quantization or ("int4" if args.device == "cpu" else "none")
+    quantization = _quantization(args)
     if args.deterministic and quantization not in ("int4", "int8"):
         raise SystemExit("--deterministic needs --quantization int4 or int8")
     tp, pp = (
@@ -339,6 +366,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
             "--speculative runs on one rank only: drop it or --tensor-parallel-size and "
             "--pipeline-parallel-size"
         )
+    expert_parallel = _expert_parallel_env(args, quantization, tp, pp)
     gateway_env = _parsers_env(args)
     dtype = auto_dtype(args.device) if args.dtype == "auto" else args.dtype
     try:
@@ -375,6 +403,7 @@ def config_from(args: argparse.Namespace) -> StackConfig:
             **_quantization_env(args),
             **speculative,
             **_lora_env(args),
+            **expert_parallel,
             **({"TOKENYARD_WORKER_DETERMINISTIC": "1"} if args.deterministic else {}),
         },
         device=args.device,
@@ -382,7 +411,8 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         cpu_memory_utilization=args.cpu_memory_utilization,
         tensor_parallel_size=tp[""],
         pipeline_parallel_size=pp[""],
-        role_parallel=_role_parallel(tp, pp),
+        role_parallel=_role_parallel(tp, pp, args.expert_parallel_size),
+        expert_parallel_size=args.expert_parallel_size,
     )
 
 
@@ -405,12 +435,14 @@ def role_sizes(text: str, flag: str) -> dict[str, int]:
     return sizes
 
 
-def _role_parallel(tp: dict[str, int], pp: dict[str, int]) -> dict[str, WorkerParallel]:
-    """The roles named in either flag, each with both of its sizes."""
+def _role_parallel(
+    tp: dict[str, int], pp: dict[str, int], ep: int = 1
+) -> dict[str, WorkerParallel]:
+    """The roles named in either flag, each with both of its sizes (and the experts' ranks)."""
     from tokenyard.services.launch.config import WorkerParallel
 
     named = sorted((tp.keys() | pp.keys()) - {""})
-    return {r: WorkerParallel(tp.get(r, tp[""]), pp.get(r, pp[""])) for r in named}
+    return {r: WorkerParallel(tp.get(r, tp[""]), pp.get(r, pp[""]), ep) for r in named}
 
 
 def _lora_env(args: argparse.Namespace) -> dict[str, str]:
@@ -418,10 +450,14 @@ def _lora_env(args: argparse.Namespace) -> dict[str, str]:
     workers check the adapters themselves, and refuse to start on a bad one)."""
     if not args.lora and not args.enable_lora:
         return {}
-    if args.tensor_parallel_size.strip() != "1" or args.pipeline_parallel_size.strip() != "1":
+    if (
+        args.tensor_parallel_size.strip() != "1"
+        or args.pipeline_parallel_size.strip() != "1"
+        or args.expert_parallel_size != 1
+    ):
         raise SystemExit(
-            "--lora runs on one rank only: drop it or --tensor-parallel-size and "
-            "--pipeline-parallel-size"
+            "--lora runs on one rank only: drop it or --tensor-parallel-size, "
+            "--pipeline-parallel-size and --expert-parallel-size"
         )
     if args.max_loras < 1 or args.max_lora_rank < 1:
         raise SystemExit("--max-loras and --max-lora-rank must be at least 1")
@@ -441,6 +477,37 @@ def _lora_env(args: argparse.Namespace) -> dict[str, str]:
         "TOKENYARD_WORKER_MAX_LORAS": str(args.max_loras),
         "TOKENYARD_WORKER_MAX_LORA_RANK": str(args.max_lora_rank),
         "TOKENYARD_WORKER_MAX_CPU_LORAS": str(max(32, args.max_loras, len(modules))),
+    }
+
+
+def _expert_parallel_env(
+    args: argparse.Namespace, quantization: str, tp: dict[str, int], pp: dict[str, int]
+) -> dict[str, str]:
+    """The expert-placement balancer's settings for the workers; a layout the engine
+    refuses (EngineConfig._check_expert_parallel) stops here, before anything starts."""
+    ep = args.expert_parallel_size
+    if ep < 1 or args.expert_redundant_slots < 0 or args.expert_rebalance_interval < 0:
+        raise SystemExit(
+            "--expert-parallel-size must be at least 1, --expert-redundant-slots and "
+            "--expert-rebalance-interval at least 0"
+        )
+    if ep == 1:
+        return {}
+    if any(size not in (1, ep) for size in tp.values()):
+        raise SystemExit(
+            f"--expert-parallel-size {ep} places experts over the worker's ranks: use "
+            f"--tensor-parallel-size 1 or {ep}"
+        )
+    if max(pp.values()) > 1:
+        raise SystemExit(
+            "--expert-parallel-size does not combine with --pipeline-parallel-size yet (in "
+            "stages the experts are sliced by --tensor-parallel-size)"
+        )
+    if quantization != "none" or args.speculative:
+        raise SystemExit("--expert-parallel-size runs unquantized, without --speculative")
+    return {
+        "TOKENYARD_WORKER_EXPERT_REDUNDANT_SLOTS": str(args.expert_redundant_slots),
+        "TOKENYARD_WORKER_EXPERT_REBALANCE_INTERVAL": str(args.expert_rebalance_interval),
     }
 
 
@@ -482,8 +549,15 @@ def _kv_cache_env(args: argparse.Namespace, kv_dtype: str) -> dict[str, str]:
     return {"TOKENYARD_WORKER_KV_CACHE_BYTES": str(kv_cache_mib * 1024**2)}
 
 
+def _quantization(args: argparse.Namespace) -> str:
+    """--quantization, or by default int4 on the CPU (none with expert parallelism, which
+    moves plain weights) and none on cuda."""
+    cpu_default = "int4" if args.expert_parallel_size == 1 else "none"
+    return args.quantization or (cpu_default if args.device == "cpu" else "none")
+
+
 def _quantization_env(args: argparse.Namespace) -> dict[str, str]:
-    quantization = args.quantization or ("int4" if args.device == "cpu" else "none")
+    quantization = _quantization(args)
     if args.device != "cpu" and quantization != "none":
         raise SystemExit(f"--quantization {quantization} runs on the CPU only; drop it for cuda")
     return {} if quantization == "none" else {"TOKENYARD_WORKER_QUANTIZATION": quantization}

@@ -97,6 +97,16 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int = 32
+    # Ranks the experts of a Mixture-of-Experts model are placed over
+    # (tokenyard.models.expert_parallel): 1, or the engine's whole set of ranks, which are
+    # the tensor-parallel ranks when tensor_parallel_size > 1 (attention stays sharded by
+    # heads) and otherwise as many ranks that each run the attention whole.
+    expert_parallel_size: int = 1
+    # Expert parallelism's load balancer (tokenyard.models.expert_placement): spare expert
+    # slots per rank that hold replicas of the hottest experts, and how many steps apart
+    # the placement is recomputed from the tokens counted since the last (0 = never).
+    expert_redundant_slots: int = 0
+    expert_rebalance_interval: int = 0
     enable_prefix_caching: bool = True
     # Whether the prefix cache keeps freed blocks while never-written ones remain, so a lazily
     # resident KV pool becomes resident in full; False: it reuses its oldest cached block
@@ -169,14 +179,17 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_tensor_parallel()
         self._check_pipeline_parallel()
+        self._check_expert_parallel()
+        self._check_lora()
         self._check_device()
 
     @property
     def world_size(self) -> int:
-        """The engine's ranks (processes, and GPUs on CUDA): tp x pp."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-        self._check_lora()
-        self._check_device()
+        """The engine's ranks (processes, and GPUs on CUDA): tp x pp, where expert-parallel
+        ranks are the tensor-parallel ones (or as many ranks of whole attention)."""
+        return (
+            max(self.tensor_parallel_size, self.expert_parallel_size) * self.pipeline_parallel_size
+        )
 
     def _check_lora(self) -> None:
         if not self.enable_lora:
@@ -209,9 +222,10 @@ class EngineConfig:
             last = int(index or 0) + self.world_size - 1
             if last >= gpu.count:
                 raise ValueError(
-                    f"device {self.device!r} with tensor_parallel_size "
-                    f"{self.tensor_parallel_size} x pipeline_parallel_size "
-                    f"{self.pipeline_parallel_size} needs CUDA device {last}: only "
+                    f"device {self.device!r} with {self.world_size} ranks (tensor_parallel_size "
+                    f"{self.tensor_parallel_size}, pipeline_parallel_size "
+                    f"{self.pipeline_parallel_size}, expert_parallel_size "
+                    f"{self.expert_parallel_size}) needs CUDA device {last}: only "
                     f"{gpu.count} CUDA devices"
                 )
 
@@ -250,3 +264,34 @@ class EngineConfig:
                 "a kv_pool_factory (shared-memory KV pool) holds one rank's pool: not with "
                 f"pipeline_parallel_size {pp}"
             )
+
+    def _check_expert_parallel(self) -> None:
+        """Expert parallelism's shape and what it does not combine with, refused up front."""
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        if ep < 1:
+            raise ValueError(f"expert_parallel_size must be at least 1, got {ep}")
+        if self.expert_redundant_slots < 0 or self.expert_rebalance_interval < 0:
+            raise ValueError("expert_redundant_slots and expert_rebalance_interval must be >= 0")
+        if ep == 1:
+            return
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"expert_parallel_size {ep} with pipeline_parallel_size "
+                f"{self.pipeline_parallel_size}: not combined yet; in stages the experts are "
+                "sliced by tensor_parallel_size"
+            )
+        if tp not in (1, ep):
+            raise ValueError(
+                f"expert_parallel_size {ep} with tensor_parallel_size {tp}: the experts are "
+                "placed over the engine's ranks, so choose tensor_parallel_size 1 or "
+                f"{ep} (attention replicated, or sharded over the same {ep} ranks)"
+            )
+        refused = {
+            "speculative_config": self.speculative_config,
+            "kv_pool_factory": self.kv_pool_factory,
+            "quantization": self.quantization,  # the balancer copies plain weights
+            "shared_weights_dir": self.shared_weights_dir,  # read-only; experts move
+        }
+        for name, value in refused.items():
+            if value is not None:
+                raise ValueError(f"{name} is not supported with expert_parallel_size {ep} yet")

@@ -21,6 +21,7 @@ import torch
 from tokenyard.engine.block_manager import BlockManager
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.contract import Prompt
+from tokenyard.engine.expert_balance import ExpertBalancer
 from tokenyard.engine.guided import CLOSE_MAX_TOKENS, Guide, PendingMasks
 from tokenyard.engine.handoff import SequenceHandoff
 from tokenyard.engine.kv_blocks import KVBlocks
@@ -49,6 +50,8 @@ from tokenyard.engine.stop import StopChecker
 from tokenyard.kv import engine_port
 from tokenyard.kv.layout import KVLayout
 from tokenyard.lifecycle import trim_heap
+from tokenyard.models.expert_parallel import check_ep
+from tokenyard.models.llama import LlamaForCausalLM
 from tokenyard.models.loader import LoadedModel, load_model
 from tokenyard.models.lora import apply_lora
 from tokenyard.models.moe import moe_blocks
@@ -124,6 +127,7 @@ class LLMEngine:
             broadcast=self.ranks.broadcast if self.ranks else None,
             lora=self.lora,
         )
+        self.expert_balancer = _expert_balancer(config, model, self.ranks)
         self.guide = Guide(self.tokenizer, self.model_config.vocab_size)
         self.speculator = build_speculator(
             config, self.runner, self.block_manager, self.max_model_len
@@ -318,6 +322,8 @@ class LLMEngine:
             # NOTE: drafts skip the grammar and the logit edits, so those requests get none.
             self.speculator.propose([s for s in self.scheduler.running if not _processed(s)])
         self._finish_unloads()
+        if self.expert_balancer is not None:  # between steps: every rank is idle
+            self.expert_balancer.after_step()
         return outputs
 
     def _pool(self, result: StepLogits) -> list[RequestOutput]:
@@ -541,12 +547,24 @@ def _lora_manager(model: torch.nn.Module, config: EngineConfig) -> LoRAManager |
 
 
 def _start_ranks(config: EngineConfig, loaded: LoadedModel) -> TensorParallelRanks | None:
-    """The other tensor- and pipeline-parallel ranks, started and joined; None on one rank."""
+    """The other tensor-, pipeline- and expert-parallel ranks, started and joined; None on
+    one rank."""
     if config.world_size == 1:
         return None
     check_tp(loaded.config, config.tensor_parallel_size)  # before starting any process
     check_pp(loaded.config, config.pipeline_parallel_size)
+    check_ep(loaded.config, config.expert_parallel_size)
     return TensorParallelRanks(config, loaded.path)
+
+
+def _expert_balancer(
+    config: EngineConfig, model: LlamaForCausalLM, ranks: TensorParallelRanks | None
+) -> ExpertBalancer | None:
+    """Expert parallelism's placement balancer on rank 0; None on one expert-parallel rank."""
+    if config.expert_parallel_size == 1:
+        return None
+    assert ranks is not None
+    return ExpertBalancer(model, config.expert_rebalance_interval, ranks.broadcast)
 
 
 def _merge(outs: list[RequestOutput]) -> RequestOutput:

@@ -27,6 +27,7 @@ from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.pipeline import RankPlace, stage_tp_group
 from tokenyard.engine.shared_weights import share_weights
 from tokenyard.kv.layout import KVLayout
+from tokenyard.models.expert_parallel import apply_ep
 from tokenyard.models.llama import LlamaForCausalLM
 from tokenyard.models.loader import LoadedModel
 from tokenyard.models.moe import SparseMoeBlock, moe_blocks
@@ -149,8 +150,10 @@ def build_model_and_pool(
     # Sharded on the host, so a GPU only ever holds its rank's share of the weights.
     model.to_empty(device=device if config.world_size == 1 else torch.device("cpu"))
     model.load_weights(loaded.weights)
-    apply_tp(model, place.tp_rank, tp, stage_tp_group(place))
+    ep = config.expert_parallel_size
+    apply_tp(model, place.tp_rank, tp, stage_tp_group(place), shard_experts=ep == 1)
     apply_pp(model, place.stage, place.pp)
+    apply_ep(model, rank, ep, config.expert_redundant_slots)
     model.to(device=device, dtype=dtype)
     if model.rope is not None and device.type != "cpu":  # plain attributes: not moved by .to()
         model.rope.cos, model.rope.sin = model.rope.cos.to(device), model.rope.sin.to(device)

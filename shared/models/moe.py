@@ -51,17 +51,27 @@ class SparseMoeBlock(LeanModule):
     def forward(self, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]; `prompt` as MLP.forward takes it."""
         weights, ids = self.route(x)  # [T, k] each
-        self.tokens_per_expert += torch.bincount(ids.flatten(), minlength=len(self.experts))
+        self.count(ids)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
             y = self.expert(e)(x[rows], prompt) * weights[rows, slot, None]
             out.index_add_(0, rows, y)
         if self.shared_expert is not None:
-            assert self.shared_expert_gate is not None
-            gate = torch.sigmoid(self._scores(x, self.shared_expert_gate))  # [T, 1]
-            out += gate * self.shared_expert(x, prompt)
+            out += self.shared_output(x, prompt)
         return out
+
+    def count(self, ids: torch.Tensor) -> None:
+        """Add a step's routing (ids [T, k]) to the tokens each expert took."""
+        self.tokens_per_expert += torch.bincount(
+            ids.flatten(), minlength=len(self.tokens_per_expert)
+        )
+
+    def shared_output(self, x: torch.Tensor, prompt: bool) -> torch.Tensor:
+        """The shared expert's output scaled by its gate: x [T, hidden] -> [T, hidden]."""
+        assert self.shared_expert is not None and self.shared_expert_gate is not None
+        gate = torch.sigmoid(self._scores(x, self.shared_expert_gate))  # [T, 1]
+        return gate * self.shared_expert(x, prompt)
 
     def _scores(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] @ gate [G, hidden].T -> [T, G]; row by row when batch-invariant."""

@@ -21,7 +21,8 @@ So a step costs two all-reduces per layer, one for the embedding and one all-gat
 the logits of the rows that are sampled. Query heads go with their kv heads (contiguous
 slices keep GQA's head grouping), which is why `world` must divide both head counts.
 Mixture-of-Experts layers split every expert's MLP the same way; the router stays whole
-on every rank, so each rank picks the same experts, and the block is reduced once.
+on every rank, so each rank picks the same experts, and the block is reduced once. Under
+expert parallelism they are left whole here, for tokenyard.models.expert_parallel to place.
 
 Weight-only quantization is applied after this, to each rank's slices (quantize() walks
 into the wrappers): int8's per-channel and int4's per-group scales are then those of the
@@ -122,8 +123,16 @@ class GatherVocab(LeanModule):
         return torch.cat(parts, dim=-1)[:, : self.vocab_size]
 
 
-def apply_tp(model: nn.Module, rank: int, world: int, group: ProcessGroup = None) -> nn.Module:
-    """Keep rank `rank`'s share of a loaded LlamaForCausalLM's weights, in place."""
+def apply_tp(
+    model: nn.Module,
+    rank: int,
+    world: int,
+    group: ProcessGroup = None,
+    shard_experts: bool = True,
+) -> nn.Module:
+    """Keep rank `rank`'s share of a loaded LlamaForCausalLM's weights, in place.
+    `shard_experts=False` leaves sparse layers whole, for expert parallelism to place
+    (tokenyard.models.expert_parallel)."""
     assert isinstance(model, LlamaForCausalLM)
     check_tp(model.config, world)
     if world == 1:
@@ -131,12 +140,13 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: ProcessGroup = None
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, Attention)
         _shard_attention(layer.self_attn, rank, world)
-        _shard_feed_forward(layer.mlp, rank, world)
         # NOTE: wrappers swapped in where gpt-fast registers forward hooks: LeanModule skips
         # hooks on the hot path. The layer calls them as it called the plain ones.
         swap: Any = layer
         swap.self_attn = AllReduce(layer.self_attn, group)
-        swap.mlp = AllReduce(layer.mlp, group)
+        if shard_experts or not isinstance(layer.mlp, SparseMoeBlock):
+            _shard_feed_forward(layer.mlp, rank, world)
+            swap.mlp = AllReduce(layer.mlp, group)
     _shard_vocab(model, rank, world, group)
     return model
 

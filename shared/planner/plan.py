@@ -114,9 +114,11 @@ def layouts(hw: Hardware, s: PlanSettings) -> list[tuple[int, int]]:
     return [(tp, 1) for tp in tps] + [(tps[-1], pp) for pp in range(2, s.max_pp + 1)]
 
 
-def expert_parallel_size(model: ModelSpec, tp: int) -> int:
-    """The plan's ep: a MoE model's experts spread over the tensor-parallel ranks."""
-    return tp if model.is_moe else 1
+def expert_parallel_size(model: ModelSpec, tp: int, pp: int = 1) -> int:
+    """The plan's ep: a MoE model's experts spread over the tensor-parallel ranks; in
+    pipeline stages they are sliced by tensor parallelism instead (the engine does not
+    combine expert parallelism with stages yet)."""
+    return tp if model.is_moe and pp == 1 else 1
 
 
 def choose_parallelism(
@@ -207,7 +209,7 @@ def make_plan(
         kv_dtype=kv_dtype,
         tp=dep.tp,
         pp=dep.pp,
-        ep=expert_parallel_size(model, dep.tp),
+        ep=expert_parallel_size(model, dep.tp, dep.pp),
         gpus_per_replica=dep.gpus,
         memory_per_gpu_gb={
             "weights": memory["weights"],

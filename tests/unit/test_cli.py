@@ -237,6 +237,31 @@ def test_up_parallel_sizes_per_role_reach_each_roles_workers():
         up_config("--pipeline-parallel-size", "2", "--speculative", '{"method": "ngram"}')
 
 
+def test_up_expert_parallel_size_reaches_the_stack_and_the_workers():
+    assert up_config().expert_parallel_size == 1
+    config = up_config(
+        "--expert-parallel-size",
+        "2",
+        "--tensor-parallel-size",
+        "2",
+        "--expert-redundant-slots",
+        "1",
+        "--expert-rebalance-interval",
+        "100",
+    )
+    assert config.expert_parallel_size == 2 and config.parallel("both").world_size == 2
+    assert config.worker_env["TOKENYARD_WORKER_EXPERT_REDUNDANT_SLOTS"] == "1"
+    assert config.worker_env["TOKENYARD_WORKER_EXPERT_REBALANCE_INTERVAL"] == "100"
+    # the weights stay plain on the CPU: the balancer copies them between ranks
+    assert "TOKENYARD_WORKER_QUANTIZATION" not in config.worker_env
+    with pytest.raises(SystemExit, match="--tensor-parallel-size 1 or 4"):
+        up_config("--expert-parallel-size", "4", "--tensor-parallel-size", "2")
+    with pytest.raises(SystemExit, match="runs unquantized"):
+        up_config("--expert-parallel-size", "2", "--quantization", "int4")
+    with pytest.raises(SystemExit, match="at least 1"):
+        up_config("--expert-parallel-size", "0")
+
+
 def test_the_default_layout_follows_the_host(monkeypatch):
     from tokenyard.cli import up
 
