@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -295,12 +295,14 @@ def convert_for_vllm(gguf: Path, out: Path) -> Path:
     return out
 
 
-def start_vllm(python: str, model_dir: Path, log: Path, dtype: str, model: Model) -> Running:
+def start_vllm(
+    python: str, model_dir: Path, log: Path, dtype: str, model: Model, extra: Sequence[str] = ()
+) -> Running:
     port = free_port()
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", model.name, "--dtype", dtype, "--port", str(port),
-        "--host", "127.0.0.1",
+        "--host", "127.0.0.1", *extra,
     ]  # fmt: skip
     if model.folder:
         config = json.loads((model.folder / "config.json").read_text())

@@ -4,6 +4,7 @@
     worker.presence   heartbeats and readiness, peers' heartbeats, KV events and resync
     worker.handoffs   the prefill-to-decode hand-off, both ends
     worker.kv         the KV transfer endpoint (tokenyard.kv.transfer)
+    worker.kvcache    the shared KV-cache service: prefix fetches, prompt and reply offloads
 
 Role handlers (prefill.py, decode.py) sit on top of one WorkerBase; a worker with role
 "both" runs both handlers over the same engine.
@@ -29,6 +30,7 @@ from tokenyard.services.worker.convert import engine_params
 from tokenyard.services.worker.engine_loop import EngineLoop
 from tokenyard.services.worker.handoff import Handoffs
 from tokenyard.services.worker.kv import KVPort
+from tokenyard.services.worker.kvcache import KVCachePort
 from tokenyard.services.worker.metrics import WorkerMetrics, since_arrival_s
 from tokenyard.services.worker.presence import Presence
 from tokenyard.services.worker.settings import WorkerSettings
@@ -80,6 +82,7 @@ class WorkerBase:
             thread=engine_thread,
         )
         self.kv = KVPort(self.loop, settings)
+        self.kvcache = KVCachePort(self.loop, settings, self.metrics)
         gate = AdmissionGate(self.cap.seq_cap, settings.scheduling_policy)
         self.streams = Streams(bus, self.worker_id, self.loop, gate, self.metrics, self.decode_text)
         self.presence = Presence(
@@ -113,6 +116,7 @@ class WorkerBase:
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         await self.kv.start()
+        await self.kvcache.start()
         self._loop_task = tg.create_task(self.loop.run(), name="engine-loop")
         await self.bus.subscribe(subjects.CANCEL_ALL, pb.Cancel, self.streams.on_cancel)
         await self.bus.subscribe(subjects.REPLAY_ALL, pb.Replay, self.streams.on_replay)
@@ -120,6 +124,7 @@ class WorkerBase:
         await self.presence.start(tg, self.stopping)
 
     async def stop(self) -> None:
+        await self.kvcache.stop()  # its uploads first: their copy-outs need the engine loop
         self._loop_task.cancel()
         await self.kv.stop()
         self.loop.shutdown()

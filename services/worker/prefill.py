@@ -14,7 +14,7 @@ from tokenyard.bus import auth, subjects
 from tokenyard.bus.workqueue import Delivery, Outcome, WorkQueue, WorkQueueSpec
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.convert import error_chunk
-from tokenyard.services.worker.kvcache import KVCachePort, PrefixHit
+from tokenyard.services.worker.kvcache import PrefixHit
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.services.worker.stream import HANDED_BACK
 from tokenyard.tracing import REQUEST_ID, tracer
@@ -44,7 +44,7 @@ class PrefillHandler:
         self.w = worker
         self.settings = worker.settings
         self.bus = worker.bus
-        self.cache = KVCachePort(worker.loop, worker.settings, worker.metrics)
+        self.cache = worker.kvcache
         self.queue = WorkQueue(
             self.bus,
             queue_spec(self.settings),
@@ -58,7 +58,6 @@ class PrefillHandler:
         worker.presence.kvcache_fetch_ms_per_block = lambda: self.cache.fetch_ms_per_block
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
-        await self.cache.start()
         await self.queue.start(tg)
 
     async def remove_own_consumer_if_empty(self) -> None:
@@ -124,9 +123,12 @@ class PrefillHandler:
             return False
         self._account(prompt, stream.cached_tokens or 0, hit)
         if reason != "prefilled":
-            self._offload_reply(rid, prompt, stream.output_token_ids, salt, reason)
+            self.cache.offload_reply(rid, prompt, stream.output_token_ids, salt, reason)
             return True
-        await self.w.handoffs.send(job, stream.cached_tokens or 0)
+        here = await self.w.handoffs.send(job, stream.cached_tokens or 0)
+        if here is not None:  # refused by its decode worker: decoded here
+            reason = await here.done
+            self.cache.offload_reply(rid, prompt, here.output_token_ids, salt, reason)
         return True
 
     async def _fetch(self, rid: str, prompt: list[int], salt: str, wanted: bool) -> PrefixHit:
@@ -146,20 +148,6 @@ class PrefillHandler:
         # (docs/benchmarks.md). In the background: the copy-out waits for a step boundary.
         skip = fetch.result().cached_tokens if fetch.done() and not fetch.cancelled() else 0
         self.cache.offload_soon(rid, prompt, skip_tokens=skip, cache_salt=salt)
-
-    def _offload_reply(
-        self, rid: str, prompt: list[int], output: list[int], salt: str, reason: str
-    ) -> None:
-        """A finished request's reply blocks, for a chat's next turn (the prompt's full
-        blocks went with the first token)."""
-        if not self.settings.kv_offload_replies or reason in ("abort", "error") or not output:
-            return
-        bs = self.w.engine.block_size
-        # The last token's KV was never computed: only blocks full before it are cached.
-        tokens = prompt + output[:-1]
-        self.cache.offload_soon(
-            rid, tokens, skip_tokens=len(prompt) // bs * bs, cache_salt=salt, source="reply"
-        )
 
     def _account(self, prompt: list[int], cached_tokens: int, hit: PrefixHit) -> None:
         """Prompt tokens served by each tier (the engine's count includes the fetched ones)."""
