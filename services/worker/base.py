@@ -145,12 +145,12 @@ class WorkerBase:
         prefill_only: bool = False,
         arrival_unix_ns: int = 0,
         on_prompt_computed: Callable[[], None] | None = None,
-        before_add: Awaitable[object] | None = None,
+        before_add: Callable[[], Awaitable[object]] | None = None,
     ) -> TokenStream:
         """Run a request (or just its prefill) here; returns its stream once it has ended.
 
         ``on_prompt_computed`` is called once, with the request's first output;
-        ``before_add`` (a KV-cache fetch under way) is awaited once the request is admitted,
+        ``before_add()`` (a KV-cache fetch under way) is awaited once the request is admitted,
         before the engine sees it, so the two waits overlap. A request
         that already runs here (a gateway's resume of it came first) is joined, not started
         again: its stream is returned once it has ended."""
@@ -170,7 +170,7 @@ class WorkerBase:
         if not admitted:
             return stream  # cancelled or handed back while it waited
         if before_add is not None:
-            await before_add
+            await before_add()
         if self.streams.is_cancelled(request_id):  # cancelled before its stream existed (a fetch)
             await stream.aborted()
             return stream

@@ -27,9 +27,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tokenyard.engine.outputs import NoFreeBlocks
 from tokenyard.kv.store.offload import BandwidthBudget, RecentHashes
 from tokenyard.services.worker.engine_loop import EngineLoop
-from tokenyard.services.worker.metrics import KV_FETCH_BYTES, KV_OFFLOAD_FAILURES, WorkerMetrics
+from tokenyard.services.worker.metrics import KV_OFFLOAD_FAILURES, WorkerMetrics
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.services.worker.stream import HANDED_BACK
 
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 class PrefixHit:
     cached_tokens: int  # the prompt's leading tokens the engine now holds (0 = a miss)
     fetched_tokens: int  # of those, the ones fetched from the service (the rest were here)
+    pool_full: bool = False  # no free blocks to land it in: worth trying again once admitted
 
 
 RECENT_HASHES = 65536  # blocks known to be in the service: about 48 GB of SmolLM2-135M's
@@ -103,7 +105,10 @@ class KVCachePort:
             n = await fetch_prefix(
                 engine, self._client, prompt, call=self.loop.call, cache_salt=cache_salt
             )
-        except Exception as exc:  # no free blocks, the service gone: compute it all instead
+        except NoFreeBlocks as exc:
+            log.info("KV-cache fetch for %s: the pool is full (%s)", request_id, exc)
+            return PrefixHit(0, 0, pool_full=True)
+        except Exception as exc:  # the service gone, a bad block: compute it all instead
             log.warning("KV-cache fetch for %s failed (%s); computing", request_id, exc)
             return PrefixHit(0, 0)
         fetched_blocks = max(0, n // bs - local)
@@ -118,7 +123,7 @@ class KVCachePort:
     def _on_fetched(self, num_blocks: int, seconds: float) -> None:
         layout = self.loop.engine.layout
         assert layout is not None  # the client exists only for an engine with a pool
-        self.metrics.child(KV_FETCH_BYTES).inc(num_blocks * layout.block_nbytes)
+        self.metrics.on_fetch(num_blocks * layout.block_nbytes)
         ms = seconds * 1000 / num_blocks
         avg = self.fetch_ms_per_block
         self.fetch_ms_per_block = ms if avg == 0 else avg + FETCH_COST_WEIGHT * (ms - avg)

@@ -17,7 +17,7 @@ from tokenyard.services.worker.convert import error_chunk
 from tokenyard.services.worker.kvcache import PrefixHit
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.services.worker.stream import HANDED_BACK
-from tokenyard.tracing import REQUEST_ID, tracer
+from tokenyard.tracing import REQUEST_ID, WORKER_ID, tracer
 from tokenyard.v1 import serving_pb2 as pb
 
 _tracer = tracer("tokenyard.worker")
@@ -104,7 +104,16 @@ class PrefillHandler:
         # The fetch of a shared hit runs while the request waits for admission here.
         # NOTE: mean pooling computes every prompt token: a fetched prefix would go unused.
         wanted = job.params.pooling != "mean"
-        fetch = asyncio.get_running_loop().create_task(self._fetch(rid, prompt, salt, wanted))
+        spawn = asyncio.get_running_loop().create_task
+        fetches = [spawn(self._fetch(rid, prompt, salt, wanted))]
+
+        async def before_add() -> None:
+            if (await asyncio.shield(fetches[0])).pool_full:
+                # The pool had no room for the prefix while the request queued behind
+                # running ones (a loaded worker's usual state); admitted, it has room.
+                fetches.append(spawn(self._fetch(rid, prompt, salt, wanted)))
+                await asyncio.shield(fetches[-1])
+
         try:
             stream = await self.w.generate(
                 rid,
@@ -113,11 +122,12 @@ class PrefillHandler:
                 job.params,
                 prefill_only=not aggregated,
                 arrival_unix_ns=job.arrival_unix_ns,
-                on_prompt_computed=lambda: self._offload_prompt(rid, prompt, fetch, salt),
-                before_add=asyncio.shield(fetch),
+                on_prompt_computed=lambda: self._offload_prompt(rid, prompt, fetches[-1], salt),
+                before_add=before_add,
             )
         finally:
-            hit = await fetch  # never cancelled: its reserved blocks are committed or freed
+            # Never cancelled: their reserved blocks are committed or freed.
+            hit = [await fetch for fetch in fetches][-1]
         reason = await stream.done
         if reason == HANDED_BACK:
             return False
@@ -134,7 +144,8 @@ class PrefillHandler:
     async def _fetch(self, rid: str, prompt: list[int], salt: str, wanted: bool) -> PrefixHit:
         if not wanted:
             return PrefixHit(cached_tokens=0, fetched_tokens=0)
-        with _tracer.start_as_current_span("kvcache.fetch", attributes={REQUEST_ID: rid}) as span:
+        attributes = {REQUEST_ID: rid, WORKER_ID: self.w.worker_id}
+        with _tracer.start_as_current_span("kvcache.fetch", attributes=attributes) as span:
             hit = await self.cache.fetch(rid, prompt, salt)
             span.set_attribute("tokenyard.fetched_tokens", hit.fetched_tokens)
         return hit

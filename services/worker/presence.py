@@ -145,6 +145,8 @@ class Presence:
             ops_endpoint=self.ops_endpoint,
             kv_layout=layout_to_proto(self.engine.layout) if self.engine.layout else None,
             kvcache_fetch_ms_per_block=self.kvcache_fetch_ms_per_block(),
+            kvcache_offload_bytes=self.metrics.kv_offload_bytes,
+            kvcache_fetch_bytes=self.metrics.kv_fetch_bytes,
         )
 
     def log_step_timings(self) -> None:
