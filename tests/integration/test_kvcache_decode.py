@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import pytest
+
 from tokenyard.bus import subjects
 from tokenyard.bus.nats import Bus
 from tokenyard.engine.sampling_params import SamplingParams
@@ -24,6 +26,8 @@ from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.decode import DecodeHandler
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.v1 import serving_pb2 as pb
+
+pytestmark = pytest.mark.slow  # the real model decodes 40 tokens: 75 s here, 197 s under load
 
 GW = "gw-test"
 WORKER = "decode-kv"
