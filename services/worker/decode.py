@@ -4,7 +4,8 @@ Hand-offs arrive by core NATS request/reply on ``ty.decode.<worker>.jobs``; the 
 (HandoffAck) tells the prefill worker whether we took the sequence. A stopping decode
 worker hands its running sequences to another decode worker with the tokens streamed so
 far (the prompt is recomputed there), so no answer is cut short. What a hand-off does is
-tokenyard.services.worker.handoff; this handler decides which ones are taken.
+tokenyard.services.worker.handoff; this handler decides which ones are taken, and sends a
+finished reply's KV blocks to the KV-cache service for a chat's next turn.
 """
 
 from __future__ import annotations
@@ -48,7 +49,16 @@ class DecodeHandler:
                 pb.HandoffAck(request_id=handoff.request_id, accepted=False, message=refusal)
             )
             return
-        await self.w.handoffs.take(handoff, reply)
+        stream = await self.w.handoffs.take(handoff, reply)
+        if stream is None:
+            return
+        # The reply's blocks are here only: the prefill worker offloaded the prompt's.
+        reason = await stream.done
+        prompt = list(handoff.prompt_token_ids)
+        salt = handoff.params.cache_salt
+        self.w.kvcache.offload_reply(
+            handoff.request_id, prompt, stream.output_token_ids, salt, reason
+        )
 
     def _refusal(self, handoff: pb.DecodeHandoff) -> str:
         """Why this hand-off is not taken here ("" = it is)."""

@@ -77,14 +77,14 @@ class Handoffs:
 
     # --- the prefill side ----------------------------------------------------------------
 
-    async def send(self, job: pb.PrefillJob, cached_tokens: int) -> None:
+    async def send(self, job: pb.PrefillJob, cached_tokens: int) -> TokenStream | None:
         """Hand a prefilled job to its decode worker; decode it here when that one does not
-        take it."""
+        take it (its finished stream is returned then, else None)."""
         rid = job.request_id
         exported = await self.loop.call(self.engine.export_sequence, rid)
         if self.streams.is_cancelled(rid):
             await self.kv.end_hold(rid, "cancelled")
-            return
+            return None
         endpoint, src_block_ids = await self.kv.offer(rid, list(exported.block_ids))
         handoff = pb.DecodeHandoff(
             request_id=rid,
@@ -108,13 +108,10 @@ class Handoffs:
             span.set_attribute("tokenyard.accepted", accepted)
         if not endpoint or not accepted or (ack is not None and ack.message == JOINED):
             await self.kv.end_hold(rid, "not pulled")
-        if not accepted and self.streams.is_cancelled(rid):
-            return
-        if not accepted:
-            log.warning(
-                "decode worker %s did not take %s; decoding it here", job.decode_worker_id, rid
-            )
-            await self.decode_here(handoff)
+        if accepted or self.streams.is_cancelled(rid):
+            return None
+        log.warning("decode worker %s did not take %s; decoding it here", job.decode_worker_id, rid)
+        return await self.decode_here(handoff)
 
     async def _offer(
         self, decode_worker_id: str, handoff: pb.DecodeHandoff
@@ -156,8 +153,9 @@ class Handoffs:
 
     # --- the decode side -----------------------------------------------------------------
 
-    async def take(self, handoff: pb.DecodeHandoff, reply: Reply) -> None:
-        """Import a hand-off, answer it, pull its KV and start decoding it."""
+    async def take(self, handoff: pb.DecodeHandoff, reply: Reply) -> TokenStream | None:
+        """Import a hand-off, answer it, pull its KV and start decoding it; returns its
+        stream (None: not taken, or it joined a start of the request already running)."""
         rid = handoff.request_id
         try:
             stream, dst = await self.import_handoff(handoff)
@@ -165,13 +163,13 @@ class Handoffs:
             # Held here for a hand-off of our own (prefilled, not yet taken): that hand-off
             # goes on with it, to its decode worker or here, so this start joins it.
             await reply(pb.HandoffAck(request_id=rid, accepted=True, message=JOINED))
-            return
+            return None
         except Exception as exc:  # NoFreeBlocks, a bad sequence: the prefill worker keeps it
             await reply(pb.HandoffAck(request_id=rid, accepted=False, message=str(exc)))
-            return
+            return None
         if dst is None:
             await reply(pb.HandoffAck(request_id=rid, accepted=True, message=JOINED))
-            return
+            return None
         self.running[rid] = handoff
         stream.done.add_done_callback(lambda _: self.running.pop(rid, None))
         await reply(pb.HandoffAck(request_id=rid, accepted=True))
@@ -181,7 +179,7 @@ class Handoffs:
             kv_ok = await self.kv.pull(endpoint, rid, list(handoff.src_block_ids), dst)
             span.set_attributes({"kv.blocks": len(dst), "tokenyard.kv_ok": kv_ok})
         if stream.done.done():  # cancelled while we pulled
-            return
+            return stream
         started_ns = time.time_ns()
         decode = _tracer.start_span("decode", start_time=started_ns, attributes=attributes)
         stream.done.add_done_callback(
@@ -189,6 +187,7 @@ class Handoffs:
         )
         with trace.use_span(decode):
             await self.commit(rid, kv_ok=kv_ok)
+        return stream
 
     async def fleet_kv_endpoint(self, handoff: pb.DecodeHandoff) -> str:
         """The hand-off's KV endpoint if a live worker advertises it in its heartbeats, else

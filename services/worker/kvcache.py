@@ -6,7 +6,8 @@ it is computed and still in the pool:
 
 - a prompt's new full blocks, with its first token (``source="prompt"``);
 - a finished request's reply blocks (``source="reply"``): a chat's next turn sends them
-  back as its prompt.
+  back as its prompt. Whichever worker decoded the reply sends them: the aggregated worker
+  that prefilled it, or the decode worker a prefill worker handed it to (decode.py).
 
 Together these are every block that can later be evicted from the pool (a block becomes
 evictable only when its last request ends), sent while the engine still holds their bytes:
@@ -26,10 +27,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tokenyard.engine.outputs import NoFreeBlocks
 from tokenyard.kv.store.offload import BandwidthBudget, RecentHashes
 from tokenyard.services.worker.engine_loop import EngineLoop
-from tokenyard.services.worker.metrics import KV_FETCH_BYTES, KV_OFFLOAD_FAILURES, WorkerMetrics
+from tokenyard.services.worker.metrics import KV_OFFLOAD_FAILURES, WorkerMetrics
 from tokenyard.services.worker.settings import WorkerSettings
+from tokenyard.services.worker.stream import HANDED_BACK
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +41,14 @@ log = logging.getLogger(__name__)
 class PrefixHit:
     cached_tokens: int  # the prompt's leading tokens the engine now holds (0 = a miss)
     fetched_tokens: int  # of those, the ones fetched from the service (the rest were here)
+    pool_full: bool = False  # no free blocks to land it in: worth trying again once admitted
 
 
 RECENT_HASHES = 65536  # blocks known to be in the service: about 48 GB of SmolLM2-135M's
 RECENT_TTL_S = 300.0
 FETCH_COST_WEIGHT = 0.2  # weight of the latest fetch in the moving average of its cost
+# A request that ended so keeps no reply worth a next turn (handed back: it goes on elsewhere).
+NOT_KEPT = ("abort", "error", HANDED_BACK)
 
 
 class KVCachePort:
@@ -99,7 +105,10 @@ class KVCachePort:
             n = await fetch_prefix(
                 engine, self._client, prompt, call=self.loop.call, cache_salt=cache_salt
             )
-        except Exception as exc:  # no free blocks, the service gone: compute it all instead
+        except NoFreeBlocks as exc:
+            log.info("KV-cache fetch for %s: the pool is full (%s)", request_id, exc)
+            return PrefixHit(0, 0, pool_full=True)
+        except Exception as exc:  # the service gone, a bad block: compute it all instead
             log.warning("KV-cache fetch for %s failed (%s); computing", request_id, exc)
             return PrefixHit(0, 0)
         fetched_blocks = max(0, n // bs - local)
@@ -114,7 +123,7 @@ class KVCachePort:
     def _on_fetched(self, num_blocks: int, seconds: float) -> None:
         layout = self.loop.engine.layout
         assert layout is not None  # the client exists only for an engine with a pool
-        self.metrics.child(KV_FETCH_BYTES).inc(num_blocks * layout.block_nbytes)
+        self.metrics.on_fetch(num_blocks * layout.block_nbytes)
         ms = seconds * 1000 / num_blocks
         avg = self.fetch_ms_per_block
         self.fetch_ms_per_block = ms if avg == 0 else avg + FETCH_COST_WEIGHT * (ms - avg)
@@ -133,6 +142,19 @@ class KVCachePort:
         if self._client is None:
             return
         self._track(self.offload(request_id, tokens, skip_tokens, cache_salt, source))
+
+    def offload_reply(
+        self, request_id: str, prompt: list[int], output: list[int], cache_salt: str, reason: str
+    ) -> None:
+        """A finished request's reply blocks, for a chat's next turn (the prompt's full
+        blocks went with the first token, from the worker that prefilled it)."""
+        if not self.settings.kv_offload_replies or reason in NOT_KEPT or not output:
+            return
+        bs = self.loop.engine.block_size
+        # The last token's KV was never computed: only blocks full before it are cached.
+        tokens = prompt + output[:-1]
+        skip = len(prompt) // bs * bs
+        self.offload_soon(request_id, tokens, skip, cache_salt, source="reply")
 
     def _track(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -226,7 +226,6 @@ async def shutdown(
     await asyncio.sleep(0)  # let the job tasks ack or nak
     if prefill is not None:
         await prefill.remove_own_consumer_if_empty()
-        await prefill.cache.stop()
     await worker.stop()
 
 

@@ -135,6 +135,10 @@ class WorkerMetrics:
 
     def __init__(self, worker: str, role: str, model: str) -> None:
         self.labels = {"worker": worker, "role": role, "model": model}
+        # Totals since start that the heartbeats carry (the counters above are per process
+        # and label set, not readable back per worker without reaching into prometheus).
+        self.kv_offload_bytes = 0
+        self.kv_fetch_bytes = 0
         # prefix queries, prefix hits, preemptions, drafts, draft tokens, accepted tokens
         self._engine_totals = (0, 0, 0, 0, 0, 0)
         self._expert_totals: list[list[int]] = []  # [moe layer][expert]
@@ -228,8 +232,13 @@ class WorkerMetrics:
     def on_offload(self, source: str, sent_bytes: int, dropped_bytes: int) -> None:
         if sent_bytes > 0:
             KV_OFFLOAD_BYTES.labels(**self.labels, source=source).inc(sent_bytes)
+            self.kv_offload_bytes += sent_bytes
         if dropped_bytes > 0:
             KV_OFFLOAD_DROPPED_BYTES.labels(**self.labels, source=source).inc(dropped_bytes)
+
+    def on_fetch(self, nbytes: int) -> None:
+        KV_FETCH_BYTES.labels(**self.labels).inc(nbytes)
+        self.kv_fetch_bytes += nbytes
 
     def timer(self, *, first_token_here: bool, arrival_unix_ns: int = 0) -> RequestTimer:
         return RequestTimer(self, first_token_here, since_arrival_s(arrival_unix_ns))

@@ -15,10 +15,10 @@ from tokenyard.bus.workqueue import Delivery, Outcome, WorkQueue, WorkQueueSpec
 from tokenyard.kv.hashing import adapter_salt
 from tokenyard.services.worker.base import WorkerBase
 from tokenyard.services.worker.convert import error_chunk
-from tokenyard.services.worker.kvcache import KVCachePort, PrefixHit
+from tokenyard.services.worker.kvcache import PrefixHit
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.services.worker.stream import HANDED_BACK
-from tokenyard.tracing import REQUEST_ID, tracer
+from tokenyard.tracing import REQUEST_ID, WORKER_ID, tracer
 from tokenyard.v1 import serving_pb2 as pb
 
 _tracer = tracer("tokenyard.worker")
@@ -45,7 +45,7 @@ class PrefillHandler:
         self.w = worker
         self.settings = worker.settings
         self.bus = worker.bus
-        self.cache = KVCachePort(worker.loop, worker.settings, worker.metrics)
+        self.cache = worker.kvcache
         self.queue = WorkQueue(
             self.bus,
             queue_spec(self.settings),
@@ -59,7 +59,6 @@ class PrefillHandler:
         worker.presence.kvcache_fetch_ms_per_block = lambda: self.cache.fetch_ms_per_block
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
-        await self.cache.start()
         await self.queue.start(tg)
 
     async def remove_own_consumer_if_empty(self) -> None:
@@ -106,7 +105,16 @@ class PrefillHandler:
         # The fetch of a shared hit runs while the request waits for admission here.
         # NOTE: mean pooling computes every prompt token: a fetched prefix would go unused.
         wanted = job.params.pooling != "mean"
-        fetch = asyncio.get_running_loop().create_task(self._fetch(rid, prompt, salt, wanted))
+        spawn = asyncio.get_running_loop().create_task
+        fetches = [spawn(self._fetch(rid, prompt, salt, wanted))]
+
+        async def before_add() -> None:
+            if (await asyncio.shield(fetches[0])).pool_full:
+                # The pool had no room for the prefix while the request queued behind
+                # running ones (a loaded worker's usual state); admitted, it has room.
+                fetches.append(spawn(self._fetch(rid, prompt, salt, wanted)))
+                await asyncio.shield(fetches[-1])
+
         try:
             stream = await self.w.generate(
                 rid,
@@ -115,25 +123,30 @@ class PrefillHandler:
                 job.params,
                 prefill_only=not aggregated,
                 arrival_unix_ns=job.arrival_unix_ns,
-                on_prompt_computed=lambda: self._offload_prompt(rid, prompt, fetch, salt),
-                before_add=asyncio.shield(fetch),
+                on_prompt_computed=lambda: self._offload_prompt(rid, prompt, fetches[-1], salt),
+                before_add=before_add,
             )
         finally:
-            hit = await fetch  # never cancelled: its reserved blocks are committed or freed
+            # Never cancelled: their reserved blocks are committed or freed.
+            hit = [await fetch for fetch in fetches][-1]
         reason = await stream.done
         if reason == HANDED_BACK:
             return False
         self._account(prompt, stream.cached_tokens or 0, hit)
         if reason != "prefilled":
-            self._offload_reply(rid, prompt, stream.output_token_ids, salt, reason)
+            self.cache.offload_reply(rid, prompt, stream.output_token_ids, salt, reason)
             return True
-        await self.w.handoffs.send(job, stream.cached_tokens or 0)
+        here = await self.w.handoffs.send(job, stream.cached_tokens or 0)
+        if here is not None:  # refused by its decode worker: decoded here
+            reason = await here.done
+            self.cache.offload_reply(rid, prompt, here.output_token_ids, salt, reason)
         return True
 
     async def _fetch(self, rid: str, prompt: list[int], salt: str, wanted: bool) -> PrefixHit:
         if not wanted:
             return PrefixHit(cached_tokens=0, fetched_tokens=0)
-        with _tracer.start_as_current_span("kvcache.fetch", attributes={REQUEST_ID: rid}) as span:
+        attributes = {REQUEST_ID: rid, WORKER_ID: self.w.worker_id}
+        with _tracer.start_as_current_span("kvcache.fetch", attributes=attributes) as span:
             hit = await self.cache.fetch(rid, prompt, salt)
             span.set_attribute("tokenyard.fetched_tokens", hit.fetched_tokens)
         return hit
@@ -147,20 +160,6 @@ class PrefillHandler:
         # (docs/benchmarks.md). In the background: the copy-out waits for a step boundary.
         skip = fetch.result().cached_tokens if fetch.done() and not fetch.cancelled() else 0
         self.cache.offload_soon(rid, prompt, skip_tokens=skip, cache_salt=salt)
-
-    def _offload_reply(
-        self, rid: str, prompt: list[int], output: list[int], salt: str, reason: str
-    ) -> None:
-        """A finished request's reply blocks, for a chat's next turn (the prompt's full
-        blocks went with the first token)."""
-        if not self.settings.kv_offload_replies or reason in ("abort", "error") or not output:
-            return
-        bs = self.w.engine.block_size
-        # The last token's KV was never computed: only blocks full before it are cached.
-        tokens = prompt + output[:-1]
-        self.cache.offload_soon(
-            rid, tokens, skip_tokens=len(prompt) // bs * bs, cache_salt=salt, source="reply"
-        )
 
     def _account(self, prompt: list[int], cached_tokens: int, hit: PrefixHit) -> None:
         """Prompt tokens served by each tier (the engine's count includes the fetched ones)."""

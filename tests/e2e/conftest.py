@@ -61,10 +61,11 @@ def model(client) -> str:
 @pytest.fixture(scope="session")
 def telemetry_stack(launch_stack) -> Iterator[LocalStack]:
     """A stack with the facilities (example inventory) and telemetry services, for the
-    console's tests: 1 prefill + 1 decode worker on rack-a and rack-b, every request split."""
+    console's tests: 1 prefill + 1 decode worker on rack-a and rack-b, every request split,
+    and the KV-cache service (the console shows the bytes moved to it)."""
     config = StackConfig(
         port=free_port(),
-        kvcache=False,
+        kvcache=True,
         router_env={"TOKENYARD_ROUTER_DISAGGREGATION": "always"},
         # A cleared fault lets its rack back to normal after 1 s, not the default 30 s.
         facilities_env={"TOKENYARD_FACILITIES_DWELL_S": "1"},

@@ -9,6 +9,7 @@ Saves a screenshot: into $TOKENYARD_TEST_ARTIFACTS when set, else the test's tmp
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import httpx
@@ -31,9 +32,9 @@ def page(telemetry_stack):
         browser.close()
 
 
-def send(stack, n: int) -> None:
+def send(stack, n: int, prompt: str = "Tell me about ships") -> None:
     for i in range(n):
-        body = {"model": stack.model_id, "prompt": f"Tell me about ships, {i}:", "max_tokens": 6}
+        body = {"model": stack.model_id, "prompt": f"{prompt}, {i}:", "max_tokens": 6}
         resp = httpx.post(f"{stack.gateway_url}/v1/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
 
@@ -69,6 +70,7 @@ def test_console_live_fleet_fault_and_trace(page: Page, telemetry_stack, tmp_pat
     page.wait_for_timeout(1500)
     expect(page.get_by_test_id("fig-tokens-per-s")).not_to_have_text("0.0")
 
+    check_kv_tiers(page, telemetry_stack)
     check_chart(page)
     check_trace(page)
     inject_fault_after_confirming(page, telemetry_stack)
@@ -80,6 +82,16 @@ def test_console_live_fleet_fault_and_trace(page: Page, telemetry_stack, tmp_pat
     rack(page, "rack-a").get_by_role("button", name="clear faults").click()
     expect(page.get_by_test_id("message")).to_contain_text("done")
     expect(rack(page, "rack-a")).to_have_attribute("data-state", "normal", timeout=30_000)
+
+
+def check_kv_tiers(page: Page, stack) -> None:
+    """Hit rates by tier, and the KV bytes sent to the shared tier once a prompt of several
+    full blocks was computed (the short prompts above fill none)."""
+    expect(page.get_by_test_id("fig-kv-tier-hits")).to_have_text(re.compile(r"^\d+% / \d+%$"))
+    send(stack, 1, "Tell me about ships and harbours and the sea " * 8)
+    moved = page.get_by_test_id("fig-kv-moved")
+    expect(moved).to_have_text(re.compile(r"^[\d.]+ MiB / [\d.]+ MiB$"))
+    expect(moved).not_to_have_text(re.compile(r"^0\.0 MiB /"), timeout=15_000)
 
 
 def check_chart(page: Page) -> None:

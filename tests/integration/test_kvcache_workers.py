@@ -64,12 +64,10 @@ async def worker(loaded, nats_url: str, worker_id: str, endpoint: str, **more):
     try:
         async with asyncio.TaskGroup() as tg:
             await w.start(tg)
-            await handler.cache.start()
             try:
                 yield w, handler
             finally:
                 w.stopping.set()
-                await handler.cache.stop()
                 await w.stop()
     finally:
         await bus.close()

@@ -13,6 +13,7 @@ const AXIS = { stroke: "#8a96a3", grid: { stroke: "#2a3542", width: 1 }, ticks: 
 const $ = (id) => document.getElementById(id);
 const fmt = (v, digits = 2) => (v === null || v === undefined ? "–" : Number(v).toFixed(digits));
 const pct = (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(0) + "%");
+const mib = (v) => (v === null || v === undefined ? "–" : (v / 2 ** 20).toFixed(1) + " MiB");
 const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
 const scaled = (v, k) => (v === null || v === undefined ? null : k * v);
 
@@ -117,6 +118,7 @@ function drawCharts() {
 
 function renderFigures(f, windowS) {
   const avg = `${SMOOTH_S} s avg`;
+  const t = f.kv_tiers || {};
   const items = [
     ["live workers", f.live_workers, "live-workers"],
     [`tokens/s · ${avg}`, fmt(smoothed("tokens"), 1), "tokens-per-s"],
@@ -129,6 +131,8 @@ function renderFigures(f, windowS) {
     ["KV use", pct(f.kv_usage), "kv-use"],
     ["prefix hit rate", pct(f.prefix_hit_rate), "prefix-hit"],
     [`J per output token · ${windowS} s`, fmt(f.joules_per_token, 3), "joules-per-token"],
+    ["cache hits: local / shared tier", `${pct(t.local_hit_rate)} / ${pct(t.shared_hit_rate)}`, "kv-tier-hits"],
+    ["KV to / from shared tier", `${mib(t.offload_bytes)} / ${mib(t.fetch_bytes)}`, "kv-moved"],
   ];
   $("figures").innerHTML = items.map(([label, value, id]) =>
     `<div class="figure"><b data-testid="fig-${id}">${esc(value)}</b><span>${esc(label)}</span></div>`).join("");
