@@ -221,6 +221,7 @@ def test_up_parallel_sizes_per_role_reach_each_roles_workers():
     assert config.parallel("decode").env() == {
         "TOKENYARD_WORKER_TENSOR_PARALLEL_SIZE": "2",
         "TOKENYARD_WORKER_PIPELINE_PARALLEL_SIZE": "2",
+        "TOKENYARD_WORKER_EXPERT_PARALLEL_SIZE": "1",
     }
     placement = Placement(config)
     assert placement.planned_ranks() == 1 * 2 + 2 * 4
@@ -250,6 +251,9 @@ def test_up_expert_parallel_size_reaches_the_stack_and_the_workers():
         "100",
     )
     assert config.expert_parallel_size == 2 and config.parallel("both").world_size == 2
+    assert config.parallel("both").env()["TOKENYARD_WORKER_EXPERT_PARALLEL_SIZE"] == "2"
+    with pytest.raises(SystemExit, match="does not combine with --pipeline-parallel-size"):
+        up_config("--expert-parallel-size", "2", "--pipeline-parallel-size", "2")
     assert config.worker_env["TOKENYARD_WORKER_EXPERT_REDUNDANT_SLOTS"] == "1"
     assert config.worker_env["TOKENYARD_WORKER_EXPERT_REBALANCE_INTERVAL"] == "100"
     # the weights stay plain on the CPU: the balancer copies them between ranks

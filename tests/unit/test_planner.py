@@ -62,7 +62,12 @@ def test_tokenyard_up_reads_the_sizes_a_plan_prints():
     config = up.config_from(parser.parse_args(p.up_args()))
     assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (p.tp, p.pp)
     assert p.pp >= 2 and "--expert-parallel-size" not in p.up_args()
-    assert "--expert-parallel-size" in plan("deepseek-v3", "h200").up_args()
+    # A MoE model's experts spread over the ranks of one stage; in stages, sliced by tp.
+    staged = plan("deepseek-v3", "h200")
+    assert staged.pp == 2 and "--expert-parallel-size" not in staged.up_args()
+    one_stage = make_plan(catalog.model("deepseek-v3"), H200, Workload(), weights_dtype="fp8")
+    assert one_stage.pp == 1 and one_stage.ep == one_stage.tp > 1
+    assert "--expert-parallel-size" in one_stage.up_args()
 
 
 def test_deepseek_v3_in_fp8_fits_eight_h200_not_eight_h100():
