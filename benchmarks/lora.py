@@ -116,7 +116,7 @@ def main() -> int:
         runs["base"].append(run_batch(with_lora, [""] * args.batch, args.max_tokens))
         runs["mixed4"].append(run_batch(with_lora, mixed, args.max_tokens))
         runs["off"].append(run_batch(without, [""] * args.batch, args.max_tokens))
-    result = {
+    result: dict[str, Any] = {
         "conditions": {
             "model": loaded.model_id,
             "quantization": "int4",
@@ -132,11 +132,11 @@ def main() -> int:
         "runs": runs,
     }
     b, m = result["best"]["base"], result["best"]["mixed4"]
-    result["mixed4_vs_base"] = m["decode_tok_s"] / b["decode_tok_s"] if b["decode_tok_s"] else 0
-    path = out_path(args.out, "lora")
-    path.write_text(json.dumps(result, indent=2))
+    result["mixed4_vs_base"] = m["decode_tok_s"] / b["decode_tok_s"] if b["decode_tok_s"] else 0.0
+    written = out_path(args.out, "lora")
+    written.write_text(json.dumps(result, indent=2))
     print(json.dumps(result["best"], indent=2))
-    print(f"mixed4 / base decode tok/s: {result['mixed4_vs_base']:.3f}; written to {path}")
+    print(f"mixed4 / base decode tok/s: {result['mixed4_vs_base']:.3f}; written to {written}")
     return 0
 
 

@@ -531,11 +531,12 @@ class LLMEngine:
         self.kv_blocks.write(block_ids, blocks)
 
 
-def _lora_manager(model: torch.nn.Module, config: EngineConfig) -> LoRAManager | None:
+def _lora_manager(model: LlamaForCausalLM, config: EngineConfig) -> LoRAManager | None:
     """The model's LoRA slots and their manager where the engine serves adapters."""
     if not config.enable_lora:
         return None
     layers = apply_lora(model, config.max_loras, config.max_lora_rank)
+    assert model.lora_batch is not None  # apply_lora set it
     return LoRAManager(
         layers,
         model.lora_batch,

@@ -266,9 +266,9 @@ class LlamaForCausalLM(LeanModule):
                 layer.mlp.down_proj,
             ):
                 proj = base_layer(lora_proj)
-                kernel = (
-                    proj.step_kernel(rows, prompt) if isinstance(proj, QuantizedLinear) else None
-                )
+                if not isinstance(proj, QuantizedLinear):
+                    return None
+                kernel = proj.step_kernel(rows, prompt)
                 if kernel is None:
                     return None
                 kinds.append(kernel[0])

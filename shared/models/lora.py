@@ -27,6 +27,7 @@ the fused CPU decoder path (LlamaForCausalLM._fused_plan) runs such steps as bef
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,6 +36,9 @@ from tokenyard.models.config import ModelConfig
 from tokenyard.models.lora_adapter import TARGETS, LoRAAdapter, module_shape
 from tokenyard.models.module import LeanModule
 from tokenyard.models.quantize import project
+
+if TYPE_CHECKING:
+    from tokenyard.models.llama import LlamaForCausalLM
 
 # Our fused layers and their HF parts, in output order.
 PARTS: dict[str, tuple[str, ...]] = {
@@ -114,9 +118,13 @@ def base_layer(layer: nn.Module) -> nn.Module:
     return layer.base if isinstance(layer, LoRALinear) else layer
 
 
-def apply_lora(model: nn.Module, max_loras: int, max_rank: int) -> list[dict[str, LoRALinear]]:
+def apply_lora(
+    model: LlamaForCausalLM, max_loras: int, max_rank: int
+) -> list[dict[str, LoRALinear]]:
     """Swap every dense layer's projections for LoRALinear; per layer, {fused name: layer}.
     The model's `lora_batch` is then the LoRABatch the engine fills each step."""
+    from tokenyard.models.llama import DecoderLayer  # it imports this module
+
     config: ModelConfig = model.config
     if config.num_local_experts:
         raise ValueError("LoRA adapters are served on dense models only, not MoE models")
@@ -124,7 +132,8 @@ def apply_lora(model: nn.Module, max_loras: int, max_rank: int) -> list[dict[str
     dtype, device = model.norm.weight.dtype, model.norm.weight.device
     layers = []
     for layer in model.layers:
-        owners = {"qkv_proj": layer.self_attn, "o_proj": layer.self_attn}
+        assert isinstance(layer, DecoderLayer)
+        owners: dict[str, nn.Module] = {"qkv_proj": layer.self_attn, "o_proj": layer.self_attn}
         owners |= {"gate_up_proj": layer.mlp, "down_proj": layer.mlp}
         swapped = {}
         for name, owner in owners.items():
