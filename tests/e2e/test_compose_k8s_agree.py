@@ -29,6 +29,7 @@ ONLY_K8S = {
     "TOKENYARD_WORKER_KV_PORT": "fixed, for the pod's port list and NetworkPolicy; any port here",
     "TOKENYARD_WORKER_CONTROL_PORT": "fixed, for the pod's port list and NetworkPolicy; any here",
     "TOKENYARD_KVCACHE_RAM_BYTES": "sized for a cluster node; compose keeps the default",
+    "TOKENYARD_FACILITIES_SCALER_PORT": "KEDA's external scaler; compose polls the HTTP route",
     "TOKENYARD_KVCACHE_REDIS_BYTES": "sized for the cluster's Redis (maxmemory 3gb)",
     "TOKENYARD_FACILITIES_DATA_DIR": "a volume of the pod; compose keeps the state in PostgreSQL",
     "TOKENYARD_TELEMETRY_DATA_DIR": "a volume of the pod; compose keeps the state in PostgreSQL",

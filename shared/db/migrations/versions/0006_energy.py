@@ -18,10 +18,10 @@ depends_on = None
 
 def upgrade() -> None:
     with op.batch_alter_table("tel_requests", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("energy_joules", sa.Float(), nullable=True))
+        batch_op.add_column(sa.Column("energy_joules", sa.Double(), nullable=True))
         batch_op.add_column(sa.Column("energy_source", sa.String(length=32), nullable=True))
     with op.batch_alter_table("tel_fleet_samples", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("joules_per_token", sa.Float(), nullable=True))
+        batch_op.add_column(sa.Column("joules_per_token", sa.Double(), nullable=True))
 
 
 def downgrade() -> None:
