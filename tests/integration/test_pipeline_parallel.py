@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 from moe_checkpoints import hf_moe_model, save_hf_folder
+from same_logprobs import assert_same_logprobs
 
 from tokenyard import LLM, SamplingParams
 from tokenyard.engine.config import EngineConfig
@@ -31,7 +32,6 @@ from tokenyard.planner.plan import (
     make_plan,
 )
 
-TOL = 1e-3  # the dense fp32 tolerance of the HF-equivalence tests
 DEVICE = os.environ.get("TOKENYARD_TEST_DEVICE", "cpu")
 
 # Prompts of token ids: several blocks, and a 70-token prompt that prefills in two chunks.
@@ -84,21 +84,6 @@ def generate(folder: str, **sizes):
         return llm.generate(PROMPTS, PARAMS), llm.engine.memory
     finally:
         llm.close()
-
-
-def assert_same_logprobs(one, other) -> None:
-    for a, b in zip(one, other, strict=True):
-        assert a.token_ids == b.token_ids
-        assert a.logprobs and b.logprobs
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert abs(la.logprob - lb.logprob) <= TOL
-            assert [t for t, _ in la.top] == [t for t, _ in lb.top]
-            for (_, va), (_, vb) in zip(la.top, lb.top, strict=True):
-                assert abs(va - vb) <= TOL
-        assert a.prompt_logprobs and b.prompt_logprobs
-        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
-            assert pa is not None and pb is not None and pa.token_id == pb.token_id
-            assert abs(pa.logprob - pb.logprob) <= TOL
 
 
 @pytest.fixture(scope="module")

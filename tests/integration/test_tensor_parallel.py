@@ -14,12 +14,12 @@ import os
 import pytest
 import torch
 from moe_checkpoints import hf_moe_model, save_hf_folder
+from same_logprobs import assert_same_logprobs
 
 from tokenyard import LLM, SamplingParams
 from tokenyard.engine.config import EngineConfig
 from tokenyard.engine.llm_engine import LLMEngine
 
-TOL = 1e-3  # the dense fp32 tolerance of the HF-equivalence tests
 DEVICE = os.environ.get("TOKENYARD_TEST_DEVICE", "cpu")
 cpu_only = pytest.mark.skipif(
     DEVICE != "cpu", reason="weight quantization and this check run on the CPU"
@@ -108,26 +108,11 @@ def _generate(folder: str, tp: int, **extra):
         llm.close()
 
 
-def _assert_same_logprobs(one, two) -> None:
-    for a, b in zip(one, two, strict=True):
-        assert a.token_ids == b.token_ids
-        assert a.logprobs and b.logprobs
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert abs(la.logprob - lb.logprob) <= TOL
-            assert [t for t, _ in la.top] == [t for t, _ in lb.top]
-            for (_, va), (_, vb) in zip(la.top, lb.top, strict=True):
-                assert abs(va - vb) <= TOL
-        assert a.prompt_logprobs and b.prompt_logprobs
-        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
-            assert pa is not None and pb is not None and pa.token_id == pb.token_id
-            assert abs(pa.logprob - pb.logprob) <= TOL
-
-
 @pytest.mark.slow
 def test_two_ranks_give_one_ranks_logprobs(folder):
     one, mem1 = _generate(folder, 1)
     two, mem2 = _generate(folder, 2)
-    _assert_same_logprobs(one, two)
+    assert_same_logprobs(one, two)
     assert all(len(r.token_ids) == PARAMS.max_tokens for r in two)
     # The report is one rank's: half the KV heads per block, its share of the weights.
     assert mem2.tp_size == 2 and "x2 ranks" in mem2.describe()
