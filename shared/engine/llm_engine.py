@@ -95,11 +95,11 @@ class LLMEngine:
         # to be copied from or into directly.
         self.kv_blocks = KVBlocks(kv_cache, layout, self.ranks)
         self.kv_cache: torch.Tensor | None = kv_cache if self.ranks is None else None
-        # NOTE: an engine in pipeline stages offers no KV to hand-offs or the KV-cache
-        # service: its ranks hold layers, not heads, and KVBlocks joins heads only.
-        self.layout: KVLayout | None = (
-            self.kv_blocks.layout if config.pipeline_parallel_size == 1 else None
-        )
+        # NOTE: only an engine whose ranks split the heads offers KV to hand-offs and the
+        # KV-cache service (KVBlocks joins heads): not one in pipeline stages (its ranks
+        # hold layers), nor expert-parallel ranks of whole attention (tp 1, each a full pool).
+        heads_split = config.world_size == config.tensor_parallel_size
+        self.layout: KVLayout | None = self.kv_blocks.layout if heads_split else None
         self.lora = _lora_manager(model, config)
         num_blocks = kv_cache.shape[0]
         self.block_size = config.block_size
