@@ -33,21 +33,22 @@ from result_path import OUT_HELP, out_path
 PLACEMENTS = ("kv-aware", "round-robin")
 
 
-def workloads(concurrency: int, num: int) -> list[Workload]:
-    fixed = ["--len-sigma", "0"]
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    fixed = ["--len-sigma", "0", "--output-len", str(args.output_len)]
+    c, num = args.concurrency, args.num_prompts
     return [
         Workload(
-            f"multi-turn c={concurrency}",
-            ["--workload", "multi-turn", "--turns", "6", "--input-len", "96", "--output-len",
-             "48", *fixed],
-            concurrency,
+            f"multi-turn c={c}",
+            ["--workload", "multi-turn", "--turns", str(args.turns), "--input-len",
+             str(args.turn_len), *fixed],
+            c,
             num,
         ),
         Workload(
-            f"shared-prefix c={concurrency}",
-            ["--workload", "shared-prefix", "--prefix-len", "768", "--input-len", "48",
-             "--output-len", "48", *fixed],
-            concurrency,
+            f"shared-prefix c={c}",
+            ["--workload", "shared-prefix", "--prefix-len", str(args.prefix_len),
+             "--input-len", "48", *fixed],
+            c,
             num,
         ),
     ]  # fmt: skip
@@ -59,15 +60,30 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--turns", type=int, default=6, help="multi-turn: turns a conversation")
+    parser.add_argument(
+        "--turn-len", type=int, default=96, help="multi-turn: tokens of each new user message"
+    )
+    parser.add_argument(
+        "--prefix-len", type=int, default=768, help="shared-prefix: the system prompt's tokens"
+    )
+    parser.add_argument("--output-len", type=int, default=48)
+    parser.add_argument(
+        "--no-kvcache",
+        action="store_true",
+        help="run the stack without its KV-cache service, so a miss at the worker is recomputed "
+        "(separates the router's share from the shared tier's)",
+    )
     parser.add_argument("--shape", choices=list(model_shapes.SHAPES))
     parser.add_argument("--out", type=Path, help=OUT_HELP)
     args = parser.parse_args()
     model: Model = chosen_model(args.shape, None)
-    loads = workloads(args.concurrency, args.num_prompts)
+    loads = workloads(args)
     out = out_path(args.out, "routing")
     doc: dict[str, Any] = {
         "model": model.name,
         "workers": args.workers,
+        "kvcache": not args.no_kvcache,
         "workloads": {w.label: w.flags for w in loads},
         "rounds": [],
     }
@@ -79,6 +95,7 @@ def main() -> int:
                 work = Path(tmp) / f"r{r}-{placement}"
                 work.mkdir()
                 flags = ["--workers", str(args.workers), "--router-placement", placement]
+                flags += ["--no-kvcache"] if args.no_kvcache else []
                 start = functools.partial(start_tokenyard, flags, work / "logs", model)
                 results[placement] = measure(placement, start, work, loads, model.name)
             doc["rounds"].append(results)
