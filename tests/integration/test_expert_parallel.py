@@ -9,11 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 from moe_checkpoints import hf_moe_model, save_hf_folder
+from prometheus_client import REGISTRY
 
 from tokenyard import LLM, SamplingParams
 from tokenyard.models.expert_parallel import ExpertParallelMoE, ep_blocks
 from tokenyard.models.expert_placement import initial_placement
 from tokenyard.models.loader import load_model
+from tokenyard.services.worker.metrics import WorkerMetrics
 
 TOL = 1e-3  # as tests/integration/test_moe.py
 PROMPTS = [[(7 * i + 3) % 4000 + 100 for i in range(n)] for n in (5, 41, 17)]
@@ -68,6 +70,41 @@ def test_expert_parallel_matches_hf_across_rebalances(layout, tmp_path):
             for token_id, value in lp.top:
                 assert abs(value - row[token_id].item()) <= TOL
             assert row.max().item() - row[lp.token_id].item() <= TOL  # greedy took HF's argmax
+
+
+@pytest.mark.slow
+def test_the_worker_exports_rank_imbalance_and_rebalances(tmp_path):
+    """The worker's gauge of max/mean tokens per rank (per MoE layer, since the last
+    rebalance and in the window it measured) and its count of rebalances, from a tiny
+    Mixtral engine on two expert-parallel ranks whose balancer runs after every step."""
+    folder = save_hf_folder(hf_moe_model("mixtral"), tmp_path / "mixtral")
+    llm = LLM(str(folder), expert_parallel_size=2, **ENGINE)
+    try:
+        llm.generate(PROMPTS, PARAMS)
+        stats = llm.engine.stats()
+        history = llm.engine.expert_balancer.history
+        blocks = ep_blocks(llm.engine.runner.model)
+    finally:
+        llm.close()
+    balance = stats.expert_balance
+    assert balance is not None and history and balance.num_rebalances == len(history)
+    assert balance.before_last_rebalance == history[-1].before
+    assert len(balance.now) == len(blocks) and all(x >= 1.0 for x in balance.now)
+    metrics = WorkerMetrics("ep2-w", "both", "mixtral")
+    metrics.on_stats(stats)
+    labels = {"worker": "ep2-w", "role": "both", "model": "mixtral"}
+    for layer in range(len(blocks)):
+        for window, value in (
+            ("current", balance.now[layer]),
+            ("before_rebalance", balance.before_last_rebalance[layer]),
+        ):
+            gauge = REGISTRY.get_sample_value(
+                "tokenyard:moe_rank_load_imbalance",
+                {**labels, "layer": str(layer), "window": window},
+            )
+            assert gauge == value and gauge >= 1.0, (layer, window)
+    rebalances = REGISTRY.get_sample_value("tokenyard:moe_expert_rebalances_total", labels)
+    assert rebalances == len(history)
 
 
 def _assert_rank0_slots_hold_their_experts(model, folder: str) -> None:
