@@ -6,6 +6,8 @@ between steps (it runs after every step here, with one spare slot per rank)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from moe_checkpoints import hf_moe_model, save_hf_folder
@@ -18,6 +20,11 @@ from tokenyard.models.loader import load_model
 from tokenyard.services.worker.metrics import WorkerMetrics
 
 TOL = 1e-3  # as tests/integration/test_moe.py
+# cuda: NCCL over two GPUs (scripts/gpu_check.sh); on one GPU every test here skips.
+DEVICE = os.environ.get("TOKENYARD_TEST_DEVICE", "cpu")
+pytestmark = pytest.mark.skipif(
+    DEVICE != "cpu" and torch.cuda.device_count() < 2, reason="2 ranks need 2 GPUs"
+)
 PROMPTS = [[(7 * i + 3) % 4000 + 100 for i in range(n)] for n in (5, 41, 17)]
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
 ENGINE = dict(
@@ -27,6 +34,7 @@ ENGINE = dict(
     num_threads=1,
     expert_redundant_slots=1,
     expert_rebalance_interval=1,
+    device=DEVICE,
 )
 LAYOUTS = {
     # experts over 2 ranks, attention whole on each
@@ -122,5 +130,6 @@ def _assert_rank0_slots_hold_their_experts(model, folder: str) -> None:
                 else (weights[qwen + "gate_proj.weight"], weights[qwen + "down_proj.weight"])
             )
             expert = block.block.expert(slot)
-            assert torch.equal(expert.gate_up_proj.weight[: gate.shape[0]], gate.float())
-            assert torch.equal(expert.down_proj.weight, down.float())
+            gate_up, down_weight = expert.gate_up_proj.weight.cpu(), expert.down_proj.weight.cpu()
+            assert torch.equal(gate_up[: gate.shape[0]], gate.float())
+            assert torch.equal(down_weight, down.float())
