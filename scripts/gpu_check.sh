@@ -4,9 +4,12 @@
 #   2. the HF-equivalence suite with the engine on CUDA;
 #   3. benchmarks/gpu.py: decode tok/s at batch 1 and 64 against the HBM bandwidth limit,
 #      prefill TFLOP/s, written as JSON outside the repo (benchmarks/result_path.py);
-#   4. with two GPUs or more: tensor and pipeline parallelism over NCCL, two ranks (and
-#      the planner's layouts that fit the GPUs) against one rank's logprobs (skipped, and
-#      said so, on a single GPU).
+#   4. with two GPUs or more, every parallel layout over NCCL: tensor and pipeline
+#      parallelism, two ranks (and the planner's layouts that fit the GPUs) against one
+#      rank's logprobs; expert parallelism (alone and beside tp=2 attention, across
+#      rebalances) against HF; KV hand-offs between tp=1 and tp=2 engines, and between two
+#      tp=2 workers through the stack (skipped, and said so, on a single GPU; each of these
+#      files also skips its multi-rank tests itself when fewer than 2 GPUs are visible).
 # Run from the repository root with the project's virtualenv set up (make setup) and
 # triton installed (pip install triton, or the test extra).
 set -euo pipefail
@@ -27,9 +30,11 @@ echo "== 3/4 decode and prefill figures"
 
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 if [ "$GPUS" -ge 2 ]; then
-  echo "== 4/4 tensor and pipeline parallelism: 2 ranks over NCCL against 1 rank"
+  echo "== 4/4 parallel layouts: tensor, pipeline and expert parallelism, TP hand-offs; NCCL"
   TOKENYARD_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
-    tests/integration/test_tensor_parallel.py tests/integration/test_pipeline_parallel.py
+    tests/integration/test_tensor_parallel.py tests/integration/test_pipeline_parallel.py \
+    tests/integration/test_expert_parallel.py tests/integration/test_tensor_parallel_handoff.py \
+    tests/integration/test_tensor_parallel_handoff_stack.py
 else
-  echo "== 4/4 tensor and pipeline parallelism skipped: $GPUS GPU visible, 2 ranks need 2"
+  echo "== 4/4 parallel layouts skipped: $GPUS GPU visible, 2 ranks need 2"
 fi

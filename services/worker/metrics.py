@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from tokenyard.engine.outputs import EngineStats, TenantQueueStats
+from tokenyard.engine.outputs import EngineStats, ExpertBalanceStats, TenantQueueStats
 
 LABELS = ("worker", "role", "model")
 # vLLM's request-latency buckets, cut at two minutes.
@@ -34,6 +34,17 @@ EXPERT_TOKENS = Counter(
     "tokenyard:moe_expert_tokens",
     "Tokens routed to each expert of each MoE layer (load balance)",
     (*LABELS, "layer", "expert"),
+)
+# Expert parallelism's placement balancer (engine/expert_balance.py): max / mean tokens per
+# rank in each MoE layer (1.0 = even), since the last rebalance (window "current") and in
+# the window the last rebalance measured, before it moved experts (window "before_rebalance").
+EXPERT_RANK_IMBALANCE = Gauge(
+    "tokenyard:moe_rank_load_imbalance",
+    "Max / mean tokens per expert-parallel rank in each MoE layer (1.0 = even)",
+    (*LABELS, "layer", "window"),
+)
+EXPERT_REBALANCES = Counter(
+    "tokenyard:moe_expert_rebalances", "Expert placements recomputed and applied", LABELS
 )
 # Speculative decoding, as vLLM counts it: acceptance rate = accepted / draft tokens, mean
 # accepted length = (accepted + drafts) / drafts (the target's own token counted).
@@ -142,6 +153,7 @@ class WorkerMetrics:
         # prefix queries, prefix hits, preemptions, drafts, draft tokens, accepted tokens
         self._engine_totals = (0, 0, 0, 0, 0, 0)
         self._expert_totals: list[list[int]] = []  # [moe layer][expert]
+        self._rebalances = 0
         self._tenant_totals: dict[str, TenantQueueStats] = {}
         self._loras: set[str] = set()
         self._lora_swaps = 0
@@ -183,6 +195,8 @@ class WorkerMetrics:
                 self.child(metric).inc(now - before)
         self._engine_totals = totals
         self._on_expert_tokens(stats.expert_tokens)
+        if stats.expert_balance is not None:
+            self._on_expert_balance(stats.expert_balance)
         self._on_tenants(stats.tenants)
         self._on_loras(stats)
 
@@ -218,6 +232,19 @@ class WorkerMetrics:
                     labels = {**self.labels, "layer": str(layer), "expert": str(expert)}
                     EXPERT_TOKENS.labels(**labels).inc(now - seen)
         self._expert_totals = [list(row) for row in counts]
+
+    def _on_expert_balance(self, balance: ExpertBalanceStats) -> None:
+        for window, loads in (
+            ("current", balance.now),
+            ("before_rebalance", balance.before_last_rebalance),
+        ):
+            for layer, value in enumerate(loads):
+                labels = {**self.labels, "layer": str(layer), "window": window}
+                EXPERT_RANK_IMBALANCE.labels(**labels).set(value)
+        rebalances = self.child(EXPERT_REBALANCES)  # 0 from the first stats, not absent
+        if balance.num_rebalances > self._rebalances:
+            rebalances.inc(balance.num_rebalances - self._rebalances)
+        self._rebalances = balance.num_rebalances
 
     def on_prompt(self, num_tokens: int, queued_s: float) -> None:
         self.child(PROMPT_TOKENS).inc(num_tokens)

@@ -139,13 +139,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--expert-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
+        default="1",
+        metavar="N|ROLE:N,...",
         help="place a Mixture-of-Experts model's experts over N ranks per worker (tokens go "
         "to their experts' ranks by all-to-all); N is 1 or the worker's ranks: with "
         "--tensor-parallel-size N attention is split over the same ranks, with 1 each rank "
-        "runs it whole. Unquantized weights only (the CPU default becomes --quantization none)",
+        "runs it whole. Unquantized weights only (the CPU default becomes --quantization "
+        "none). Per role as for --tensor-parallel-size",
     )
     parser.add_argument(
         "--expert-redundant-slots",
@@ -357,16 +357,13 @@ def config_from(args: argparse.Namespace) -> StackConfig:
     quantization = _quantization(args)
     if args.deterministic and quantization not in ("int4", "int8"):
         raise SystemExit("--deterministic needs --quantization int4 or int8")
-    tp, pp = (
-        role_sizes(args.tensor_parallel_size, "--tensor-parallel-size"),
-        role_sizes(args.pipeline_parallel_size, "--pipeline-parallel-size"),
-    )
+    tp, pp, ep = _parallel_sizes(args)
     if args.speculative and max(tp.values()) * max(pp.values()) > 1:
         raise SystemExit(
             "--speculative runs on one rank only: drop it or --tensor-parallel-size and "
             "--pipeline-parallel-size"
         )
-    expert_parallel = _expert_parallel_env(args, quantization, tp, pp)
+    expert_parallel = _expert_parallel_env(args, quantization, tp, pp, ep)
     gateway_env = _parsers_env(args)
     dtype = auto_dtype(args.device) if args.dtype == "auto" else args.dtype
     try:
@@ -411,8 +408,8 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         cpu_memory_utilization=args.cpu_memory_utilization,
         tensor_parallel_size=tp[""],
         pipeline_parallel_size=pp[""],
-        role_parallel=_role_parallel(tp, pp, args.expert_parallel_size),
-        expert_parallel_size=args.expert_parallel_size,
+        role_parallel=_role_parallel(tp, pp, ep),
+        expert_parallel_size=ep[""],
     )
 
 
@@ -435,14 +432,27 @@ def role_sizes(text: str, flag: str) -> dict[str, int]:
     return sizes
 
 
+def _parallel_sizes(
+    args: argparse.Namespace,
+) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """--tensor-, --pipeline- and --expert-parallel-size, each parsed by role_sizes."""
+    return (
+        role_sizes(args.tensor_parallel_size, "--tensor-parallel-size"),
+        role_sizes(args.pipeline_parallel_size, "--pipeline-parallel-size"),
+        role_sizes(args.expert_parallel_size, "--expert-parallel-size"),
+    )
+
+
 def _role_parallel(
-    tp: dict[str, int], pp: dict[str, int], ep: int = 1
+    tp: dict[str, int], pp: dict[str, int], ep: dict[str, int]
 ) -> dict[str, WorkerParallel]:
-    """The roles named in either flag, each with both of its sizes (and the experts' ranks)."""
+    """The roles named in any of the flags, each with its three sizes."""
     from tokenyard.services.launch.config import WorkerParallel
 
-    named = sorted((tp.keys() | pp.keys()) - {""})
-    return {r: WorkerParallel(tp.get(r, tp[""]), pp.get(r, pp[""]), ep) for r in named}
+    named = sorted((tp.keys() | pp.keys() | ep.keys()) - {""})
+    return {
+        r: WorkerParallel(tp.get(r, tp[""]), pp.get(r, pp[""]), ep.get(r, ep[""])) for r in named
+    }
 
 
 def _lora_env(args: argparse.Namespace) -> dict[str, str]:
@@ -450,11 +460,7 @@ def _lora_env(args: argparse.Namespace) -> dict[str, str]:
     workers check the adapters themselves, and refuse to start on a bad one)."""
     if not args.lora and not args.enable_lora:
         return {}
-    if (
-        args.tensor_parallel_size.strip() != "1"
-        or args.pipeline_parallel_size.strip() != "1"
-        or args.expert_parallel_size != 1
-    ):
+    if any(max(sizes.values()) > 1 for sizes in _parallel_sizes(args)):
         raise SystemExit(
             "--lora runs on one rank only: drop it or --tensor-parallel-size, "
             "--pipeline-parallel-size and --expert-parallel-size"
@@ -481,27 +487,21 @@ def _lora_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _expert_parallel_env(
-    args: argparse.Namespace, quantization: str, tp: dict[str, int], pp: dict[str, int]
+    args: argparse.Namespace,
+    quantization: str,
+    tp: dict[str, int],
+    pp: dict[str, int],
+    ep: dict[str, int],
 ) -> dict[str, str]:
     """The expert-placement balancer's settings for the workers; a layout the engine
     refuses (EngineConfig._check_expert_parallel) stops here, before anything starts."""
-    ep = args.expert_parallel_size
-    if ep < 1 or args.expert_redundant_slots < 0 or args.expert_rebalance_interval < 0:
-        raise SystemExit(
-            "--expert-parallel-size must be at least 1, --expert-redundant-slots and "
-            "--expert-rebalance-interval at least 0"
-        )
-    if ep == 1:
+    if args.expert_redundant_slots < 0 or args.expert_rebalance_interval < 0:
+        raise SystemExit("--expert-redundant-slots and --expert-rebalance-interval must be >= 0")
+    if max(ep.values()) == 1:
         return {}
-    if any(size not in (1, ep) for size in tp.values()):
-        raise SystemExit(
-            f"--expert-parallel-size {ep} places experts over the worker's ranks: use "
-            f"--tensor-parallel-size 1 or {ep}"
-        )
-    if max(pp.values()) > 1:
-        raise SystemExit(
-            "--expert-parallel-size does not combine with --pipeline-parallel-size yet (in "
-            "stages the experts are sliced by --tensor-parallel-size)"
+    for role in ("", *ROLES):
+        _check_role_expert_parallel(
+            role, tp.get(role, tp[""]), pp.get(role, pp[""]), ep.get(role, ep[""])
         )
     if quantization != "none" or args.speculative:
         raise SystemExit("--expert-parallel-size runs unquantized, without --speculative")
@@ -509,6 +509,26 @@ def _expert_parallel_env(
         "TOKENYARD_WORKER_EXPERT_REDUNDANT_SLOTS": str(args.expert_redundant_slots),
         "TOKENYARD_WORKER_EXPERT_REBALANCE_INTERVAL": str(args.expert_rebalance_interval),
     }
+
+
+def _check_role_expert_parallel(role: str, tp: int, pp: int, ep: int) -> None:
+    """One role's sizes as EngineConfig._check_expert_parallel takes them: ep 1, or ep
+    ranks with tp 1 or ep, in one stage. `role` "" is the default the bare N sets."""
+    if ep == 1:
+        return
+    size = f"{role}:{{}}" if role else "{}"
+    whose = f" for the {role} workers" if role else ""
+    if tp not in (1, ep):
+        raise SystemExit(
+            f"--expert-parallel-size {size.format(ep)} places experts over the worker's "
+            f"ranks{whose}: use --tensor-parallel-size {size.format(1)} or {size.format(ep)}"
+        )
+    if pp > 1:
+        raise SystemExit(
+            f"--expert-parallel-size {size.format(ep)} does not combine with "
+            f"--pipeline-parallel-size {size.format(pp)} yet (in stages the experts are "
+            "sliced by --tensor-parallel-size)"
+        )
 
 
 def _parsers_env(args: argparse.Namespace) -> dict[str, str]:
@@ -552,7 +572,8 @@ def _kv_cache_env(args: argparse.Namespace, kv_dtype: str) -> dict[str, str]:
 def _quantization(args: argparse.Namespace) -> str:
     """--quantization, or by default int4 on the CPU (none with expert parallelism, which
     moves plain weights) and none on cuda."""
-    cpu_default = "int4" if args.expert_parallel_size == 1 else "none"
+    experts_placed = max(role_sizes(args.expert_parallel_size, "--expert-parallel-size").values())
+    cpu_default = "int4" if experts_placed == 1 else "none"
     return args.quantization or (cpu_default if args.device == "cpu" else "none")
 
 

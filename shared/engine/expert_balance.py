@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tokenyard.engine.model_runner import ModelRunner
+from tokenyard.engine.outputs import ExpertBalanceStats
 from tokenyard.engine.parallel import RankCall
 from tokenyard.models.expert_parallel import ep_blocks, move_experts
 from tokenyard.models.expert_placement import Placement, imbalance, rank_loads, rebalance
@@ -68,7 +69,8 @@ class ExpertBalancer:
         self.send = send
         self.steps = 0
         self.history: list[BalanceRecord] = []
-        self._seen = self._totals()
+        self._seen = self._totals()  # the counters when the balancer last looked
+        self._placed = self._seen  # the counters when the placement last changed
 
     def _totals(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(b.block.tokens_per_expert.clone(), b.tokens_per_rank.clone()) for b in self.blocks]
@@ -86,6 +88,16 @@ class ExpertBalancer:
             for b, (experts, ranks) in zip(self.blocks, self._seen, strict=True)
         ]
 
+    def stats(self) -> ExpertBalanceStats:
+        """Per sparse layer, the ranks' max/mean load measured since the placement last
+        changed (or the start), and measured in the window the last rebalance read."""
+        now = [
+            imbalance([float(n) for n in (b.tokens_per_rank - ranks).tolist()])
+            for b, (_, ranks) in zip(self.blocks, self._placed, strict=True)
+        ]
+        last = self.history[-1].before if self.history else []
+        return ExpertBalanceStats(now, list(last), len(self.history))
+
     def rebalance(self) -> BalanceRecord | None:
         """Place the experts for the window's counts; None where no layer gains."""
         window = self.window()
@@ -102,6 +114,7 @@ class ExpertBalancer:
         command = Rebalance(placements)
         self.send(command)
         command.apply(self.model)
+        self._placed = self._seen
         self.history.append(record)
         log.info(
             "experts rebalanced at step %d: max/mean rank load %s -> %s",

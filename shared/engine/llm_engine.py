@@ -276,6 +276,8 @@ class LLMEngine:
             num_pending_prompt_tokens=self.scheduler.pending_prompt_tokens(),
             tenants=self.scheduler.tenant_stats(),
         )
+        if self.expert_balancer is not None:
+            stats.expert_balance = self.expert_balancer.stats()
         if self.lora is not None:
             stats.loras = {a.name: a.num_running for a in self.lora.info() if not a.unloading}
             stats.lora_swaps = self.lora.num_swaps

@@ -56,6 +56,16 @@ class TenantQueueStats:
 
 
 @dataclass
+class ExpertBalanceStats:
+    """Expert parallelism's per-rank load (engine/expert_balance.py), per sparse layer: max /
+    mean of the tokens the ranks ran (1.0 = even)."""
+
+    now: list[float]  # since the last rebalance (or the start), under today's placement
+    before_last_rebalance: list[float]  # in the window the last rebalance measured; [] if none
+    num_rebalances: int = 0  # placements applied so far
+
+
+@dataclass
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -72,6 +82,7 @@ class EngineStats:
     spec_mean_accepted_length: float = 0.0  # tokens emitted per verification, the bonus included
     # MoE load balance: tokens routed to each expert so far, [moe layer][expert] ([] if dense)
     expert_tokens: list[list[int]] = field(default_factory=list)
+    expert_balance: ExpertBalanceStats | None = None  # with expert parallelism only
     # Prompt tokens still to compute (queued and part-prefilled sequences): queued work.
     num_pending_prompt_tokens: int = 0
     tenants: dict[str, TenantQueueStats] = field(default_factory=dict)  # by tenant

@@ -6,16 +6,25 @@ between steps (it runs after every step here, with one spare slot per rank)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from moe_checkpoints import hf_moe_model, save_hf_folder
+from prometheus_client import REGISTRY
 
 from tokenyard import LLM, SamplingParams
 from tokenyard.models.expert_parallel import ExpertParallelMoE, ep_blocks
 from tokenyard.models.expert_placement import initial_placement
 from tokenyard.models.loader import load_model
+from tokenyard.services.worker.metrics import WorkerMetrics
 
 TOL = 1e-3  # as tests/integration/test_moe.py
+# cuda: NCCL over two GPUs (scripts/gpu_check.sh); on one GPU every test here skips.
+DEVICE = os.environ.get("TOKENYARD_TEST_DEVICE", "cpu")
+pytestmark = pytest.mark.skipif(
+    DEVICE != "cpu" and torch.cuda.device_count() < 2, reason="2 ranks need 2 GPUs"
+)
 PROMPTS = [[(7 * i + 3) % 4000 + 100 for i in range(n)] for n in (5, 41, 17)]
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
 ENGINE = dict(
@@ -25,6 +34,7 @@ ENGINE = dict(
     num_threads=1,
     expert_redundant_slots=1,
     expert_rebalance_interval=1,
+    device=DEVICE,
 )
 LAYOUTS = {
     # experts over 2 ranks, attention whole on each
@@ -70,6 +80,41 @@ def test_expert_parallel_matches_hf_across_rebalances(layout, tmp_path):
             assert row.max().item() - row[lp.token_id].item() <= TOL  # greedy took HF's argmax
 
 
+@pytest.mark.slow
+def test_the_worker_exports_rank_imbalance_and_rebalances(tmp_path):
+    """The worker's gauge of max/mean tokens per rank (per MoE layer, since the last
+    rebalance and in the window it measured) and its count of rebalances, from a tiny
+    Mixtral engine on two expert-parallel ranks whose balancer runs after every step."""
+    folder = save_hf_folder(hf_moe_model("mixtral"), tmp_path / "mixtral")
+    llm = LLM(str(folder), expert_parallel_size=2, **ENGINE)
+    try:
+        llm.generate(PROMPTS, PARAMS)
+        stats = llm.engine.stats()
+        history = llm.engine.expert_balancer.history
+        blocks = ep_blocks(llm.engine.runner.model)
+    finally:
+        llm.close()
+    balance = stats.expert_balance
+    assert balance is not None and history and balance.num_rebalances == len(history)
+    assert balance.before_last_rebalance == history[-1].before
+    assert len(balance.now) == len(blocks) and all(x >= 1.0 for x in balance.now)
+    metrics = WorkerMetrics("ep2-w", "both", "mixtral")
+    metrics.on_stats(stats)
+    labels = {"worker": "ep2-w", "role": "both", "model": "mixtral"}
+    for layer in range(len(blocks)):
+        for window, value in (
+            ("current", balance.now[layer]),
+            ("before_rebalance", balance.before_last_rebalance[layer]),
+        ):
+            gauge = REGISTRY.get_sample_value(
+                "tokenyard:moe_rank_load_imbalance",
+                {**labels, "layer": str(layer), "window": window},
+            )
+            assert gauge == value and gauge >= 1.0, (layer, window)
+    rebalances = REGISTRY.get_sample_value("tokenyard:moe_expert_rebalances_total", labels)
+    assert rebalances == len(history)
+
+
 def _assert_rank0_slots_hold_their_experts(model, folder: str) -> None:
     """After the moves, each of rank 0's slots holds the checkpoint's weights of the expert
     its placement names (the gate rows of gate_up and all of down)."""
@@ -85,5 +130,6 @@ def _assert_rank0_slots_hold_their_experts(model, folder: str) -> None:
                 else (weights[qwen + "gate_proj.weight"], weights[qwen + "down_proj.weight"])
             )
             expert = block.block.expert(slot)
-            assert torch.equal(expert.gate_up_proj.weight[: gate.shape[0]], gate.float())
-            assert torch.equal(expert.down_proj.weight, down.float())
+            gate_up, down_weight = expert.gate_up_proj.weight.cpu(), expert.down_proj.weight.cpu()
+            assert torch.equal(gate_up[: gate.shape[0]], gate.float())
+            assert torch.equal(down_weight, down.float())

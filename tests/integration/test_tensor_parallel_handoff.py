@@ -1,4 +1,5 @@
-"""KV hand-offs between engines of different tensor-parallel sizes, on the CPU over gloo.
+"""KV hand-offs between engines of different tensor-parallel sizes, on the CPU over gloo
+(with TOKENYARD_TEST_DEVICE=cuda, NCCL over two GPUs: scripts/gpu_check.sh; skipped on one).
 
 A prompt prefilled on one engine, its KV blocks read out whole-head (a tp=2 engine gathers
 its ranks' shares) and written into another engine's pool (a tp=2 engine splits the heads
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import pytest
 import torch
@@ -37,12 +39,18 @@ ENGINE = dict(
     max_num_seqs=4,
     kv_cache_bytes=2 * 1024**2,
     num_threads=1,
+    device=os.environ.get("TOKENYARD_TEST_DEVICE", "cpu"),
 )
 
 Run = tuple[list[int], list[TokenLogprob]]
 
 # Three engines, one of them two processes, on a CPU other suites share.
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        ENGINE["device"] != "cpu" and torch.cuda.device_count() < 2, reason="tp=2 needs 2 GPUs"
+    ),
+]
 
 
 def _llama():

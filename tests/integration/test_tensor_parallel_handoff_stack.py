@@ -5,6 +5,7 @@ test_tensor_parallel_handoff.py, whose tiny model and settings this reuses."""
 from __future__ import annotations
 
 import pytest
+import torch
 from moe_checkpoints import save_hf_folder
 from test_tensor_parallel_handoff import ENGINE, PARAMS, PROMPTS, _llama
 from worker_client import Heartbeats, Request, connect, wait_disaggregated
@@ -15,7 +16,14 @@ from tokenyard.services.launch.stack import StackConfig
 from tokenyard.v1 import serving_pb2 as pb
 
 # Two workers of two processes each, and the stack, on a CPU other suites share.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# On cuda (TOKENYARD_TEST_DEVICE, as the engine-level file) both workers share two GPUs.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        ENGINE["device"] != "cpu" and torch.cuda.device_count() < 2, reason="tp=2 needs 2 GPUs"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +43,7 @@ async def test_two_tensor_parallel_workers_hand_off_through_the_stack(folder, la
         kvcache=False,
         facilities=False,
         tensor_parallel_size=2,
+        device=ENGINE["device"],
         router_env={"TOKENYARD_ROUTER_DISAGGREGATION": "always"},
         worker_env={
             "TOKENYARD_WORKER_KV_CACHE_BYTES": str(2 << 20),

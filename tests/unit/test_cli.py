@@ -266,6 +266,57 @@ def test_up_expert_parallel_size_reaches_the_stack_and_the_workers():
         up_config("--expert-parallel-size", "0")
 
 
+def test_up_expert_parallel_size_per_role_reaches_each_roles_workers():
+    from tokenyard.services.launch.config import WorkerParallel
+
+    config = up_config(
+        "--prefill", "1", "--decode", "1",
+        "--tensor-parallel-size", "prefill:1,decode:2",
+        "--expert-parallel-size", "decode:2",
+    )  # fmt: skip
+    assert config.expert_parallel_size == 1
+    assert config.parallel("prefill") == WorkerParallel(1, 1, 1)
+    assert config.parallel("decode") == WorkerParallel(2, 1, 2)
+    assert config.parallel("decode").env()["TOKENYARD_WORKER_EXPERT_PARALLEL_SIZE"] == "2"
+    assert config.parallel("prefill").env()["TOKENYARD_WORKER_EXPERT_PARALLEL_SIZE"] == "1"
+    # one role's experts placed is enough for the balancer's settings and plain weights
+    assert config.worker_env["TOKENYARD_WORKER_EXPERT_REBALANCE_INTERVAL"] == "0"
+    assert "TOKENYARD_WORKER_QUANTIZATION" not in config.worker_env
+    # a bare N sets the roles not named; ep over whole-attention ranks beside tp=ep ones
+    mixed = up_config("--expert-parallel-size", "4,prefill:1", "--tensor-parallel-size", "4")
+    assert mixed.parallel("prefill") == WorkerParallel(4, 1, 1)
+    assert mixed.parallel("decode") == WorkerParallel(4, 1, 4)
+    assert mixed.parallel("both").world_size == 4
+    assert (
+        up_config("--expert-parallel-size", "both:1").worker_env.get(
+            "TOKENYARD_WORKER_QUANTIZATION"
+        )
+        == "int4"
+    )  # no role places experts: the CPU default stays
+
+
+def test_up_expert_parallel_size_per_role_is_checked_against_that_roles_sizes():
+    with pytest.raises(SystemExit, match="--tensor-parallel-size decode:1 or decode:2$"):
+        up_config("--expert-parallel-size", "decode:2", "--tensor-parallel-size", "4")
+    with pytest.raises(SystemExit, match="ranks for the prefill workers"):
+        up_config("--expert-parallel-size", "prefill:4", "--tensor-parallel-size", "prefill:2")
+    with pytest.raises(SystemExit, match="decode:2 does not combine with --pipeline-parallel"):
+        up_config("--expert-parallel-size", "decode:2", "--pipeline-parallel-size", "decode:2")
+    # stages on the roles whose experts are not placed are fine
+    staged = up_config(
+        "--expert-parallel-size", "decode:2", "--pipeline-parallel-size", "2,decode:1"
+    )
+    assert staged.parallel("prefill").pipeline_parallel_size == 2
+    with pytest.raises(SystemExit, match="unknown role 'router'"):
+        up_config("--expert-parallel-size", "router:2")
+    with pytest.raises(SystemExit, match="--expert-parallel-size must be at least 1"):
+        up_config("--expert-parallel-size", "decode:0")
+    with pytest.raises(SystemExit, match="runs unquantized"):
+        up_config("--expert-parallel-size", "decode:2", "--quantization", "int8")
+    with pytest.raises(SystemExit, match="--lora runs on one rank only"):
+        up_config("--expert-parallel-size", "prefill:2", "--lora", "a=/nonexistent")
+
+
 def test_the_default_layout_follows_the_host(monkeypatch):
     from tokenyard.cli import up
 
