@@ -8,7 +8,11 @@ plain arrival order. When a running sequence needs a block and none is free, the
 urgent running sequence (the most recently admitted of its class) is preempted: its blocks
 are freed and it goes back to the queue to be recomputed (its prompt and its output so far)
 later, keeping its arrival. A waiting sequence more urgent than a running one that finds no
-slot or no blocks preempts the least urgent running one at the start of a step. Within a
+slot or no blocks preempts the least urgent running one at the start of a step. Under the
+"fair" policy the tenants of a class also share the slots (engine/slot_share.py): one at its
+share is held back while one under it waits, and one under its share that finds no slot
+preempts the newest running sequence of the tenant most over it; decodes get the budget
+first, then prefill chunks by tenant, so a quiet prompt is chunked beside noisy ones. Within a
 class nothing starves: a tenant's virtual time only grows as it is served. The one
 exception: a waiting sequence whose prompt's leading blocks a running sequence is computing
 right now waits for them (a step or a few), and then shares them through the prefix cache.
