@@ -8,7 +8,11 @@ plain arrival order. When a running sequence needs a block and none is free, the
 urgent running sequence (the most recently admitted of its class) is preempted: its blocks
 are freed and it goes back to the queue to be recomputed (its prompt and its output so far)
 later, keeping its arrival. A waiting sequence more urgent than a running one that finds no
-slot or no blocks preempts the least urgent running one at the start of a step. Within a
+slot or no blocks preempts the least urgent running one at the start of a step. Under the
+"fair" policy the tenants of a class also share the slots (engine/slot_share.py): one at its
+share is held back while one under it waits, and one under its share that finds no slot
+preempts the newest running sequence of the tenant most over it; decodes get the budget
+first, then prefill chunks by tenant, so a quiet prompt is chunked beside noisy ones. Within a
 class nothing starves: a tenant's virtual time only grows as it is served. The one
 exception: a waiting sequence whose prompt's leading blocks a running sequence is computing
 right now waits for them (a step or a few), and then shares them through the prefix cache.
@@ -25,6 +29,7 @@ from tokenyard.engine.block_manager import BlockManager
 from tokenyard.engine.fair_queue import FairQueue, Policy, QueueKey
 from tokenyard.engine.outputs import TenantQueueStats
 from tokenyard.engine.sequence import Sequence, Status
+from tokenyard.engine.slot_share import SlotShares
 
 if TYPE_CHECKING:
     from tokenyard.engine.lora import LoRAManager
@@ -104,18 +109,26 @@ class Scheduler:
             # Most urgent first (stable: admission order within a class), so the least
             # urgent is last: the one preempted first, never one already in this batch.
             self.running.sort(key=lambda s: s.params.priority)
-        urgent = self._preempt_for_urgent()
+        # A waiting sequence that preempted running ones for itself (urgent, or under its
+        # tenant's share of the slots): the one admitted this step.
+        chosen = self._preempt_for_urgent() or self._preempt_for_share()
+        favoured = chosen or self._next_under_share()
         preempted = False
-        # running
-        for seq in list(self.running):
+        # running: decodes first, then prefill chunks (the fairest tenant's first), leaving
+        # room for the prefill of a waiting sequence under its tenant's share
+        for seq in self._running_in_turn():
             if budget == 0:
                 break
             if seq.status != Status.RUNNING:
                 continue  # preempted below in this same loop
             n = min(seq.num_uncomputed_tokens, budget)
+            if n > 1 and favoured is not None and seq.params.tenant != favoured.params.tenant:
+                n = min(n, budget - _reserve(favoured, self.max_num_batched_tokens))
+                if n <= 0:
+                    continue
             spec = _spec_tokens(seq, n, budget)
             while not self.block_manager.can_append(seq, n + len(spec)):
-                victim = self.running[-1]
+                victim = _last_unscheduled(self.running, batch, seq)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -126,12 +139,16 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n, spec))
             budget -= n + len(spec)
         # waiting: none admitted in a step that had to preempt, or it would thrash; the
-        # urgent sequence that preempted less urgent ones for itself is the exception
-        for seq in self.waiting.ordered():
-            if budget == 0 or len(self.running) >= self.max_num_seqs:
+        # sequence that preempted others for itself is the exception
+        shares = self._shares()
+        for seq in _first(favoured, self.waiting.ordered()):
+            if budget == 0 or len(self.running) >= self.max_num_seqs or preempted:
                 break
-            if preempted or (urgent is not None and seq is not urgent):
-                break
+            if chosen is not None and seq is not chosen:
+                continue
+            who = _who(seq)
+            if shares is not None and shares.held_back(*who):
+                continue  # its tenant has its share; the free slot is another's
             if self._prefix_in_flight(seq):
                 continue  # admitted once that prefix is computed, then shared
             if not self._adapter_fits(seq):
@@ -139,11 +156,28 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq):
                 break
             self._admit(seq)
+            if shares is not None:
+                shares.admit(*who)
             n = min(seq.num_uncomputed_tokens, budget)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         self._charge(batch)
         return batch
+
+    def _running_in_turn(self) -> list[Sequence]:
+        """The order running sequences get the step's budget in. Under the fair policy:
+        decodes first (a token each, in running order), then prefill chunks by class and
+        then by their tenant's virtual time, so a quiet tenant's long prompt is not
+        chunked behind a noisy one's. Otherwise the running order."""
+        if self.waiting.policy != "fair":
+            return list(self.running)
+
+        def turn(seq: Sequence) -> tuple[bool, int, int]:
+            if seq.num_uncomputed_tokens <= 1:
+                return (False, 0, 0)
+            return (True, seq.params.priority, self.waiting.served(seq.params.tenant))
+
+        return sorted(self.running, key=turn)
 
     def _preempt_for_urgent(self) -> Sequence | None:
         """Preempt running sequences of a less urgent class while the most urgent waiting
@@ -160,6 +194,57 @@ class Scheduler:
             self._preempt(self.running[-1])
             urgent = head
         return urgent
+
+    def _preempt_for_share(self) -> Sequence | None:
+        """Fair policy: the first waiting sequence of the most urgent waiting class whose
+        tenant is under its share of the slots (engine/slot_share.py), finding no slot or
+        no blocks, preempts the newest running sequences of the tenant most over its share;
+        that waiting one when any was preempted for it."""
+        shares = self._shares()
+        if shares is None or not self.running:
+            return None
+        seq = self._next_under_share(shares, needs_room=False)
+        if seq is None or self._has_room(seq):
+            return None  # admitted in turn: tenants at their share are held back for it
+        priority, tenant = _who(seq)
+        chosen = None
+        while not self._has_room(seq):
+            over = shares.victim(priority, tenant)
+            if over is None:
+                break
+            victim = next(s for s in reversed(self.running) if _who(s) == (priority, over))
+            self._preempt(victim)
+            shares.preempt(priority, over)
+            chosen = seq
+        return chosen
+
+    def _next_under_share(
+        self, shares: SlotShares | None = None, *, needs_room: bool = True
+    ) -> Sequence | None:
+        """The waiting sequence of the most urgent waiting class whose tenant holds the
+        fewest slots, under its share, that could start now but for a slot or blocks (the
+        first of that tenant's in the queue's order); `needs_room`: only when a slot is
+        free."""
+        shares = shares or self._shares()
+        if shares is None or (needs_room and len(self.running) >= self.max_num_seqs):
+            return None
+        top = min(s.params.priority for s in self.waiting)
+        candidates = [
+            seq
+            for seq in self.waiting.ordered()
+            if seq.params.priority == top
+            and shares.under(*_who(seq))
+            and not self._prefix_in_flight(seq)
+            and self._adapter_fits(seq)
+        ]
+        # the tenant furthest under its share first (equal shares: the one holding least)
+        return min(candidates, key=lambda s: shares.held[_who(s)], default=None)
+
+    def _shares(self) -> SlotShares | None:
+        """The tenants' shares of the slots now; None unless the policy is fair."""
+        if self.waiting.policy != "fair" or not self.waiting:
+            return None
+        return SlotShares.of(map(_who, self.running), map(_who, self.waiting), self.max_num_seqs)
 
     def _has_room(self, seq: Sequence) -> bool:
         return len(self.running) < self.max_num_seqs and self.block_manager.can_allocate(seq)
@@ -236,6 +321,32 @@ class Scheduler:
             self.block_manager.free_sequence(seq)
         seq.status = Status.HELD if keep_blocks else Status.FINISHED
         seq.finish_reason = reason
+
+
+def _who(seq: Sequence) -> tuple[int, str]:
+    return seq.params.priority, seq.params.tenant
+
+
+def _first(seq: Sequence | None, ordered: list[Sequence]) -> list[Sequence]:
+    """The queue's order with `seq` (the favoured one) moved to its front."""
+    if seq is None or seq not in ordered:
+        return ordered
+    return [seq, *(s for s in ordered if s is not seq)]
+
+
+def _reserve(seq: Sequence, max_num_batched_tokens: int) -> int:
+    """The budget kept for a favoured waiting sequence's prefill: what it needs, at most
+    half the step."""
+    return min(seq.num_uncomputed_tokens, max(1, max_num_batched_tokens // 2))
+
+
+def _last_unscheduled(
+    running: list[Sequence], batch: list[ScheduledSeq], seq: Sequence
+) -> Sequence:
+    """The running sequence preempted for memory: the least urgent (last) one not already
+    in this step's batch; `seq` itself when every other one is."""
+    scheduled = {id(s.seq) for s in batch}
+    return next((s for s in reversed(running) if id(s) not in scheduled), seq)
 
 
 def _queue_key(seq: Sequence) -> QueueKey:
