@@ -2,10 +2,12 @@
 model and a single sequence slot. An urgent request sent after two low-priority ones is
 answered before them (the engine admits it first, preempting a less urgent running one for
 its slot), each API key's tenant shows in the worker's per-tenant metrics, and a priority
-out of range is a 400."""
+out of range is a 400. With two slots, a tenant holding both gives one up (preempted,
+resumed later) to another tenant's request."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -146,3 +148,81 @@ def test_a_priority_out_of_range_is_400(one_slot_stack):
     )
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "priority"
+
+
+@pytest.fixture(scope="module")
+def two_slot_stack(launch_stack):
+    config = StackConfig(
+        port=free_port(),
+        aggregated=True,
+        workers=1,
+        kvcache=False,
+        facilities=False,
+        telemetry=False,
+        gateway_env={
+            "TOKENYARD_GATEWAY_API_KEYS": f"{KEY_A},{KEY_B}",
+            "TOKENYARD_GATEWAY_IDLE_TIMEOUT_S": "900",
+        },
+        worker_env={"TOKENYARD_WORKER_MAX_NUM_SEQS": "2"},
+    )
+    with launch_stack(config) as stack:
+        assert wait_until(lambda: _registered(stack), 600), stack.describe_failures()
+        models = httpx.get(
+            f"{stack.gateway_url}/v1/models", headers={"Authorization": f"Bearer {KEY_A}"}
+        )
+        stack.model_id = models.json()["data"][0]["id"]
+        yield stack
+
+
+def test_a_quiet_tenant_takes_a_slot_from_one_holding_both(two_slot_stack):
+    """Tenant A holds both slots with long requests; tenant B's short one preempts A's newer
+    one, ends long before A's, and A's preempted request still completes in full."""
+    stack = two_slot_stack
+    done: dict[str, float] = {}
+    finish: dict[str, str] = {}
+    errors: list[str] = []
+    started = {tag: threading.Event() for tag in ("a1", "a2")}
+
+    def send(tag: str, key: str, max_tokens: int) -> None:
+        with httpx.stream(
+            "POST",
+            f"{stack.gateway_url}/v1/completions",
+            json={**body(stack, tag, max_tokens, 0), "stream": True},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=600,
+        ) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    if tag in started:
+                        started[tag].set()
+                    choice = json.loads(line[len("data: ") :])["choices"][0]
+                    finish[tag] = choice.get("finish_reason") or finish.get(tag, "")
+            if resp.status_code != 200:
+                errors.append(f"{tag}: {resp.status_code}")
+        done[tag] = time.monotonic()
+
+    threads = [threading.Thread(target=send, args=(t, KEY_A, 96)) for t in ("a1", "a2")]
+    for thread in threads:
+        thread.start()
+    assert all(event.wait(300) for event in started.values())  # both slots are A's
+    quiet = threading.Thread(target=send, args=("b", KEY_B, 4))
+    quiet.start()
+    threads.append(quiet)
+    for thread in threads:
+        thread.join(timeout=900)
+    assert not errors, errors
+    assert done["b"] < done["a1"] and done["b"] < done["a2"], done
+    # A's preempted request resumed and ran to its whole length
+    assert finish == {"a1": "length", "a2": "length", "b": "length"}, finish
+    assert wait_until(lambda: preemptions(stack) >= 1, 10), preemptions(stack)
+
+
+def preemptions(stack: LocalStack) -> float:
+    url = stack.ops_urls[stack.workers[0].name]
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "tokenyard:num_preemptions_total"
+    )
