@@ -49,9 +49,10 @@ up: setup-serve
 # The calibration checks time our engine and compare: they run on their own, after the
 # session stacks of the other tests have stopped. The planner check is left out: its short
 # measurements moved by 30% between runs on a 2-core machine (docs/planning.md; run it by
-# hand: pytest -m calibration).
+# hand: pytest -m calibration). --durations: the log ranks the slowest set-ups and tests
+# (CI's budget is tight; a quiet CI machine's figures say where the time goes).
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider -m "not calibration"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not calibration" --durations=60
 	$(PY) -m pytest -q -p no:cacheprovider -m calibration --deselect tests/integration/test_planner_cpu.py::test_cpu_entry_predicts_our_engine_within_25_percent
 
 test-fast: setup

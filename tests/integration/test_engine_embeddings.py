@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_vs_hf import FP32_KV, hf_model  # noqa: F401  (the HF twin of the weights)
+from test_engine_vs_hf import FP32_KV
 
 from tokenyard.engine.sampling_params import SamplingParams
 
@@ -26,7 +26,7 @@ def engine(make_engine):
     return make_engine(**FP32_KV, max_num_batched_tokens=16)
 
 
-def hf_embedding(hf_model, ids: list[int], pooling: str) -> torch.Tensor:  # noqa: F811
+def hf_embedding(hf_model, ids: list[int], pooling: str) -> torch.Tensor:
     with torch.inference_mode():
         hidden = hf_model.model(torch.tensor([ids])).last_hidden_state[0].float()
     vector = hidden.mean(dim=0) if pooling == "mean" else hidden[-1]
@@ -44,7 +44,7 @@ def run_all(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> di
 
 
 @pytest.mark.parametrize("pooling", ["mean", "last"])
-def test_pooled_hidden_states_equal_hf(engine, hf_model, pooling):  # noqa: F811
+def test_pooled_hidden_states_equal_hf(engine, hf_model, pooling):
     prompts = [engine.tokenizer.encode(t) for t in TEXTS]
     requests = {
         f"{pooling}-{i}": (ids, SamplingParams(max_tokens=1, pooling=pooling))
@@ -66,7 +66,7 @@ def test_pooled_hidden_states_equal_hf(engine, hf_model, pooling):  # noqa: F811
     engine.block_manager.check_no_leaks()
 
 
-def test_mean_pooling_takes_no_prefix_cache_hits(engine, hf_model):  # noqa: F811
+def test_mean_pooling_takes_no_prefix_cache_hits(engine, hf_model):
     """A prompt whose blocks are cached by an earlier request is still pooled over every row."""
     ids = engine.tokenizer.encode(TEXTS[1])
     run_all(engine, {"warm": (ids, SamplingParams(max_tokens=1, temperature=0.0))})

@@ -30,31 +30,6 @@ def engine(make_engine):
     return make_engine(**FP32_KV)
 
 
-@pytest.fixture(scope="module")
-def hf_model(loaded_model):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    c = loaded_model.config
-    config = LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-    )
-    model = LlamaForCausalLM(config).eval()
-    missing, unexpected = model.load_state_dict(loaded_model.weights, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    return model
-
-
 def hf_logprobs(hf_model, token_ids: list[int]) -> torch.Tensor:
     """[len - 1, vocab]: row i is the log-distribution of token i + 1 given tokens 0..i."""
     with torch.inference_mode():

@@ -1,7 +1,8 @@
 """Workers over a real nats-server, with the fake engine: queueing, redelivery, cancel.
 
-Each test starts its own embedded NATS, router and worker processes (LocalStack, no
-gateway); a small client in worker_client.py plays the gateway.
+Each test that kills, stops or slows a worker starts its own embedded NATS, router and
+worker processes (LocalStack, no gateway); the tests that only send a request and read it
+back share one such stack. A small client in worker_client.py plays the gateway.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import contextlib
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 from worker_client import Heartbeats, Request, connect, wait_disaggregated, wait_router
@@ -70,8 +72,16 @@ def stack_factory(launch_stack):
         yield make
 
 
-async def test_disaggregated_request_through_both_workers(stack_factory):
-    stack = stack_factory(1, 1)
+@pytest.fixture(scope="module")
+def plain_stack(launch_stack) -> Iterator[LocalStack]:
+    """One prefill and one decode worker at the default fake step, for the tests that only
+    send a request and read its answer: they leave the stack as they found it."""
+    with launch_stack(fake_config(1, 1)) as stack:
+        yield stack
+
+
+async def test_disaggregated_request_through_both_workers(plain_stack):
+    stack = plain_stack
     bus = await connect(stack.nats_url)
     await wait_workers(bus, 2)
     await wait_disaggregated(bus, PROMPT)
@@ -85,9 +95,9 @@ async def test_disaggregated_request_through_both_workers(stack_factory):
     await bus.close()
 
 
-async def test_a_pooling_request_runs_whole_on_the_prefill_worker(stack_factory):
+async def test_a_pooling_request_runs_whole_on_the_prefill_worker(plain_stack):
     """An embedding: no hand-off (though the router disaggregates), no token, one vector."""
-    stack = stack_factory(1, 1)
+    stack = plain_stack
     bus = await connect(stack.nats_url)
     await wait_workers(bus, 2)
     await wait_disaggregated(bus, PROMPT)

@@ -25,11 +25,10 @@ Q = gguf.GGMLQuantizationType
 
 
 @pytest.fixture(scope="module")
-def default_model():
-    start = time.perf_counter()
-    model = load_model()
-    print(f"\nload_model(default) took {time.perf_counter() - start:.2f} s")
-    return model
+def default_model(loaded_model):
+    """load_model()'s result: the session's (tests/conftest.py), loaded once for the suite.
+    These tests only read it."""
+    return loaded_model
 
 
 def test_default_model_path_is_the_packaged_gguf():
