@@ -106,7 +106,6 @@ class PrefillHandler:
         aggregated = job.decode_worker_id in ("", self.w.worker_id) or job.params.max_tokens == 1
         prompt = list(job.prompt_token_ids)
         salt = adapter_salt(job.params.cache_salt, job.params.lora)  # the prefix cache's
-        # The fetch of a shared hit runs while the request waits for admission here.
         # NOTE: mean pooling computes every prompt token: a fetched prefix would go unused.
         wanted = job.params.pooling != "mean"
         # The fetch of a shared hit runs while the request waits for admission here, into
@@ -120,7 +119,7 @@ class PrefillHandler:
             landed.append(self.cache.land_soon(rid, staged, salt))
 
         def hit_now() -> PrefixHit:
-            done = landed and landed[0].done() and not landed[0].cancelled()
+            done = bool(landed) and landed[0].done() and not landed[0].cancelled()
             return landed[0].result() if done else PrefixHit(0, 0)
 
         try:
