@@ -107,6 +107,12 @@ class EngineLoop:
         it when no step comes. A call whose caller was cancelled before it began never runs."""
         return await asyncio.wrap_future(self._queue_call(fn, *args, **kwargs))
 
+    def queue(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queue ``fn`` on the engine thread now, as :meth:`call` does, and return its
+        future: calls queued one after the other with no await between run at the same
+        step boundary, in order (a KV-cache prefix's landing, then its request's add)."""
+        return asyncio.wrap_future(self._queue_call(fn, *args))
+
     def _queue_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         future: Future[T] = Future()
         self._calls.append((partial(self._timed, fn, *args, **kwargs), future))

@@ -269,6 +269,9 @@ class FakeEngine:
     def commit_prefix(self, request_id: str, kv_ok: bool) -> None:
         self._free.extend(self._seqs.pop(request_id).blocks)
 
+    def land_prefix(self, token_ids: list[int], cache_salt: str, blocks: Any, first: int) -> int:
+        return 0
+
     def read_kv_blocks(self, block_ids: list[int]) -> Any:
         raise ValueError("the fake engine has no KV pool to read blocks from")
 

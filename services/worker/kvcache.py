@@ -1,7 +1,9 @@
 """The worker's use of the shared KV-cache service (``kvcache_endpoint``; "" = off).
 
-Before a prompt is computed, :meth:`KVCachePort.fetch` seeds the engine's prefix cache with
-the longest prefix the service holds. Two kinds of blocks go the other way, each as soon as
+Before a prompt is computed, :meth:`KVCachePort.stage` fetches the longest prefix the service
+holds past what the engine holds into host memory, while the request waits for admission;
+:meth:`KVCachePort.land_soon` has the engine name those blocks in its prefix cache at the
+same step boundary as the request's add (one engine call, no blocks reserved meanwhile). Two kinds of blocks go the other way, each as soon as
 it is computed and still in the pool:
 
 - a prompt's new full blocks, with its first token (``source="prompt"``);
@@ -25,14 +27,16 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenyard.engine.outputs import NoFreeBlocks
 from tokenyard.kv.store.offload import BandwidthBudget, RecentHashes
 from tokenyard.services.worker.engine_loop import EngineLoop
 from tokenyard.services.worker.metrics import KV_OFFLOAD_FAILURES, WorkerMetrics
 from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.services.worker.stream import HANDED_BACK
+
+if TYPE_CHECKING:
+    from tokenyard.kv.store.engine_bridge import StagedPrefix
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +45,6 @@ log = logging.getLogger(__name__)
 class PrefixHit:
     cached_tokens: int  # the prompt's leading tokens the engine now holds (0 = a miss)
     fetched_tokens: int  # of those, the ones fetched from the service (the rest were here)
-    pool_full: bool = False  # no free blocks to land it in: worth trying again once admitted
 
 
 RECENT_HASHES = 65536  # blocks known to be in the service: about 48 GB of SmolLM2-135M's
@@ -87,38 +90,67 @@ class KVCachePort:
 
     # --- fetch ---------------------------------------------------------------------------
 
-    async def fetch(self, request_id: str, prompt: list[int], cache_salt: str = "") -> PrefixHit:
-        """Seed the engine with the cached prefix of ``prompt`` (a miss, or any failure:
-        ``PrefixHit(0, 0)``, and the engine computes it all)."""
+    async def stage(
+        self, request_id: str, prompt: list[int], cache_salt: str = ""
+    ) -> StagedPrefix | None:
+        """Fetch the cached prefix of ``prompt`` past what the engine holds into host
+        memory, while the request waits for admission (no engine call: nothing is reserved
+        in the pool). None with no service (or any failure: the engine computes it all)."""
         if self._client is None:
-            return PrefixHit(0, 0)
-        from tokenyard.kv.hashing import prefix_block_hashes, salted_root
-        from tokenyard.kv.store.engine_bridge import fetch_prefix
+            return None
+        from tokenyard.kv.store.engine_bridge import stage_prefix
 
-        engine = self.loop.engine
-        bs = engine.block_size
-        hashes = prefix_block_hashes(prompt, bs, salted_root(cache_salt))[: (len(prompt) - 1) // bs]
-        # A read of the engine's prefix-cache dict, as fetch_prefix makes: no engine-thread wait.
-        local = engine.num_cached_prefix_blocks(hashes)
         started = time.perf_counter()
         try:
-            n = await fetch_prefix(
-                engine, self._client, prompt, call=self.loop.call, cache_salt=cache_salt
-            )
-        except NoFreeBlocks as exc:
-            log.info("KV-cache fetch for %s: the pool is full (%s)", request_id, exc)
-            return PrefixHit(0, 0, pool_full=True)
-        except Exception as exc:  # the service gone, a bad block: compute it all instead
+            staged = await stage_prefix(self.loop.engine, self._client, prompt, cache_salt)
+        except Exception as exc:  # a bad layout, a torch error: compute it all instead
             log.warning("KV-cache fetch for %s failed (%s); computing", request_id, exc)
-            return PrefixHit(0, 0)
-        fetched_blocks = max(0, n // bs - local)
-        if fetched_blocks > 0:
-            self._on_fetched(fetched_blocks, time.perf_counter() - started)
-            self.sent.add(hashes[: n // bs])
-            log.info(
-                "KV-cache hit for %s: %d prompt tokens fetched", request_id, fetched_blocks * bs
-            )
-        return PrefixHit(n, fetched_blocks * bs)
+            return None
+        if staged.num_fetched:
+            self._on_fetched(staged.num_fetched, time.perf_counter() - started)
+        return staged
+
+    def land_soon(
+        self, request_id: str, staged: StagedPrefix | None, cache_salt: str = ""
+    ) -> asyncio.Future[PrefixHit]:
+        """Queue the landing of ``staged`` on the engine thread now: call it right before
+        the request's add, with no await between, and both run at one step boundary."""
+        done: asyncio.Future[PrefixHit] = asyncio.get_running_loop().create_future()
+        if staged is None or staged.blocks is None:
+            held = 0 if staged is None else staged.tokens
+            done.set_result(PrefixHit(held, 0))
+            return done
+        from tokenyard.kv.store.engine_bridge import land_staged
+
+        landing = self.loop.queue(land_staged, self.loop.engine, staged, cache_salt)
+
+        def landed(future: asyncio.Future[int]) -> None:
+            if future.cancelled() or future.exception() is not None:
+                if not future.cancelled():
+                    log.warning(
+                        "KV-cache landing for %s failed: %s", request_id, future.exception()
+                    )
+                done.set_result(PrefixHit(0, 0))
+                return
+            n = future.result()
+            fetched = max(0, n - staged.first * staged.block_size)
+            if fetched:
+                from tokenyard.kv.hashing import prefix_block_hashes, salted_root
+
+                bs = staged.block_size
+                hashes = prefix_block_hashes(staged.token_ids[:n], bs, salted_root(cache_salt))
+                self.sent.add(hashes)
+                log.info("KV-cache hit for %s: %d prompt tokens fetched", request_id, fetched)
+            done.set_result(PrefixHit(n, fetched))
+
+        landing.add_done_callback(landed)
+        return done
+
+    async def fetch(self, request_id: str, prompt: list[int], cache_salt: str = "") -> PrefixHit:
+        """:meth:`stage` then :meth:`land_soon`, for a caller with no add to queue behind."""
+        return await self.land_soon(
+            request_id, await self.stage(request_id, prompt, cache_salt), cache_salt
+        )
 
     def _on_fetched(self, num_blocks: int, seconds: float) -> None:
         layout = self.loop.engine.layout

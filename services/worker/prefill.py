@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from tokenyard.bus import auth, subjects
 from tokenyard.bus.workqueue import Delivery, Outcome, WorkQueue, WorkQueueSpec
@@ -20,6 +21,9 @@ from tokenyard.services.worker.settings import WorkerSettings
 from tokenyard.services.worker.stream import HANDED_BACK
 from tokenyard.tracing import REQUEST_ID, WORKER_ID, tracer
 from tokenyard.v1 import serving_pb2 as pb
+
+if TYPE_CHECKING:
+    from tokenyard.kv.store.engine_bridge import StagedPrefix
 
 _tracer = tracer("tokenyard.worker")
 log = logging.getLogger(__name__)
@@ -102,18 +106,21 @@ class PrefillHandler:
         aggregated = job.decode_worker_id in ("", self.w.worker_id) or job.params.max_tokens == 1
         prompt = list(job.prompt_token_ids)
         salt = adapter_salt(job.params.cache_salt, job.params.lora)  # the prefix cache's
-        # The fetch of a shared hit runs while the request waits for admission here.
         # NOTE: mean pooling computes every prompt token: a fetched prefix would go unused.
         wanted = job.params.pooling != "mean"
-        spawn = asyncio.get_running_loop().create_task
-        fetches = [spawn(self._fetch(rid, prompt, salt, wanted))]
+        # The fetch of a shared hit runs while the request waits for admission here, into
+        # host memory; admitted, its landing is queued right before the add, so both run at
+        # the next step boundary and the request is schedulable in that step.
+        staging = asyncio.get_running_loop().create_task(self._stage(rid, prompt, salt, wanted))
+        landed: list[asyncio.Future[PrefixHit]] = []
 
         async def before_add() -> None:
-            if (await asyncio.shield(fetches[0])).pool_full:
-                # The pool had no room for the prefix while the request queued behind
-                # running ones (a loaded worker's usual state); admitted, it has room.
-                fetches.append(spawn(self._fetch(rid, prompt, salt, wanted)))
-                await asyncio.shield(fetches[-1])
+            staged = await asyncio.shield(staging)
+            landed.append(self.cache.land_soon(rid, staged, salt))
+
+        def hit_now() -> PrefixHit:
+            done = bool(landed) and landed[0].done() and not landed[0].cancelled()
+            return landed[0].result() if done else PrefixHit(0, 0)
 
         try:
             stream = await self.w.generate(
@@ -123,12 +130,14 @@ class PrefillHandler:
                 job.params,
                 prefill_only=not aggregated,
                 arrival_unix_ns=job.arrival_unix_ns,
-                on_prompt_computed=lambda: self._offload_prompt(rid, prompt, fetches[-1], salt),
+                on_prompt_computed=lambda: self._offload_prompt(
+                    rid, prompt, staging, hit_now(), salt
+                ),
                 before_add=before_add,
             )
         finally:
-            # Never cancelled: their reserved blocks are committed or freed.
-            hit = [await fetch for fetch in fetches][-1]
+            await staging  # never cancelled; it holds no engine blocks either way
+            hit = await landed[0] if landed else PrefixHit(0, 0)
         reason = await stream.done
         if reason == HANDED_BACK:
             return False
@@ -142,23 +151,37 @@ class PrefillHandler:
             self.cache.offload_reply(rid, prompt, here.output_token_ids, salt, reason)
         return True
 
-    async def _fetch(self, rid: str, prompt: list[int], salt: str, wanted: bool) -> PrefixHit:
+    async def _stage(
+        self, rid: str, prompt: list[int], salt: str, wanted: bool
+    ) -> StagedPrefix | None:
         if not wanted:
-            return PrefixHit(cached_tokens=0, fetched_tokens=0)
+            return None
         attributes = {REQUEST_ID: rid, WORKER_ID: self.w.worker_id}
         with _tracer.start_as_current_span("kvcache.fetch", attributes=attributes) as span:
-            hit = await self.cache.fetch(rid, prompt, salt)
-            span.set_attribute("tokenyard.fetched_tokens", hit.fetched_tokens)
-        return hit
+            staged = await self.cache.stage(rid, prompt, salt)
+            span.set_attribute(
+                "tokenyard.fetched_tokens",
+                0 if staged is None else staged.num_fetched * staged.block_size,
+            )
+        return staged
 
     def _offload_prompt(
-        self, rid: str, prompt: list[int], fetch: asyncio.Task[PrefixHit], salt: str
+        self,
+        rid: str,
+        prompt: list[int],
+        staging: asyncio.Task[StagedPrefix | None],
+        hit: PrefixHit,
+        salt: str,
     ) -> None:
         # With the first token, while the sequence still holds its prompt's blocks, not
         # when it ends: a closed-loop client's next request arrives as one ends, and the
         # copy-out and upload then competed with its prefill, slowing its first token
         # (docs/benchmarks.md). In the background: the copy-out waits for a step boundary.
-        skip = fetch.result().cached_tokens if fetch.done() and not fetch.cancelled() else 0
+        # Neither what the engine held or fetched nor what the service held already (the
+        # other worker sent it) is sent again.
+        staged = staging.result() if staging.done() and not staging.cancelled() else None
+        stored = 0 if staged is None else staged.stored * staged.block_size
+        skip = max(hit.cached_tokens, stored)
         self.cache.offload_soon(rid, prompt, skip_tokens=skip, cache_salt=salt)
 
     def _account(self, prompt: list[int], cached_tokens: int, hit: PrefixHit) -> None:

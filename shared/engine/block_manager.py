@@ -13,6 +13,7 @@ hashes are known takes those blocks (ref_count + 1) instead of computing them ag
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenyard.engine.outputs import NoFreeBlocks
@@ -146,6 +147,62 @@ class BlockManager:
             raise NoFreeBlocks(f"{num_blocks} blocks needed, {self.num_free_blocks} free")
         seq.block_table = [self._take_fresh() for _ in range(num_blocks)]
 
+    def land_prefix(
+        self,
+        hashes: list[int],
+        tokens: list[tuple[int, ...]],
+        first: int,
+        write: Callable[[list[int], int], None],
+    ) -> int:
+        """Name blocks of a prefix whose KV comes from outside (the KV-cache service),
+        in one go; returns how many leading blocks of the prefix the cache now holds.
+
+        ``hashes[i]``/``tokens[i]`` are the prefix's blocks; the caller holds the KV of
+        blocks ``first`` on. Blocks already cached are kept (pinned while this runs, never
+        written); fresh blocks take the rest, as many as the pool has room for, and
+        ``write(block_ids, offset)`` fills them from the caller's block ``offset`` (relative
+        to ``first``) on. Then they are named and freed: unreferenced but findable, like a
+        finished request's blocks, so the next allocate() of that prompt takes them.
+        A prefix whose cached head ends before ``first`` (evicted since) lands nothing."""
+        if not self.enable_prefix_caching:
+            return 0
+        local = 0
+        for h, t in zip(hashes, tokens, strict=True):
+            if self._lookup(h, t) is None:
+                break
+            local += 1
+        if local < first or local == len(hashes):
+            return local
+        held = [self.cached[h] for h in hashes[:local]]
+        for block_id in held:
+            self._take(block_id)
+        end = min(len(hashes), local + self.num_free_blocks)
+        fresh = [self._take_fresh() for _ in range(end - local)]
+        try:
+            if fresh:
+                write(fresh, local - first)
+            for i, block_id in zip(range(local, end), fresh, strict=True):
+                h, block = hashes[i], self.blocks[block_id]
+                if h in self.cached:
+                    continue  # an equal block is already named; ours stays anonymous
+                block.hash, block.token_ids = h, tokens[i]
+                self.cached[h] = block_id
+                self.events.append(("stored", h))
+        finally:
+            self._release(held + fresh)
+        return end
+
+    def _release(self, block_table: list[int]) -> None:
+        # Reversed: a sequence's tail is the least likely to be shared, so it is evicted first.
+        for block_id in reversed(block_table):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} freed twice"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.hash is None:  # holds nothing: reuse it first, its pages are resident
+                    self.free.move_to_end(block_id, last=False)
+
     # --- growth during decode -------------------------------------------------------------
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -194,15 +251,7 @@ class BlockManager:
     # --- release --------------------------------------------------------------------------
 
     def free_sequence(self, seq: Sequence) -> None:
-        # Reversed: a sequence's tail is the least likely to be shared, so it is evicted first.
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            assert block.ref_count > 0, f"block {block_id} freed twice"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
-                if block.hash is None:  # holds nothing: reuse it first, its pages are resident
-                    self.free.move_to_end(block_id, last=False)
+        self._release(seq.block_table)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

@@ -48,6 +48,7 @@ from tokenyard.engine.sequence import Sequence, Status
 from tokenyard.engine.spec.speculator import build_speculator
 from tokenyard.engine.stop import StopChecker
 from tokenyard.kv import engine_port
+from tokenyard.kv.hashing import prefix_block_hashes, salted_root
 from tokenyard.kv.layout import KVLayout
 from tokenyard.lifecycle import trim_heap
 from tokenyard.models.expert_parallel import check_ep
@@ -525,6 +526,19 @@ class LLMEngine:
 
     def commit_prefix(self, request_id: str, kv_ok: bool) -> None:
         self.handoff.commit_prefix(request_id, kv_ok)
+
+    def land_prefix(
+        self, token_ids: list[int], cache_salt: str, blocks: torch.Tensor, first: int
+    ) -> int:
+        bs = self.block_manager.block_size
+        n = len(token_ids) // bs
+        hashes = prefix_block_hashes(token_ids[: n * bs], bs, salted_root(cache_salt))
+        tokens = [tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(n)]
+
+        def write(block_ids: list[int], offset: int) -> None:
+            self.kv_blocks.write(block_ids, blocks[offset : offset + len(block_ids)])
+
+        return self.block_manager.land_prefix(hashes, tokens, first, write) * bs
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         return self.kv_blocks.read(block_ids)

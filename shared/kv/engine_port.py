@@ -69,6 +69,17 @@ class KVEngine(Protocol):
         """kv_ok: name the blocks in the prefix cache (free but findable); else drop them."""
         ...
 
+    def land_prefix(
+        self, token_ids: list[int], cache_salt: str, blocks: torch.Tensor, first: int
+    ) -> int:
+        """Name a prefix of whole blocks (under ``cache_salt``'s root) in the prefix cache in
+        one call, with no reservation between steps: blocks it holds already are kept,
+        ``blocks`` (in ``layout``, the prefix's blocks ``first`` on) fill fresh ones for the
+        rest, as many as the pool has free. Returns the prefix's leading tokens now cached
+        (fewer than asked when the pool is short, or its cached head was evicted before
+        ``first``: a recompute, never a wrong block)."""
+        ...
+
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A host copy of the blocks in ``layout`` (every KV head, whatever the engine's
         tensor-parallel size: its ranks' shares gathered); ValueError with no pool."""

@@ -135,4 +135,4 @@ async def test_a_prefix_the_engine_holds_already_is_not_fetched_again(loaded_mod
     # an engine without them fetches them, through its engine thread's calls
     other = engine(loaded_model)
     assert await fetch_prefix(other, cache, PROMPT, call=call) == 80
-    assert calls == ["reserve_prefix", "commit_prefix"]
+    assert calls == ["land_staged"]  # one engine call, no reservation across steps

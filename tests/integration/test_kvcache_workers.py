@@ -180,3 +180,31 @@ async def test_offload_over_the_budget_is_dropped_and_counted(loaded_model, nats
                 assert await cache.contains(wd.engine.layout, hashes) == 0
     finally:
         await server.stop()
+
+
+async def test_a_worker_fetches_only_the_blocks_it_does_not_hold(loaded_model, nats_url, bus):
+    # Worker b computed the prefix's first 4 blocks itself; the service holds all 10 (from
+    # worker a). b's fetch moves the other 6 only, lands them at the request's add (no
+    # blocks reserved across steps) and the greedy tokens are those of a full compute.
+    head = PREFIX[: 4 * BLOCK] + [11, 12, 13]
+    want_head = greedy_reference(loaded_model, head)
+    want_b = greedy_reference(loaded_model, PROMPT_B)
+    server = await serve(KVCacheSettings(port=0, shutdown_grace_s=0))
+    try:
+        async with worker(loaded_model, nats_url, "a", server.endpoint) as (wa, a):
+            await run(bus, a, "req-a", PROMPT_A)
+            hashes = prefix_block_hashes(PREFIX, BLOCK)
+            assert await wait_contains(server.endpoint, wa.engine.layout, hashes) == len(hashes)
+        async with worker(loaded_model, nats_url, "b", server.endpoint) as (wb, b):
+            assert await run(bus, b, "head", head) == want_head
+            assert wb.engine.num_cached_prefix_blocks(hashes) == 4
+            fetched = wb.metrics.kv_fetch_bytes  # the head's own fetch, if any
+            before = wb.engine.stats().prefix_cache_hits
+            assert await run(bus, b, "req-b", PROMPT_B) == want_b
+            layout = wb.engine.layout
+            assert wb.metrics.kv_fetch_bytes - fetched == 6 * layout.block_nbytes
+            assert wb.engine.stats().prefix_cache_hits - before == len(PREFIX)
+            assert wb.engine.num_cached_prefix_blocks(hashes) == len(hashes)
+            wb.engine.block_manager.check_no_leaks()
+    finally:
+        await server.stop()

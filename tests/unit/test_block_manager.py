@@ -175,3 +175,73 @@ def test_the_prefix_cache_grows_the_pool_only_when_allowed(grow):
     else:  # the least recently freed cached block (the tail: freed first) is reused
         assert b.block_table == [second]
         assert bm.num_free_blocks == 7
+
+
+# --- land_prefix: a KV-cache service's prefix named in one call -------------------------
+
+
+def landing(tokens: list[int]) -> tuple[list[int], list[tuple[int, ...]]]:
+    hashes = prefix_block_hashes(tokens, BS)
+    return hashes, [tuple(tokens[i * BS : (i + 1) * BS]) for i in range(len(hashes))]
+
+
+def test_land_prefix_writes_only_the_blocks_not_held_and_names_them():
+    bm = BlockManager(8, BS)
+    a = seq(list(range(9)), "a")  # two full blocks computed here
+    bm.allocate(a)
+    computed(bm, a)
+    held = list(a.block_table[:2])
+    bm.free_sequence(a)
+    bm.drain_events()
+    prefix = list(range(16))  # four blocks: the first two held, the last two fetched
+    hashes, tokens = landing(prefix)
+    writes: list[tuple[list[int], int]] = []
+    assert bm.land_prefix(hashes, tokens, 2, lambda ids, off: writes.append((ids, off))) == 4
+    [(ids, offset)] = writes
+    assert len(ids) == 2 and not set(ids) & set(held) and offset == 0
+    assert [bm.cached[h] for h in hashes] == held + ids
+    assert bm.drain_events() == [("stored", h) for h in hashes[2:]]
+    bm.check_no_leaks()  # nothing stays referenced: free but findable
+    b = seq(prefix + [99], "b")
+    bm.allocate(b)
+    assert b.block_table[:4] == held + ids and b.num_cached_tokens == 16
+    assert bm.stats.hits == 16  # the landing itself is no query of the prefix cache
+
+
+def test_land_prefix_lands_what_fits_and_never_evicts_the_head_it_extends():
+    bm = BlockManager(4, BS)
+    a = seq(list(range(5)), "a")  # one block held, cached and free
+    bm.allocate(a)
+    computed(bm, a)
+    head = a.block_table[0]
+    bm.free_sequence(a)
+    other = seq([50 + i for i in range(8)], "o")  # two blocks held by a running request
+    bm.allocate(other)
+    hashes, tokens = landing(list(range(20)))  # five blocks: one held, four fetched
+    written: list[int] = []
+    landed = bm.land_prefix(hashes, tokens, 1, lambda ids, off: written.extend(ids))
+    # two blocks are not the running request's: the head, kept, and one fresh block
+    assert landed == 2 and bm.cached[hashes[0]] == head and len(written) == 1
+    assert hashes[2] not in bm.cached
+    bm.free_sequence(other)
+    bm.check_no_leaks()
+
+
+def test_land_prefix_lands_nothing_past_a_gap_or_a_failed_write():
+    bm = BlockManager(8, BS)
+    hashes, tokens = landing(list(range(12)))
+    calls: list[int] = []
+    # the caller holds blocks 1 on, but the engine lost block 0 since: nothing to chain to
+    assert bm.land_prefix(hashes, tokens, 1, lambda ids, off: calls.append(1)) == 0
+    assert calls == [] and not bm.cached
+
+    def broken(ids: list[int], offset: int) -> None:
+        raise RuntimeError("torn copy")
+
+    with pytest.raises(RuntimeError):
+        bm.land_prefix(hashes, tokens, 0, broken)
+    assert not bm.cached and bm.num_free_blocks == 8  # unnamed, freed: never served
+    bm.check_no_leaks()
+    # prefix caching off: nothing is ever named
+    off = BlockManager(8, BS, enable_prefix_caching=False)
+    assert off.land_prefix(hashes, tokens, 0, lambda ids, o: calls.append(1)) == 0

@@ -7,15 +7,17 @@ calls on the thread that drives the engine (between two ``step()`` calls):
   KV events) so they can be written through to the service while the engine runs on;
   :func:`offload_snapshot` sends them. :func:`offload_prefix` does both for a held
   prefill-only request's prompt, under the same salted hashes.
-- :func:`fetch_prefix` finds the longest cached prefix of a prompt, lands it in blocks the
-  engine reserved, and has the engine name them in its prefix cache, so the next
-  ``add_request`` with that prompt computes only the rest.
+- :func:`fetch_prefix` finds the longest cached prefix of a prompt past what the engine
+  holds, fetches it into host memory (:func:`stage_prefix`, no engine call) and has the
+  engine land it in one call (:func:`land_staged`), so the next ``add_request`` with that
+  prompt computes only the rest. A worker queues the landing right before the request's
+  ``add_request``: both run at the same step boundary.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,6 +71,83 @@ async def _direct(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
+@dataclass(frozen=True)
+class StagedPrefix:
+    """A prompt's cached prefix, fetched into host memory and not yet in the engine.
+
+    ``token_ids`` is the prefix (whole blocks); the engine held its first ``first`` blocks
+    when it was staged, and ``blocks`` holds the KV of the ones after (None: nothing to
+    land, the engine held all of it or the service had no more)."""
+
+    token_ids: list[int]
+    first: int
+    blocks: torch.Tensor | None
+    block_size: int
+    # The prompt's leading blocks the service held when asked (0: not asked): an offload
+    # of the prompt need not send them again.
+    stored: int = 0
+
+    @property
+    def num_fetched(self) -> int:
+        return 0 if self.blocks is None else int(self.blocks.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        """The prefix's tokens the engine holds once it is landed."""
+        return len(self.token_ids)
+
+
+async def stage_prefix(
+    engine: KVEngine, client: KVCacheClient, token_ids: list[int], cache_salt: str = ""
+) -> StagedPrefix:
+    """Fetch the longest prefix of ``token_ids`` the service holds, past what the engine
+    holds itself, into host memory; no engine call (the peek at the prefix cache is safe
+    from any thread). A cache outage or a bad block stages what the engine holds only."""
+    layout = _layout(engine)
+    bs = layout.block_size
+    # The engine always computes the block holding the prompt's last token itself.
+    hashes = prefix_block_hashes(token_ids, bs, salted_root(cache_salt))
+    hashes = hashes[: (len(token_ids) - 1) // bs]
+    local = engine.num_cached_prefix_blocks(hashes)
+
+    stored = 0
+
+    def held(n: int, blocks: torch.Tensor | None = None) -> StagedPrefix:
+        return StagedPrefix(token_ids[: n * bs], local, blocks, bs, stored)
+
+    if local == len(hashes):
+        # Here already (a system prompt every request shares): the engine finds it itself.
+        return held(local)
+    try:
+        n = stored = await client.contains(layout, hashes)
+    except Exception:  # a cache outage costs a recompute, never the request
+        return held(local)
+    if n <= local:
+        return held(local)
+    staged = torch.empty(layout.pool_shape(n - local), dtype=layout.torch_dtype)
+    try:
+        landed = await client.get_prefix(layout, hashes[local:n], staged, range(n - local))
+    except (KVCacheError, OSError):
+        return held(local)
+    if landed == 0:
+        return held(local)
+    return held(local + landed, staged[:landed])
+
+
+def land_staged(engine: KVEngine, staged: StagedPrefix, cache_salt: str = "") -> int:
+    """On the engine's thread: name a staged prefix's blocks in the prefix cache; returns
+    the prefix's tokens the engine now holds. Queue it right before the request's
+    ``add_request`` so both run at the same step boundary."""
+    if staged.blocks is None:
+        return (
+            engine.num_cached_prefix_blocks(
+                prefix_block_hashes(staged.token_ids, staged.block_size, salted_root(cache_salt))
+            )
+            * staged.block_size
+        )
+    return engine.land_prefix(staged.token_ids, cache_salt, staged.blocks, staged.first)
+
+
 async def fetch_prefix(
     engine: KVEngine,
     client: KVCacheClient,
@@ -80,54 +159,10 @@ async def fetch_prefix(
     (0 on a miss or any cache failure: the engine then simply computes them).
 
     ``call(fn, *args)`` runs an engine call where the engine lives (a worker passes its
-    engine thread's); the bytes land in reserved blocks, which no engine step touches, so
-    they are written from here while the engine runs on."""
-    layout = _layout(engine)
-    bs = layout.block_size
-    # The engine always computes the block holding the prompt's last token itself.
-    hashes = prefix_block_hashes(token_ids, bs, salted_root(cache_salt))
-    hashes = hashes[: (len(token_ids) - 1) // bs]
-    if not hashes:
-        return 0
-    try:
-        n = await client.contains(layout, hashes)
-    except Exception:  # a cache outage costs a recompute, never the request
-        return 0
-    if n == 0:
-        return 0
-    if engine.num_cached_prefix_blocks(hashes[:n]) == n:
-        # Here already (a system prompt every request shares): the engine finds it itself.
-        # Fetching it again costs two waits for the engine thread between steps, most of a
-        # loaded request's first token (docs/benchmarks.md).
-        return n * bs
-    rid = f"kv-prefetch-{uuid.uuid4().hex[:12]}"
-    dst = await call(engine.reserve_prefix, rid, token_ids[: n * bs], cache_salt)
-    landed = 0
-    try:
-        landed = await _get_into(engine, client, layout, hashes[:n], dst, call)
-    except (KVCacheError, OSError):
-        pass
-    finally:
-        # Evicted meanwhile (or failed): drop it all rather than register a partial prefix.
-        await call(engine.commit_prefix, rid, landed == n)
-    return n * bs if landed == n else 0
-
-
-async def _get_into(
-    engine: KVEngine,
-    client: KVCacheClient,
-    layout: KVLayout,
-    hashes: list[int],
-    dst: list[int],
-    call: Callable[..., Awaitable[Any]],
-) -> int:
-    """Fetch blocks into the engine's reserved ``dst``: straight into its pool, or (a
-    tensor-parallel engine, whose pool holds one rank's heads) through a host copy that
-    the engine splits over its ranks; returns how many leading blocks landed."""
-    if engine.kv_cache is not None:
-        return await client.get_prefix(layout, hashes, engine.kv_cache, dst)
-    staged = torch.empty(layout.pool_shape(len(hashes)), dtype=layout.torch_dtype)
-    landed = await client.get_prefix(layout, hashes, staged, list(range(len(hashes))))
-    if landed == len(hashes):
-        await call(engine.write_kv_blocks, dst, staged)
-    return landed
+    engine thread's). The bytes come into host memory first (:func:`stage_prefix`), then
+    one engine call lands them (:func:`land_staged`): no blocks are reserved across steps,
+    and only the blocks the engine does not hold already move."""
+    staged = await stage_prefix(engine, client, token_ids, cache_salt)
+    if staged.blocks is None:
+        return staged.tokens
+    return int(await call(land_staged, engine, staged, cache_salt))
