@@ -20,7 +20,7 @@ def test_running_per_adapter_and_swaps_are_exported():
     assert (_running("sql"), _running("poet")) == (2, 1)
     assert REGISTRY.get_sample_value("tokenyard:lora_swaps_total", LABELS) == 2
     text = generate_latest().decode()
-    series = 'tokenyard:lora_requests_running{worker="lora-w",role="both",model="m",lora="sql"}'
+    series = 'tokenyard:lora_requests_running{lora="sql",model="m",role="both",worker="lora-w"}'
     assert f"{series} 2.0" in text  # what a scrape of /metrics reads
     # poet unloaded: its series goes; swaps are cumulative, only the increase is added
     metrics.on_stats(EngineStats(2, 0, 10, 10, 0, 0, 0, loras={"sql": 2}, lora_swaps=3))
