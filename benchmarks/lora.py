@@ -9,8 +9,9 @@ worker's default precision (int4 on a CPU). Arms, alternated --repeats times, be
   mixed4:  the same batch with its requests spread over the 4 adapters (one pair of
            low-rank matmuls per adapter present, per projection, per step);
   off:     the batch on an engine without LoRA at all (what enable_lora costs when idle).
-Decode tok/s counts output tokens after each request's first over the time after it; ITL
-is the mean gap between a request's tokens after the first.
+Output tok/s counts every output token over the batch's wall time (prefill included);
+decode tok/s the tokens after each request's first over the time after it. ITL p50/p99 are
+over every gap between two successive tokens of a request. Progress goes to stdout.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tokenyard.engine.sampling_params import SamplingParams
 from tokenyard.models.config import ModelConfig
 from tokenyard.models.loader import load_model
 from tokenyard.models.lora_adapter import TARGETS, module_shape
+from tokenyard.stats import percentile
 
 PROMPTS = [
     "Explain in a few sentences why the sky is blue.",
@@ -61,30 +63,35 @@ def write_adapter(folder: Path, config: ModelConfig, rank: int, seed: int) -> st
 
 
 def run_batch(engine: LLMEngine, loras: list[str], max_tokens: int) -> dict[str, float]:
-    """The batch to its end: decode tok/s after each request's first token, and mean ITL."""
+    """The batch to its end: output and decode tok/s, and ITL p50/p99 over every gap."""
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     counts: dict[str, int] = {}
+    gaps: list[float] = []
+    start = time.perf_counter()
     for i, lora in enumerate(loras):
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, lora=lora)
         engine.add_request(f"r{time.monotonic_ns()}-{i}", PROMPTS[i % len(PROMPTS)], params)
     while engine.has_unfinished():
         for out in engine.step():
             now = time.perf_counter()
+            if out.request_id in last and out.new_token_ids:
+                gaps.append((now - last[out.request_id]) / len(out.new_token_ids))
             first.setdefault(out.request_id, now)
             last[out.request_id] = now
             counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
-    decode_tokens = sum(n - 1 for n in counts.values())
-    span = max(last.values()) - min(first.values())
-    gaps = [(last[r] - first[r]) / (counts[r] - 1) for r in counts if counts[r] > 1]
+    end = max(last.values())
+    decode_span = end - min(first.values())
     return {
-        "decode_tok_s": decode_tokens / span if span else 0.0,
-        "itl_ms": 1e3 * sum(gaps) / len(gaps) if gaps else 0.0,
+        "output_tok_s": sum(counts.values()) / (end - start),
+        "decode_tok_s": sum(n - 1 for n in counts.values()) / decode_span if decode_span else 0.0,
+        "itl_p50_ms": 1e3 * percentile(gaps, 50) if gaps else 0.0,
+        "itl_p99_ms": 1e3 * percentile(gaps, 99) if gaps else 0.0,
     }
 
 
 def best(runs: list[dict[str, float]]) -> dict[str, float]:
-    return max(runs, key=lambda r: r["decode_tok_s"])
+    return max(runs, key=lambda r: r["output_tok_s"])
 
 
 def main() -> int:
@@ -95,6 +102,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", help=OUT_HELP)
+    parser.add_argument(
+        "--adapters-dir",
+        type=Path,
+        help="write the adapters here and keep them (default: a "
+        "temporary folder, removed at the end); benchmarks/lora_serve.py serves them",
+    )
     args = parser.parse_args()
     loaded = load_model()
     common: dict[str, Any] = {"kv_cache_bytes": 256 * 2**20, "num_threads": args.threads}
@@ -106,16 +119,25 @@ def main() -> int:
     without = LLMEngine(EngineConfig(**common), loaded=loaded)
     names = [f"a{i}" for i in range(4)]
     with tempfile.TemporaryDirectory() as tmp:
+        folder = args.adapters_dir or Path(tmp)
         for seed, name in enumerate(names):
-            path = write_adapter(Path(tmp) / name, loaded.config, args.rank, seed)
+            path = write_adapter(folder / name, loaded.config, args.rank, seed)
             with_lora.add_lora(name, path)
     runs: dict[str, list[dict[str, float]]] = {"base": [], "mixed4": [], "off": []}
     mixed = [names[i % 4] for i in range(args.batch)]
+    print("adapters loaded; warming up", flush=True)
     run_batch(with_lora, mixed, 4)  # warm-up: every slot loaded, kernels built
-    for _ in range(args.repeats):
-        runs["base"].append(run_batch(with_lora, [""] * args.batch, args.max_tokens))
-        runs["mixed4"].append(run_batch(with_lora, mixed, args.max_tokens))
-        runs["off"].append(run_batch(without, [""] * args.batch, args.max_tokens))
+    batches = {"base": (with_lora, [""] * args.batch), "mixed4": (with_lora, mixed)}
+    batches["off"] = (without, [""] * args.batch)
+    for repeat in range(args.repeats):
+        for arm, (engine, loras) in batches.items():
+            r = run_batch(engine, loras, args.max_tokens)
+            runs[arm].append(r)
+            print(
+                f"[{repeat + 1}/{args.repeats}] {arm}: {r['output_tok_s']:.1f} output tok/s, "
+                f"ITL p50 {r['itl_p50_ms']:.1f} ms, p99 {r['itl_p99_ms']:.1f} ms",
+                flush=True,
+            )
     result: dict[str, Any] = {
         "conditions": {
             "model": loaded.model_id,
@@ -127,16 +149,18 @@ def main() -> int:
             "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),
+            "loadavg_before": os.getloadavg(),
         },
         "best": {arm: best(r) for arm, r in runs.items()},
         "runs": runs,
     }
     b, m = result["best"]["base"], result["best"]["mixed4"]
-    result["mixed4_vs_base"] = m["decode_tok_s"] / b["decode_tok_s"] if b["decode_tok_s"] else 0.0
+    result["mixed4_vs_base"] = m["output_tok_s"] / b["output_tok_s"] if b["output_tok_s"] else 0.0
+    result["conditions"]["loadavg_after"] = os.getloadavg()
     written = out_path(args.out, "lora")
     written.write_text(json.dumps(result, indent=2))
     print(json.dumps(result["best"], indent=2))
-    print(f"mixed4 / base decode tok/s: {result['mixed4_vs_base']:.3f}; written to {written}")
+    print(f"mixed4 / base output tok/s: {result['mixed4_vs_base']:.3f}; written to {written}")
     return 0
 
 

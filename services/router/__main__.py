@@ -37,6 +37,7 @@ def policy_config(settings: RouterSettings) -> PolicyConfig:
         kv_weight=settings.kv_weight,
         shared_hit_value=settings.shared_hit_value,
         placement=settings.placement,
+        lora_load_busy=settings.lora_load_busy,
     )
 
 

@@ -18,6 +18,7 @@ from tokenyard.fleet import FleetView
 from tokenyard.kv.hashing import HASH_SPEC_VERSION
 from tokenyard.routing.policy import PolicyConfig, RouteInput, choose
 from tokenyard.services.router.kv_sync import KVSync
+from tokenyard.services.router.lora_loads import LoRALoads
 from tokenyard.services.router.shared_tier import SharedTier
 from tokenyard.services.router.state import BlockIndex
 from tokenyard.tracing import REQUEST_ID, tracer
@@ -51,6 +52,8 @@ class RouterHandler:
         self.index = BlockIndex()
         self.kv = KVSync(self.index)
         self._resyncs: dict[str, asyncio.Task[None]] = {}  # worker id -> its resync, one at a time
+        # A busy adapter copied to a worker with room (routing.lora_placement).
+        self.lora_loads = LoRALoads(bus, self.fleet, config, clock)
 
     def worker_alive(self, worker_id: str) -> bool:
         return self.fleet.alive(worker_id, self.clock())
@@ -142,6 +145,7 @@ class RouterHandler:
 
     async def close(self) -> None:
         """Stop the resyncs in flight."""
+        await self.lora_loads.close()
         tasks = list(self._resyncs.values())
         for task in tasks:
             task.cancel()
@@ -161,6 +165,8 @@ class RouterHandler:
             shared = await self.shared_blocks(req)
             span.set_attribute("tokenyard.shared_blocks", shared)
             reply = self.route(req, shared_blocks=shared)
+            if req.lora:
+                self.lora_loads.consider(lora_input(req), self.fleet.racks.by_worker())
             span.set_attributes(placement_attributes(reply))
             await self.bus.reply(msg, reply)
 
@@ -219,6 +225,13 @@ class RouterHandler:
             result.reason,
         )
         return pb.RouteReply(placement=result)
+
+
+def lora_input(req: pb.RouteRequest) -> RouteInput:
+    """What routing.lora_placement reads of a request."""
+    return RouteInput(
+        req.request_id, req.model, req.num_prompt_tokens, max_tokens=req.max_tokens, lora=req.lora
+    )
 
 
 def placement_attributes(reply: pb.RouteReply) -> dict[str, str | bool]:

@@ -33,6 +33,9 @@ class RouterSettings(BaseSettings):
     kvcache_timeout_s: float = Field(default=0.05, gt=0)
     # A shared block's worth as a share of a local one, until workers have measured it.
     shared_hit_value: float = Field(default=0.8, ge=0, le=1)
+    # Every holder of a LoRA adapter this busy or more (sequences over cap; 1.0 = every
+    # slot taken): a less busy worker with room for an adapter loads it (routing.lora_placement).
+    lora_load_busy: float = Field(default=1.0, gt=0)
     log_level: str = "INFO"
     # The ops HTTP server: /health, /ready, /metrics (0 = any free port).
     ops_host: str = "127.0.0.1"

@@ -53,6 +53,7 @@ def worker_json(
         "kv_usage": round(w.kv_used, 4),
         "tokens_per_s": round(hb.tokens_per_s, 2),
         "prefix_hit_rate": prefix.hit_rate if prefix else None,
+        "lora_adapters": list(hb.lora_adapters),  # the LoRA adapters it serves
     }
 
 

@@ -1,6 +1,7 @@
 """LoRA adapters loaded and unloaded at run time: the gateway's admin API asks each worker
-over NATS (ty.lora.<worker>; only the gateway's and the operator's NATS users may publish
-there, after the gateway checked the admin token).
+over NATS (ty.lora.<worker>; only the gateway's, the router's and the operator's NATS
+users may publish there: the gateway after it checked the admin token, the router to load a
+busy adapter on a worker with room, from the path the adapter's holders name).
 
 Each outcome carries the HTTP status the gateway answers with: 400 a malformed adapter,
 404 an unknown one, 409 a limit of the adapter itself (max_lora_rank, a name in use), 507

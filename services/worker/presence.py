@@ -146,6 +146,8 @@ class Presence:
             kv_layout=layout_to_proto(self.engine.layout) if self.engine.layout else None,
             kvcache_fetch_ms_per_block=self.kvcache_fetch_ms_per_block(),
             lora_adapters=sorted(stats.loras),
+            lora_room=stats.lora_room,
+            lora_paths=stats.lora_paths,
             kvcache_offload_bytes=self.metrics.kv_offload_bytes,
             kvcache_fetch_bytes=self.metrics.kv_fetch_bytes,
         )

@@ -129,6 +129,7 @@ def router() -> NatsUser:
         publish=[
             subjects.telemetry_spans("router"),
             subjects.kv_resync("*"),
+            subjects.lora("*"),  # a busy adapter loaded on a worker with room (lora_loads.py)
             *ROUTER_PREFILL_API,
         ],
         subscribe=[

@@ -280,7 +280,10 @@ class LLMEngine:
         if self.expert_balancer is not None:
             stats.expert_balance = self.expert_balancer.stats()
         if self.lora is not None:
-            stats.loras = {a.name: a.num_running for a in self.lora.info() if not a.unloading}
+            served = [a for a in self.lora.info() if not a.unloading]
+            stats.loras = {a.name: a.num_running for a in served}
+            stats.lora_paths = {a.name: a.path for a in served}
+            stats.lora_room = self.lora.room()
             stats.lora_swaps = self.lora.num_swaps
         if self.speculator is not None:
             spec = self.speculator.stats

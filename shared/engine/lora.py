@@ -67,6 +67,10 @@ class LoRAManager:
         self.adapters[name] = adapter
         return adapter
 
+    def room(self) -> int:
+        """How many more adapters load() takes now (unloading ones still count)."""
+        return max(0, self.max_cpu_loras - len(self.adapters))
+
     def unload(self, name: str, in_use: bool) -> bool:
         """Remove the adapter now (True), or mark it to go once its requests end (False)."""
         if name not in self.adapters or name in self.unloading:

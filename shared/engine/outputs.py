@@ -90,6 +90,8 @@ class EngineStats:
     # each now; and adapters copied into a model slot so far (swaps from host memory).
     loras: dict[str, int] = field(default_factory=dict)
     lora_swaps: int = 0
+    lora_paths: dict[str, str] = field(default_factory=dict)  # served adapter -> its folder
+    lora_room: int = 0  # adapters it can load more (max_cpu_loras less those held)
 
 
 class UnknownAdapter(ValueError, LookupError):

@@ -76,6 +76,10 @@ class PolicyConfig:
     # A shared-tier block's worth, as a share of a local one, until a worker has measured
     # both its fetch and its compute cost.
     shared_hit_value: float = 0.8
+    # A LoRA adapter's holders this busy (sequences over cap, as free_score counts them) or
+    # more, every one: a less busy worker with room for an adapter loads it
+    # (routing.lora_placement). 1.0 = when every holder's sequence slots are taken.
+    lora_load_busy: float = 1.0
 
 
 # A worker on no rack the facilities service knows is placed as on a normal one.
@@ -265,11 +269,15 @@ def free_score(
     """The part of a worker's score that does not depend on the request's prompt (its whole
     score for a prompt it holds nothing of): minus its busy share, KV use and facilities
     penalty. None when it has no room for a request of this priority. Higher is better."""
-    cap = _cap(w, facility)
-    if w.load >= cap + queue_room(config, priority):
+    if w.load >= _cap(w, facility) + queue_room(config, priority):
         return None
-    busy = w.load / cap * facility.load_weight
-    return -busy - config.kv_weight * w.kv_used - facility.cost_penalty
+    return -busy_share(w, facility) - config.kv_weight * w.kv_used - facility.cost_penalty
+
+
+def busy_share(w: WorkerView, facility: WorkerThrottle) -> float:
+    """Its sequences (running, waiting, placed since its beat) over its cap, weighted by its
+    rack's power state: 1.0 = every slot taken, above = a queue."""
+    return w.load / _cap(w, facility) * facility.load_weight
 
 
 def queue_room(config: PolicyConfig, priority: int) -> int:

@@ -288,7 +288,14 @@ class Replay(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., from_index: _Optional[int] = ...) -> None: ...
 
 class WorkerHeartbeat(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "max_num_seqs", "tokens_per_s", "kv_endpoint", "host", "sent_unix_ms", "block_size", "heartbeat_interval_ms", "max_model_len", "seq_cap", "step_fixed_ms", "step_ms_per_token", "pending_prompt_tokens", "local_prefill", "not_ready", "kv_epoch", "kv_seq", "draining", "control_endpoint", "ops_endpoint", "kv_layout", "kvcache_fetch_ms_per_block", "lora_adapters", "kvcache_offload_bytes", "kvcache_fetch_bytes")
+    __slots__ = ("worker_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "max_num_seqs", "tokens_per_s", "kv_endpoint", "host", "sent_unix_ms", "block_size", "heartbeat_interval_ms", "max_model_len", "seq_cap", "step_fixed_ms", "step_ms_per_token", "pending_prompt_tokens", "local_prefill", "not_ready", "kv_epoch", "kv_seq", "draining", "control_endpoint", "ops_endpoint", "kv_layout", "kvcache_fetch_ms_per_block", "lora_adapters", "lora_room", "lora_paths", "kvcache_offload_bytes", "kvcache_fetch_bytes")
+    class LoraPathsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +325,8 @@ class WorkerHeartbeat(_message.Message):
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KVCACHE_FETCH_MS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ROOM_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATHS_FIELD_NUMBER: _ClassVar[int]
     KVCACHE_OFFLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     KVCACHE_FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
@@ -349,9 +358,11 @@ class WorkerHeartbeat(_message.Message):
     kv_layout: _kv_pb2.KVLayoutDesc
     kvcache_fetch_ms_per_block: float
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    lora_room: int
+    lora_paths: _containers.ScalarMap[str, str]
     kvcache_offload_bytes: int
     kvcache_fetch_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_endpoint: _Optional[str] = ..., host: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., block_size: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., seq_cap: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_token: _Optional[float] = ..., pending_prompt_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., not_ready: _Optional[str] = ..., kv_epoch: _Optional[str] = ..., kv_seq: _Optional[int] = ..., draining: _Optional[bool] = ..., control_endpoint: _Optional[str] = ..., ops_endpoint: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayoutDesc, _Mapping]] = ..., kvcache_fetch_ms_per_block: _Optional[float] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., kvcache_offload_bytes: _Optional[int] = ..., kvcache_fetch_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kv_endpoint: _Optional[str] = ..., host: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ..., block_size: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., max_model_len: _Optional[int] = ..., seq_cap: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_token: _Optional[float] = ..., pending_prompt_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., not_ready: _Optional[str] = ..., kv_epoch: _Optional[str] = ..., kv_seq: _Optional[int] = ..., draining: _Optional[bool] = ..., control_endpoint: _Optional[str] = ..., ops_endpoint: _Optional[str] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayoutDesc, _Mapping]] = ..., kvcache_fetch_ms_per_block: _Optional[float] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_room: _Optional[int] = ..., lora_paths: _Optional[_Mapping[str, str]] = ..., kvcache_offload_bytes: _Optional[int] = ..., kvcache_fetch_bytes: _Optional[int] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("worker_id", "kind", "block_hashes", "hash_version", "seq", "epoch")

@@ -62,13 +62,15 @@ def model(client) -> str:
 def telemetry_stack(launch_stack) -> Iterator[LocalStack]:
     """A stack with the facilities (example inventory) and telemetry services, for the
     console's tests: 1 prefill + 1 decode worker on rack-a and rack-b, every request split,
-    and the KV-cache service (the console shows the bytes moved to it)."""
+    the KV-cache service (the console shows the bytes moved to it), LoRA enabled."""
     config = StackConfig(
         port=free_port(),
         kvcache=True,
         router_env={"TOKENYARD_ROUTER_DISAGGREGATION": "always"},
         # A cleared fault lets its rack back to normal after 1 s, not the default 30 s.
         facilities_env={"TOKENYARD_FACILITIES_DWELL_S": "1"},
+        # LoRA slots, empty at start: the console test loads an adapter at run time.
+        worker_env={"TOKENYARD_WORKER_ENABLE_LORA": "1"},
     )
     with launch_stack(config) as s:
         s.wait_ready(timeout=300)

@@ -3,18 +3,25 @@ stack: every worker is shown, the numbers and charts (uPlot: time axis, units, h
 move after requests, simulated rack readings say so, a request's trace opens as a waterfall
 down to the engine's steps, a pump fault that would stop the fleet asks first and then
 turns its rack to drain, and a request that then fails shows its error code and message.
+A LoRA adapter loaded through the gateway's admin API shows on every worker that holds it,
+and goes once unloaded.
 
 Saves a screenshot: into $TOKENYARD_TEST_ARTIFACTS when set, else the test's tmp_path."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from playwright.sync_api import Page, expect, sync_playwright
+from safetensors.torch import save_file
+
+from tokenyard.models.lora_adapter import module_shape
 
 pytestmark = pytest.mark.slow
 
@@ -195,3 +202,41 @@ def test_console_planner_page_plans_from_the_form(page: Page, tmp_path):
     expect(page.get_by_test_id("plan-message")).to_contain_text("llama-3.1-405b on h100")
     gpus = int(page.get_by_test_id("plan-gpus").inner_text().replace(",", ""))
     assert gpus > 56
+
+
+def write_adapter(folder: Path, config) -> str:
+    """A tiny random PEFT-format adapter for the default model (rank 2, q_proj of each layer)."""
+    folder.mkdir(parents=True)
+    settings = {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}
+    (folder / "adapter_config.json").write_text(json.dumps(settings))
+    i, o = module_shape(config, "q_proj")
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        key = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        tensors[f"{key}.lora_A.weight"] = torch.randn(2, i) / i**0.5
+        tensors[f"{key}.lora_B.weight"] = torch.randn(o, 2) * 0.01
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return str(folder)
+
+
+def test_console_shows_which_worker_holds_which_adapter(
+    page: Page, telemetry_stack, loaded_model, tmp_path
+):
+    expect(page.get_by_test_id("connection")).to_have_text("live", timeout=15_000)
+    path = write_adapter(tmp_path / "sql", loaded_model.config)
+    admin = {"Authorization": f"Bearer {telemetry_stack.gateway_admin_token}"}
+    url = telemetry_stack.gateway_url
+    body = {"lora_name": "sql", "lora_path": path}
+    resp = httpx.post(f"{url}/v1/load_lora_adapter", json=body, headers=admin, timeout=120)
+    assert resp.status_code == 200, resp.text
+    # The gateway loads it on every live worker of the model: both show it, from their beats.
+    for worker_id in ("prefill-1", "decode-2"):
+        held = page.locator(f'[data-worker="{worker_id}"] [data-testid="worker-lora"]')
+        expect(held).to_have_count(1, timeout=15_000)
+        expect(held).to_have_attribute("data-lora", "sql")
+    page.screenshot(path=str(artifacts(tmp_path) / "console_lora.png"), full_page=True)
+
+    body = {"lora_name": "sql"}
+    resp = httpx.post(f"{url}/v1/unload_lora_adapter", json=body, headers=admin, timeout=120)
+    assert resp.status_code == 200, resp.text
+    expect(page.get_by_test_id("worker-lora")).to_have_count(0, timeout=15_000)

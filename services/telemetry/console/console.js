@@ -144,8 +144,16 @@ function workerHtml(w) {
     <b>${esc(w.worker_id)}</b>
     <small>${esc(w.role)} · ${esc(w.state)} · run ${w.num_running} wait ${w.num_waiting}</small><br>
     <small>KV ${pct(w.kv_usage)} · ${fmt(w.tokens_per_s, 1)} tok/s · hit ${pct(w.prefix_hit_rate)}</small>
+    ${loraHtml(w.lora_adapters || [])}
     <div class="actions"><button class="needs-admin" data-drain="${esc(w.worker_id)}">drain</button></div>
   </div>`;
+}
+
+/** The LoRA adapters a worker serves (its heartbeat's lora_adapters), one badge each. */
+function loraHtml(adapters) {
+  if (!adapters.length) return "";
+  return `<div class="loras" data-testid="worker-loras">LoRA ${adapters.map((a) =>
+    `<span class="badge lora" data-testid="worker-lora" data-lora="${esc(a)}">${esc(a)}</span>`).join(" ")}</div>`;
 }
 
 const SIMULATED = "modelled from the workers' heartbeats by the facilities simulator, not measured";
