@@ -173,6 +173,9 @@ class WorkerBase:
             return stream  # cancelled or handed back while it waited
         if before_add is not None:
             await before_add()
+        if self.stopping.is_set():  # stopped while it waited: it goes on elsewhere, unbegun
+            stream.hand_back()
+            return stream
         if self.streams.is_cancelled(request_id):  # cancelled before its stream existed (a fetch)
             await stream.aborted()
             return stream
