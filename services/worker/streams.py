@@ -115,11 +115,11 @@ class Streams:
         return not self.running
 
     async def hand_back_waiting(self) -> int:
-        """Hand back every request queued here that has not begun (a stopping worker's
-        queue goes on elsewhere at once, not after its drain); how many."""
+        """Hand back every work-queue job queued here that has not begun (a stopping
+        worker's queue goes on elsewhere at once, not after its drain); how many."""
         handed = 0
         for rid, stream in list(self.running.items()):
-            if stream.sent or stream.done.done():
+            if not stream.from_job or stream.sent or stream.done.done():
                 continue
             if await self.loop.abort_if_waiting(rid):
                 stream.hand_back()
