@@ -20,9 +20,17 @@ started from which every `--window-s` window of requests sent until the end of t
 TTFT p99 at most `--recover-factor` x the baseline p99. Every request must end with a
 finish_reason (counted: sent, served, failed).
 
-`--max-num-seqs` (default 4) is each worker's TOKENYARD_WORKER_MAX_NUM_SEQS: with the
+`--max-num-seqs` (default 2) is each worker's TOKENYARD_WORKER_MAX_NUM_SEQS, its slots: on a
+fleet a worker is an accelerator of its own, and one more adds capacity; on a small CPU host
+every worker shares the same cores, so one more adds none. Bounding each worker's running
+sequences well below what the cores carry makes a worker saturate on its slots (its queue
+grows while the CPU still has room), which one more worker relieves, as on a fleet. With the
 default 32, a small CPU host runs out of cores long before a pool's busy share reaches the
 policy's `high` mark, so the load would slow everything without a scaling signal.
+
+`--slo-ttft-s` and `--slo-itl-s` are passed to `tokenyard up` (the policy's p99 targets,
+read from the workers' histograms each interval). The load average of the host is recorded
+before the stack starts, when the load begins and when it ends.
 """
 
 from __future__ import annotations
@@ -94,10 +102,18 @@ class Launcher:
         return found
 
 
-def start_stack(port: int, max_num_seqs: int, log_dir: Path) -> Launcher:
+def loadavg() -> list[float] | None:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return None
+
+
+def start_stack(args: argparse.Namespace, port: int, max_num_seqs: int, log_dir: Path) -> Launcher:
     cmd = [
         sys.executable, "-m", "tokenyard.cli", "up", "--autoscale",
         "--min-workers", "1", "--max-workers", "2",
+        "--slo-ttft-s", str(args.slo_ttft_s), "--slo-itl-s", str(args.slo_itl_s),
         "--port", str(port), "--console-port", "0", "--log-dir", str(log_dir),
     ]  # fmt: skip
     env = {**os.environ, "TOKENYARD_WORKER_MAX_NUM_SEQS": str(max_num_seqs)}
@@ -271,6 +287,37 @@ def report(args, sent, marks, added, stopped, launcher: Launcher, t0: float) -> 
     }
 
 
+def plot(result: dict[str, Any], png: Path) -> None:
+    """Each request's client TTFT by when it was sent (a failed one as an x), the phases,
+    the workers added and those drained."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    recs = result["requests_detail"]
+    ok = [(r["at"], r["ttft_s"]) for r in recs if r["ttft_s"] is not None and not r["error"]]
+    bad = [r["at"] for r in recs if r["error"] or not r["finish_reason"]]
+    ax.scatter([a for a, _ in ok], [t for _, t in ok], s=8, label="TTFT (client)")
+    if bad:
+        ax.scatter(bad, [0] * len(bad), marker="x", color="red", label="failed")
+    for name, at in result["phases_s"].items():
+        ax.axvline(at, color="grey", linestyle=":")
+        ax.text(at, ax.get_ylim()[1] * 0.95, f" {name}", fontsize=8, color="grey")
+    for ev in result["workers_added"]:
+        ax.axvline(ev["at_s"], color="green", label=f"{ev['worker']} added")
+    for ev in result["drains_begun"]:
+        ax.axvline(ev["at_s"], color="orange", linestyle="--", label=f"{ev['worker']} drains")
+    ax.set_xlabel("seconds since the load began")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("tokenyard up --autoscale: a load step (rate doubled, then a quarter)")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
 def model_id(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
@@ -279,7 +326,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rate", type=float, default=1.0, help="base requests/s (the step doubles it)")
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=2, help="each worker's slots")
+    p.add_argument("--slo-ttft-s", type=float, default=5.0, help="the policy's TTFT p99 target")
+    p.add_argument("--slo-itl-s", type=float, default=1.0, help="the policy's ITL p99 target")
     p.add_argument("--base-s", type=float, default=40.0)
     p.add_argument(
         "--hold-s", type=float, default=60.0, help="step load kept after a worker starts"
@@ -296,7 +345,8 @@ def main() -> int:
     out = out_path(args.out, "autoscale_step")
     port = free_port()
     log_dir = out.with_suffix(".logs")
-    launcher = start_stack(port, args.max_num_seqs, log_dir)
+    load_before = loadavg()
+    launcher = start_stack(args, port, args.max_num_seqs, log_dir)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.perf_counter() + args.ready_timeout_s
@@ -305,7 +355,10 @@ def main() -> int:
                 print("\n".join(line for _, line in launcher.lines[-30:]))
                 raise SystemExit("tokenyard up did not come up")
             time.sleep(1)
+        load_begins = loadavg()
         result = asyncio.run(load(args, launcher, url, model_id(url)))
+        result["loadavg"] = {"before_stack": load_before, "load_begins": load_begins,
+                             "load_ends": loadavg()}  # fmt: skip
     finally:
         launcher.proc.terminate()
         try:
@@ -313,6 +366,7 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             launcher.proc.kill()
     out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
     brief = {k: v for k, v in result.items() if k not in ("requests_detail",)}
     print(json.dumps(brief, indent=2))
     print(f"results: {out}; logs: {log_dir}")

@@ -250,6 +250,7 @@ class NatsTokenStream:
             raise ApiError(
                 504, f"no tokens for {silent:.0f} s: the request timed out", code="timeout"
             )
+        self._follow_move(now)
         if not self._owner_lost(now):
             self._lost_at = None
             return
@@ -265,6 +266,21 @@ class NatsTokenStream:
         if now - max(self._lost_at, self._last_chunk) > self._grace():
             why = "no live worker could resume the request" if self._streamed else "it was lost"
             raise self._lost(why)
+
+    def _follow_move(self, now: float) -> None:
+        """The router moved the lost owner's job to a live worker (believed: `senders`): that
+        worker owes the next chunk now, and the request waits its turn in that worker's
+        queue as a newly queued one does (its silence counted from the move).
+
+        NOTE: before, the owner stayed the departed worker, so the grace for a lost worker
+        ran on while the moved job waited its turn; behind a long queue there (the load
+        step of issue 44) the request was refused with worker_lost just before it ran."""
+        target = self._senders.moved.get(self._worker) if self._senders is not None else None
+        if target is None or target == self._worker:
+            return
+        log.info("%s: its job moved from %s to %s", self._subs[0].subject, self._worker, target)
+        self._set_owner(target)
+        self._last_chunk = now
 
     def _restarted(self, now: float) -> bool:
         """The owner is alive again under a new incarnation (restarted under the same id)."""

@@ -45,6 +45,9 @@ class RequestSenders:
         self._num_held = 0
         self._dropping = False  # warned that the held chunks are at their bound
         self.moves: list[pb.JobMoved] = []  # waiting for the fleet view to agree
+        # from worker -> to worker, of every move believed: the request's owner follows
+        # its job (the gateway's grace for a lost worker does not run while it waits there)
+        self.moved: dict[str, str] = {}
 
     def admit(self, sender: str | None, chunk: pb.TokenChunk) -> list[pb.TokenChunk]:
         """The chunks to stream now, given one that `sender` published."""
@@ -105,6 +108,7 @@ class RequestSenders:
             moved.from_worker_id,
             moved.to_worker_id,
         )
+        self.moved[moved.from_worker_id] = moved.to_worker_id
         released = self.allow(moved.to_worker_id)
         if moved.decode_worker_id:
             released += self.allow(moved.decode_worker_id)

@@ -8,6 +8,10 @@ child's parent-death signal follows the thread that started it). A start is
 no new work, finishes what it runs, hands back what does not finish within its drain
 timeout, and exits; the launcher stops supervising it first, so it is not restarted.
 
+The SLO inputs (`Signals.ttft_p99_s`, `itl_p99_s`) are the p99 over the last interval of
+the workers' own latency histograms (`LatencyWindow`): each live worker's ops /metrics
+(its heartbeat names the address), the observations added since the previous scrape.
+
 The local stack has one site and no rack budgets of its own: it scales in `sla` mode with
 every worker on one rack, `local`, of `max_workers` x 2 nodes.
 """
@@ -16,11 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import math
 import threading
 import time
+import urllib.request
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from tokenyard.autoscale.policy import (
     AutoscaleSettings,
@@ -41,6 +51,88 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOCAL_RACK = "local"
+# The workers' histograms (tokenyard.services.worker.metrics): TTFT from the request's
+# arrival at the gateway to its first token, queueing included; ITL between two steps.
+TTFT_METRIC = "tokenyard:time_to_first_token_seconds"
+ITL_METRIC = "tokenyard:inter_token_latency_seconds"
+SCRAPE_TIMEOUT_S = 2.0
+STALE_S = 3.0  # a worker not heard from this long is starting (or gone)
+
+Buckets = dict[float, float]  # a histogram's upper bound (le, inf included) -> count
+
+
+def histograms(text: str, names: Iterable[str]) -> dict[str, Buckets]:
+    """The cumulative buckets of each named histogram in a Prometheus text page, summed
+    over its label sets."""
+    wanted = set(names)
+    out: dict[str, Buckets] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in wanted:
+            continue
+        buckets = out.setdefault(family.name, {})
+        for sample in family.samples:
+            if sample.name == family.name + "_bucket":
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+    return out
+
+
+def quantile(buckets: Buckets, q: float) -> float | None:
+    """The q-quantile of cumulative buckets, interpolated within its bucket as Prometheus's
+    histogram_quantile does (the largest finite bound when it falls past it); None: empty."""
+    bounds = sorted(buckets)
+    total = buckets.get(math.inf, buckets[bounds[-1]] if bounds else 0.0)
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            if count == below:
+                return le
+            return lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = le, count
+    return lower
+
+
+def _scrape(endpoint: str) -> str:
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=SCRAPE_TIMEOUT_S) as r:
+        return str(r.read().decode())
+
+
+class LatencyWindow:
+    """TTFT and ITL p99 over the observations the workers made since the last `sample`."""
+
+    def __init__(self, fetch: Callable[[str], str] = _scrape, q: float = 0.99) -> None:
+        self.fetch, self.q = fetch, q
+        self._last: dict[str, dict[str, Buckets]] = {}  # worker id -> its cumulative buckets
+
+    def sample(self, endpoints: dict[str, str]) -> tuple[float | None, float | None]:
+        """`endpoints`: worker id -> its ops address. A worker first seen only sets its
+        baseline; one that does not answer adds nothing this time."""
+        added: dict[str, Buckets] = {TTFT_METRIC: {}, ITL_METRIC: {}}
+        for wid, endpoint in endpoints.items():
+            try:
+                now = histograms(self.fetch(endpoint), added)
+            except Exception as exc:  # a worker busy or stopping: the next scrape counts it
+                log.debug("autoscaler: no metrics from %s: %s", wid, exc)
+                continue
+            before = self._last.get(wid)
+            self._last[wid] = now
+            if before is None:
+                continue
+            for name, cumulative in now.items():
+                prev = before.get(name, {})
+                if cumulative.get(math.inf, 0.0) < prev.get(math.inf, 0.0):
+                    prev = {}  # restarted under the same id: all of it is new
+                into = added[name]
+                for le, count in cumulative.items():
+                    into[le] = into.get(le, 0.0) + count - prev.get(le, 0.0)
+        for gone in set(self._last) - set(endpoints):
+            del self._last[gone]
+        return quantile(added[TTFT_METRIC], self.q), quantile(added[ITL_METRIC], self.q)
 
 
 @dataclass(frozen=True)
@@ -106,7 +198,7 @@ def signals_from(
     retiring: set[str],
     max_workers: int,
     now: float,
-    stale_s: float = 3.0,
+    stale_s: float = STALE_S,
 ) -> Signals:
     """What the policy reads, from the heartbeats and the launcher's own records.
 
@@ -142,8 +234,11 @@ class StackAutoscaler:
         watch: HeartbeatWatch,
         settings: AutoscaleSettings,
         interval_s: float = 5.0,
+        latency: LatencyWindow | None = None,
     ) -> None:
         self.stack, self.watch, self.settings = stack, watch, settings
+        self.latency = latency  # None: no SLO inputs (the policy scales on load alone)
+        self.last_signals: Signals | None = None
         self.interval_s = interval_s
         self.state = ScalerState()
         self.retiring: dict[str, ChildProcess] = {}
@@ -162,14 +257,33 @@ class StackAutoscaler:
             return None
         self.next_at = now + self.interval_s
         procs = {p.name: self.stack.worker_role(p) for p in self.stack.workers}
-        signals = signals_from(
-            self.watch.latest(), procs, set(self.retiring), self.max_workers, now
-        )
+        heard = self.watch.latest()
+        signals = signals_from(heard, procs, set(self.retiring), self.max_workers, now)
+        if self.latency is not None:
+            endpoints = {
+                wid: h.heartbeat.ops_endpoint
+                for wid, h in heard.items()
+                if h.heartbeat.ops_endpoint and now - h.at <= STALE_S
+            }
+            ttft, itl = self.latency.sample(endpoints)
+            signals = dataclasses.replace(signals, ttft_p99_s=ttft, itl_p99_s=itl)
+        self.last_signals = signals
         decision = decide(signals, self.state, self.settings)
+        why = "; ".join(decision.reasons) + slo_note(signals)
         for start in decision.start:
             proc = self.stack.add_worker(start.role)
-            log.warning("autoscaler: started %s (%s)", proc.name, "; ".join(decision.reasons))
+            log.warning("autoscaler: started %s (%s)", proc.name, why)
         for wid in decision.drain:
             self.retiring[wid] = self.stack.retire_worker(wid)
-            log.warning("autoscaler: draining %s (%s)", wid, "; ".join(decision.reasons))
+            log.warning("autoscaler: draining %s (%s)", wid, why)
         return decision
+
+
+def slo_note(signals: Signals) -> str:
+    """ "; TTFT p99 1.20 s, ITL p99 0.045 s" (the last interval's), or "" without them."""
+    parts = [
+        f"{name} p99 {value:.3f} s"
+        for name, value in (("TTFT", signals.ttft_p99_s), ("ITL", signals.itl_p99_s))
+        if value is not None
+    ]
+    return "; " + ", ".join(parts) if parts else ""

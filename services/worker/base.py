@@ -162,6 +162,7 @@ class WorkerBase:
             await running.done
             return running
         stream = self.streams.open(request_id, gateway_id, arrival_unix_ns=arrival_unix_ns)
+        stream.from_job = True  # a prefill job's (PrefillHandler.run_job, the one caller)
         stream.on_prompt_computed = on_prompt_computed
         attributes = {REQUEST_ID: request_id, WORKER_ID: self.worker_id}
         # The queue span starts at the request's arrival: the work queue plus admission here.
@@ -173,6 +174,9 @@ class WorkerBase:
             return stream  # cancelled or handed back while it waited
         if before_add is not None:
             await before_add()
+        if self.stopping.is_set():  # stopped while it waited: it goes on elsewhere, unbegun
+            stream.hand_back()
+            return stream
         if self.streams.is_cancelled(request_id):  # cancelled before its stream existed (a fetch)
             await stream.aborted()
             return stream

@@ -192,6 +192,18 @@ class EngineLoop:
             self.energy.take(request_id)
         return bool(await self.call(self.engine.abort, request_id))
 
+    async def abort_if_waiting(self, request_id: str) -> bool:
+        """Abort a request the engine has queued and not begun (nothing computed, nothing
+        sent): True when it was. Between two steps, so no output of it is on its way. An
+        engine without ``abort_if_waiting`` begins every request it takes: False."""
+        abort = getattr(self.engine, "abort_if_waiting", None)
+        if abort is None or not await self.call(abort, request_id):
+            return False
+        self.sinks.pop(request_id, None)
+        if self.energy is not None:
+            self.energy.take(request_id)
+        return True
+
     async def stats(self) -> Any:
         """The engine's stats without queueing behind a step: while one runs (or any engine
         call), the snapshot taken after the previous step; a fresh read otherwise.

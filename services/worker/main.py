@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 from typing import Any
@@ -216,9 +217,20 @@ async def shutdown(
     """Stop taking work, finish what we can, hand back the rest, leave no held blocks."""
     streams = worker.streams
     log.info("worker %s stopping: finishing %d requests", worker.worker_id, len(streams.running))
+    # A last heartbeat that says so: nothing new is placed here, and no job moved here.
+    worker.accepting.clear()
+    with contextlib.suppress(Exception):
+        await worker.presence.beat_now()
     worker.stopping.set()
+    if prefill is not None:
+        await prefill.queue.stop_fetching()  # before any hand-back: none is fetched again
     if decode is not None:
         await decode.stop_taking()
+    # What waits its turn here goes back to the queue now: the router places it on a live
+    # worker once this one is gone (its heartbeats stop), instead of after the drain.
+    handed = await streams.hand_back_waiting()
+    if handed:
+        log.info("handed back %d requests that had not begun", handed)
     if not await streams.wait_idle(worker.settings.drain_timeout_s):
         log.warning("handing back %d unfinished requests", len(streams.running))
         await worker.handoffs.hand_over_running()  # the hand-offs taken here, to a live peer

@@ -52,6 +52,9 @@ class TokenStream:
         self.on_prompt_computed: Callable[[], None] | None = None
         # (unix ns, tokens) per engine step that gave this request tokens: its step spans.
         self.output_times: list[tuple[int, int]] = []
+        # Run for a work-queue job: handed back, the job goes back to the queue (nak) and
+        # the router places it again. A hand-off or a resume has no such way back.
+        self.from_job = False
 
     async def on_output(self, out: RequestOutput) -> None:
         chunk = token_chunk(

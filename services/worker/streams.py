@@ -114,6 +114,18 @@ class Streams:
             await asyncio.sleep(0.05)
         return not self.running
 
+    async def hand_back_waiting(self) -> int:
+        """Hand back every work-queue job queued here that has not begun (a stopping
+        worker's queue goes on elsewhere at once, not after its drain); how many."""
+        handed = 0
+        for rid, stream in list(self.running.items()):
+            if not stream.from_job or stream.sent or stream.done.done():
+                continue
+            if await self.loop.abort_if_waiting(rid):
+                stream.hand_back()
+                handed += 1
+        return handed
+
     async def hand_back_all(self) -> None:
         """Stop every request still running here without ending it for the client."""
         for rid, stream in list(self.running.items()):

@@ -137,6 +137,7 @@ class WorkQueue(Generic[M]):
         self._tg: asyncio.TaskGroup | None = None
         self._problem: str | None = None  # why our consumer cannot deliver now
         self._stream_gone = False  # the last check found no stream (its owner makes it)
+        self._consuming: asyncio.Task[None] | None = None
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         """Create our consumer (or reuse it), then consume from it.
@@ -151,7 +152,7 @@ class WorkQueue(Generic[M]):
             self._stream_gone, self._problem = True, self._stream_missing()
             log.warning("%s; waiting for it", self._problem)
         psub = await self.bus.js.pull_subscribe_bind(name, self.spec.stream)
-        tg.create_task(self._consume(psub), name=f"{name} consume")
+        self._consuming = tg.create_task(self._consume(psub), name=f"{name} consume")
         tg.create_task(self._scan(), name=f"{name} scan")
 
     async def _add_own_consumer(self) -> str:
@@ -190,6 +191,17 @@ class WorkQueue(Generic[M]):
             self._stream_gone, self._problem = False, None
         return self._problem
 
+    async def stop_fetching(self) -> None:
+        """Fetch nothing more, now (with ``stopping`` set): a job handed back after this
+        stays in our consumer for the router to place again, not fetched back by a pull
+        still open here. A job a cancelled pull took anyway is redelivered after ack_wait."""
+        task = self._consuming
+        if task is None or task.done():
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
     async def remove_own_consumer_if_empty(self) -> None:
         """On a clean stop: delete our consumer unless jobs still wait in it."""
         name = self.spec.consumer_name(self.worker_id)
@@ -205,6 +217,9 @@ class WorkQueue(Generic[M]):
         try:
             while await self._open():
                 await self._slots.acquire()
+                if self.stopping.is_set():  # it waited for a slot while we began to stop
+                    self._slots.release()
+                    return
                 try:
                     msgs = await psub.fetch(1, timeout=self.spec.fetch_timeout_s)
                 except (NatsTimeoutError, TimeoutError):

@@ -32,7 +32,7 @@ from tokenyard.engine.config import auto_dtype, kv_cache_dtype_for
 from tokenyard.engine.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from tokenyard.autoscale.policy import Decision
+    from tokenyard.autoscale.policy import Decision, Signals
     from tokenyard.services.launch.autoscaler import StackAutoscaler
     from tokenyard.services.launch.config import WorkerParallel
     from tokenyard.services.launch.stack import LocalStack, StackConfig
@@ -312,6 +312,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="M",
         help="with --autoscale: the most workers of each role",
     )
+    parser.add_argument(
+        "--slo-ttft-s",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="with --autoscale: the TTFT p99 target; a miss adds a prefill worker",
+    )
+    parser.add_argument(
+        "--slo-itl-s",
+        type=float,
+        default=0.1,
+        metavar="S",
+        help="with --autoscale: the ITL p99 target; a miss adds a decode worker",
+    )
 
 
 def config_from(args: argparse.Namespace) -> StackConfig:
@@ -342,6 +356,8 @@ def config_from(args: argparse.Namespace) -> StackConfig:
         raise SystemExit("--autoscale scales prefill and decode pools: drop --workers/--aggregated")
     if args.autoscale and not 1 <= args.min_workers <= args.max_workers:
         raise SystemExit("--autoscale needs 1 <= --min-workers <= --max-workers")
+    if args.slo_ttft_s <= 0 or args.slo_itl_s <= 0:
+        raise SystemExit("--slo-ttft-s and --slo-itl-s must be above 0")
     speculative = {}
     if args.speculative:
         try:
@@ -621,7 +637,7 @@ def run(args: argparse.Namespace) -> int:
                               flush=True)  # fmt: skip
                     _report_down(stack, reported)
                     if scaler is not None:
-                        _report_scaling(scaler.tick())
+                        _report_scaling(scaler.tick(), scaler.last_signals)
         print("\nStopping ...", flush=True)
         return 0
     except ConfigError as exc:  # a service that cannot run as configured; the line names its log
@@ -642,24 +658,33 @@ def _autoscaler(stack: LocalStack, args: argparse.Namespace) -> Iterator[StackAu
         yield None
         return
     from tokenyard.autoscale.policy import AutoscaleSettings
-    from tokenyard.services.launch.autoscaler import HeartbeatWatch, StackAutoscaler
+    from tokenyard.services.launch.autoscaler import (
+        HeartbeatWatch,
+        LatencyWindow,
+        StackAutoscaler,
+    )
 
     bounds = {"prefill": args.min_workers, "decode": args.min_workers}
     settings = AutoscaleSettings(
         mode="sla",
+        ttft_p99_s=args.slo_ttft_s,
+        itl_p99_s=args.slo_itl_s,
         min_workers=bounds,
         max_workers={"prefill": args.max_workers, "decode": args.max_workers},
     )
     watch = HeartbeatWatch(stack.nats_url).start()
     try:
-        yield StackAutoscaler(stack, watch, settings)
+        yield StackAutoscaler(stack, watch, settings, latency=LatencyWindow())
     finally:
         watch.stop()
 
 
-def _report_scaling(decision: Decision | None) -> None:
+def _report_scaling(decision: Decision | None, signals: Signals | None) -> None:
+    from tokenyard.services.launch.autoscaler import slo_note
+
     if decision is not None and (decision.start or decision.drain):
-        print(f"autoscale: {'; '.join(decision.reasons)}", flush=True)
+        note = slo_note(signals) if signals is not None else ""
+        print(f"autoscale: {'; '.join(decision.reasons)}{note}", flush=True)
 
 
 def _report_down(stack: LocalStack, reported: set[str]) -> None:

@@ -256,6 +256,16 @@ class LLMEngine:
         self._finish_unloads()
         return True
 
+    def abort_if_waiting(self, request_id: str) -> bool:
+        """Abort a request that has not begun: queued, nothing of it computed or sent (a
+        stopping worker hands such requests back at once); False for any other."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status != Status.WAITING:
+            return False
+        if seq.num_computed_tokens or seq.num_output_tokens:
+            return False  # preempted after it began: it has sent tokens, it ends here
+        return self.abort(request_id)
+
     def _finish_unloads(self) -> None:
         if self.lora is not None and self.lora.unloading:
             self.lora.finish_unloads(self._adapters_in_use())

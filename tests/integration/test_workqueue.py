@@ -332,3 +332,32 @@ async def test_a_queue_waits_for_its_stream_and_makes_its_consumer_once_the_owne
             await until(lambda: handler.attempts("first") == [1])
         finally:
             stopping.set()
+
+
+async def test_a_stopping_queue_fetches_nothing_back_that_it_hands_back(bus):
+    """A stopping worker hands back its queued jobs at once (tokenyard.services.worker.main's
+    shutdown): after `stop_fetching` no pull of its own takes them again, so they stay in its
+    consumer for the router to place elsewhere, and no redelivery to it uses up max_deliver."""
+    spec = make_spec(max_in_flight=1)
+    release = asyncio.Event()
+
+    async def wait_then_hand_back(_d: Delivery[pb.PrefillJob]) -> Outcome:
+        await release.wait()
+        return Outcome.HAND_BACK
+
+    handler = Recorder(wait_then_hand_back)
+    await bus.ensure_work_queue(spec.stream, spec.subjects)
+    stopping = asyncio.Event()
+    queue = WorkQueue(bus, spec, "me", pb.PrefillJob, handler, stopping=stopping)
+    async with asyncio.TaskGroup() as tg:
+        await queue.start(tg)
+        await publish(bus, spec, "me", "a", "b")
+        await until(lambda: len(handler.deliveries) == 1)  # one slot: "b" waits in the consumer
+        stopping.set()
+        await queue.stop_fetching()
+        release.set()  # the running job is handed back (nak'd) after fetching stopped
+        await until(lambda: handler.running == 0)
+        await asyncio.sleep(4 * spec.fetch_timeout_s)  # a pull still open would take it now
+    assert [d.job.request_id for d in handler.deliveries] == ["a"]
+    pending, ack_pending = await consumer_counts(bus, spec, "me")
+    assert pending + ack_pending == 2  # both wait in the consumer, for the router to move

@@ -114,3 +114,53 @@ def test_the_router_moves_only_a_dead_workers_job_to_a_live_worker_as_the_same_r
     assert moved.params == job.params and moved.decode_worker_id == ""
     now[0] = 20.0  # p2 silent too: nobody to move it to
     assert handler.place_again(job, "p1") is None
+
+
+class _Sub:
+    subject = "ty.tokens.g.r1.>"
+
+
+def _stream(fleet: FleetView, senders: RequestSenders):
+    import asyncio
+
+    from tokenyard.services.gateway.backend import NatsTokenStream
+    from tokenyard.services.gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(dead_worker_grace_s=2, prefill_redelivery_grace_s=3)
+    placement = pb.Placement(prefill_worker_id="p1")
+    return NatsTokenStream([_Sub()], asyncio.Queue(), placement, fleet, settings,  # type: ignore[list-item]
+                           senders=senders)  # fmt: skip
+
+
+async def test_a_request_whose_job_moved_waits_on_its_new_worker_past_the_loss_grace():
+    import time
+
+    import pytest
+
+    from tokenyard.api_errors import ApiError
+
+    t0 = time.monotonic()
+    placed = pb.Placement(prefill_worker_id="p1")
+    for moved in (False, True):
+        fleet = fleet_of("p1", "p2", at=t0)
+        senders = RequestSenders("r1", placed, fleet)
+        stream = _stream(fleet, senders)
+        fleet.on_heartbeat(beat("p2"), t0 + 5)  # p1 fell silent: lost at t0 + 5
+        await stream._check_stall(t0 + 5)
+        if moved:  # the router placed its job on p2, which queues it behind others
+            move = pb.JobMoved(request_id="r1", from_worker_id="p1", to_worker_id="p2")
+            assert senders.on_moved(move, t0 + 5) == []
+        for t in (t0 + 6, t0 + 8, t0 + 10):  # p2 stays alive, its queue long
+            fleet.on_heartbeat(beat("p2"), t)
+        if not moved:  # the grace (3 s) runs out: refused
+            with pytest.raises(ApiError) as lost:
+                await stream._check_stall(t0 + 10)
+            assert lost.value.code == "worker_lost"
+            continue
+        await stream._check_stall(t0 + 10)  # waits: its job is queued on a live worker
+        assert stream._worker == "p2"
+        # p2 dies too before the first token (silent since t0 + 10): lost again, and the
+        # grace counts from this loss
+        await stream._check_stall(t0 + 14)
+        with pytest.raises(ApiError):
+            await stream._check_stall(t0 + 18)

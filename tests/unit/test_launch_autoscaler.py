@@ -107,3 +107,82 @@ def test_a_retired_worker_is_neither_restarted_nor_an_error(tmp_path):
     group.retire(gone)  # type: ignore[arg-type]
     assert group.supervise() == []
     group.check_alive()  # no StackError: it stopped on purpose
+
+
+def _page(ttft: dict[float, int], itl: dict[float, int], worker: str = "w") -> str:
+    """A worker's /metrics page with the two histograms (cumulative counts by bound)."""
+    lines = []
+    for name, buckets in (("tokenyard:time_to_first_token_seconds", ttft),
+                          ("tokenyard:inter_token_latency_seconds", itl)):  # fmt: skip
+        lines.append(f"# TYPE {name} histogram")
+        for le, count in buckets.items():
+            le_text = "+Inf" if le == float("inf") else str(le)
+            lines.append(f'{name}_bucket{{worker="{worker}",le="{le_text}"}} {count}')
+        lines.append(f'{name}_count{{worker="{worker}"}} {max(buckets.values())}')
+    return "\n".join(lines) + "\n"
+
+
+INF = float("inf")
+
+
+def test_quantile_interpolates_within_its_bucket_as_prometheus_does():
+    from tokenyard.services.launch.autoscaler import quantile
+
+    assert quantile({0.5: 0, 1.0: 100, INF: 100}, 0.99) == 0.5 + 0.5 * 0.99
+    assert quantile({1.0: 50, 2.5: 100, INF: 100}, 0.5) == 1.0
+    assert quantile({1.0: 0, 2.5: 0, INF: 10}, 0.99) == 2.5  # past the last bound
+    assert quantile({1.0: 0, INF: 0}, 0.99) is None
+
+
+def test_the_latency_window_takes_what_the_workers_observed_since_the_last_sample():
+    from tokenyard.services.launch.autoscaler import LatencyWindow
+
+    pages: dict[str, str] = {}
+    window = LatencyWindow(fetch=lambda endpoint: pages[endpoint])
+    pages["p:1"] = _page({1.0: 10, 2.5: 10, 5.0: 10, INF: 10}, {0.05: 0, 0.1: 0, INF: 0})
+    pages["d:2"] = _page({1.0: 0, 2.5: 0, 5.0: 0, INF: 0}, {0.05: 90, 0.1: 100, INF: 100})
+    endpoints = {"prefill-1": "p:1", "decode-2": "d:2"}
+    assert window.sample(endpoints) == (None, None)  # first sight: the baseline only
+    # the next interval: 10 more first tokens, all in (2.5, 5]; ITL: 100 more, in (0.05, 0.1]
+    pages["p:1"] = _page({1.0: 10, 2.5: 10, 5.0: 20, INF: 20}, {0.05: 0, 0.1: 0, INF: 0})
+    pages["d:2"] = _page({1.0: 0, 2.5: 0, 5.0: 0, INF: 0}, {0.05: 90, 0.1: 200, INF: 200})
+    ttft, itl = window.sample(endpoints)
+    assert ttft is not None and 4.9 < ttft <= 5.0  # not the earlier fast ones
+    assert itl is not None and 0.09 < itl <= 0.1
+    assert window.sample(endpoints) == (None, None)  # nothing new since
+
+    del pages["d:2"]  # one not answering adds nothing; the other still counts
+    pages["p:1"] = _page({1.0: 20, 2.5: 20, 5.0: 30, INF: 30}, {0.05: 0, 0.1: 0, INF: 0})
+    ttft, itl = window.sample(endpoints)
+    assert ttft is not None and 0.9 < ttft <= 1.0 and itl is None
+
+
+def test_the_controllers_signals_carry_the_intervals_percentiles_to_the_policy():
+    from tokenyard.services.launch.autoscaler import LatencyWindow
+
+    stack, watch = FakeStack(), FakeWatch()
+    settings = AutoscaleSettings(mode="sla", ttft_p99_s=2.0, itl_p99_s=0.1,
+                                 max_workers={"prefill": 3, "decode": 3})  # fmt: skip
+    pages = {"p:1": _page({1.0: 0, 5.0: 0, INF: 0}, {0.1: 0, INF: 0}),
+             "d:2": _page({1.0: 0, 5.0: 0, INF: 0}, {0.1: 0, INF: 0})}  # fmt: skip
+    latency = LatencyWindow(fetch=lambda endpoint: pages[endpoint])
+    scaler = StackAutoscaler(stack, watch, settings, interval_s=5, latency=latency)  # type: ignore[arg-type]
+
+    def beat(t: float) -> None:
+        watch.heard = {}
+        for p in stack.workers:
+            hb = pb.WorkerHeartbeat(worker_id=p.name, role=stack.roles[p.name], max_num_seqs=8,
+                                    ops_endpoint="p:1" if p.name == "prefill-1" else "d:2")  # fmt: skip
+            watch.heard[p.name] = Heard(hb, t)
+
+    beat(0.0)
+    assert scaler.tick(now=0.0) is not None
+    # idle by busy share, but first tokens took 3-5 s in the interval: a prefill is added
+    pages["p:1"] = _page({1.0: 0, 5.0: 40, INF: 40}, {0.1: 0, INF: 0})
+    beat(5.0)
+    decision = scaler.tick(now=5.0)
+    assert decision is not None and scaler.last_signals is not None
+    assert scaler.last_signals.ttft_p99_s is not None and scaler.last_signals.ttft_p99_s > 2.0
+    assert scaler.last_signals.itl_p99_s is None
+    assert [s.role for s in decision.start] == ["prefill"]
+    assert any("SLO missed" in r for r in decision.reasons)
