@@ -62,10 +62,9 @@ async def test_a_busy_adapter_is_loaded_where_there_is_room_and_placed_there(bus
     await asyncio.sleep(0.2)
     assert asked == []
 
-    # Now every slot of the holder is taken (2 running + 2 placed): the request still goes
-    # to the holder, and the idle worker is asked to load the adapter from the holder's path.
+    # With r2 every slot of the holder is taken (2 running + 2 placed): r2 still goes to the
+    # holder, and the idle worker is asked to load the adapter from the holder's path.
     assert (await route(bus, "r2")).prefill_worker_id == "holder"
-    assert (await route(bus, "r3")).prefill_worker_id == "holder"
     for _ in range(50):
         if handler.lora_loads.loaded:
             break
@@ -73,6 +72,9 @@ async def test_a_busy_adapter_is_loaded_where_there_is_room_and_placed_there(bus
     assert [(a.action, a.lora_name, a.lora_path) for a in asked] == [
         (pb.LoRAAdapterRequest.LOAD, "sql", PATH)
     ]
-    # Once loaded there, the next request on the adapter goes to the idle worker.
+    # Once loaded there, the next requests on the adapter go to the idle worker, and nothing
+    # is loaded again.
+    assert (await route(bus, "r3")).prefill_worker_id == "idle"
     assert (await route(bus, "r4")).prefill_worker_id == "idle"
+    assert len(asked) == 1
     await handler.close()
