@@ -7,6 +7,7 @@ resumed later) to another tenant's request."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.slow
 KEY_A, KEY_B = "sk-test-tenant-a", "sk-test-tenant-b"
 
 
-@pytest.fixture(scope="module")
-def one_slot_stack(launch_stack):
+@contextlib.contextmanager
+def _tenants_stack(launch_stack, slots: int):
+    """One aggregated worker of `slots` running sequences, behind a gateway with two keys."""
     config = StackConfig(
         port=free_port(),
         aggregated=True,
@@ -39,7 +41,7 @@ def one_slot_stack(launch_stack):
             # take longer than the default idle timeout.
             "TOKENYARD_GATEWAY_IDLE_TIMEOUT_S": "900",
         },
-        worker_env={"TOKENYARD_WORKER_MAX_NUM_SEQS": "1"},
+        worker_env={"TOKENYARD_WORKER_MAX_NUM_SEQS": str(slots)},
     )
     with launch_stack(config) as stack:
         # LocalStack.wait_ready's /v1/models would need a key here: the same wait, then that.
@@ -48,6 +50,12 @@ def one_slot_stack(launch_stack):
             f"{stack.gateway_url}/v1/models", headers={"Authorization": f"Bearer {KEY_A}"}
         )
         stack.model_id = models.json()["data"][0]["id"]
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def one_slot_stack(launch_stack):
+    with _tenants_stack(launch_stack, 1) as stack:
         yield stack
 
 
@@ -152,25 +160,7 @@ def test_a_priority_out_of_range_is_400(one_slot_stack):
 
 @pytest.fixture(scope="module")
 def two_slot_stack(launch_stack):
-    config = StackConfig(
-        port=free_port(),
-        aggregated=True,
-        workers=1,
-        kvcache=False,
-        facilities=False,
-        telemetry=False,
-        gateway_env={
-            "TOKENYARD_GATEWAY_API_KEYS": f"{KEY_A},{KEY_B}",
-            "TOKENYARD_GATEWAY_IDLE_TIMEOUT_S": "900",
-        },
-        worker_env={"TOKENYARD_WORKER_MAX_NUM_SEQS": "2"},
-    )
-    with launch_stack(config) as stack:
-        assert wait_until(lambda: _registered(stack), 600), stack.describe_failures()
-        models = httpx.get(
-            f"{stack.gateway_url}/v1/models", headers={"Authorization": f"Bearer {KEY_A}"}
-        )
-        stack.model_id = models.json()["data"][0]["id"]
+    with _tenants_stack(launch_stack, 2) as stack:
         yield stack
 
 
