@@ -3,8 +3,8 @@
 Before a prompt is computed, :meth:`KVCachePort.stage` fetches the longest prefix the service
 holds past what the engine holds into host memory, while the request waits for admission;
 :meth:`KVCachePort.land_soon` has the engine name those blocks in its prefix cache at the
-same step boundary as the request's add (one engine call, no blocks reserved meanwhile). Two kinds of blocks go the other way, each as soon as
-it is computed and still in the pool:
+same step boundary as the request's add (one engine call, no blocks reserved meanwhile).
+Two kinds of blocks go the other way, each as soon as it is computed and still in the pool:
 
 - a prompt's new full blocks, with its first token (``source="prompt"``);
 - a finished request's reply blocks (``source="reply"``): a chat's next turn sends them
